@@ -1,0 +1,100 @@
+"""DataModule: a train/val dataset pair plus the per-rank loaders every data option shares.
+
+Why one base class: the sharding rules are what make a data-parallel run comparable to a
+single-process one, so they live here once and subclasses only say where the samples come from.
+"""
+
+from abc import ABC, abstractmethod
+
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
+
+from trainer.errors import ConfigError
+
+
+class DataModule(ABC):
+    """Datasets (built lazily, once) and the loaders that shard them across ranks."""
+
+    input_shape: tuple[int, ...]  # per-sample shape, e.g. (32,) or (1, 28, 28); set by subclasses
+    num_classes: int
+
+    def __init__(self, batch_size: int, num_workers: int = 0) -> None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+            raise ConfigError(
+                f"data.batch_size={batch_size} is invalid: must be an integer > 0 "
+                "(the per-rank batch size)"
+            )
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise ConfigError(
+                f"data.num_workers={num_workers} is invalid: must be an integer >= 0 "
+                "(0 loads in the training process)"
+            )
+        self.batch_size = batch_size  # per rank: the global batch is world_size × batch_size
+        self.num_workers = num_workers
+        self._datasets: tuple[Dataset, Dataset] | None = None
+
+    def prepare(self) -> None:
+        """Fetch files; called on global rank 0 only, before any rank builds the datasets."""
+
+    def setup(self) -> None:
+        """Open the datasets now (every rank), so missing files fail at start-up, not mid-run."""
+        self._built()
+
+    @abstractmethod
+    def build_datasets(self) -> tuple[Dataset, Dataset]:
+        """Return (train, val); raise ConfigError when files they need are missing."""
+
+    def train_loader(
+        self, rank: int, world_size: int, seed: int, pin_memory: bool = False
+    ) -> DataLoader:
+        """Shuffled, drop-last loader over this rank's share of the train set.
+
+        Invariant: every rank draws from one permutation (seeded by seed + epoch; the trainer
+        must call loader.sampler.set_epoch(epoch) on every rank), rank r takes perm[r::world_size]
+        and all partial batches are dropped, so the ranks' k-th batches together are exactly the
+        k-th batch of size world_size × batch_size that a single process would draw.
+        """
+        train, _ = self._built()
+        if len(train) < world_size * self.batch_size:
+            raise ConfigError(
+                f"data.batch_size={self.batch_size} is too large for world size {world_size}: "
+                f"the train set has {len(train)} samples, fewer than world_size × batch_size = "
+                f"{world_size * self.batch_size}, so every rank would get zero batches per epoch; "
+                f"use data.batch_size <= {len(train) // world_size} or fewer ranks"
+            )
+        sampler = DistributedSampler(
+            train, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True
+        )
+        return self._loader(train, sampler=sampler, drop_last=True, pin_memory=pin_memory)
+
+    def val_loader(self, rank: int, world_size: int, pin_memory: bool = False) -> DataLoader:
+        """In-order loader over this rank's strided shard of the val set.
+
+        Invariant: the shards range(rank, len(val), world_size) are disjoint and cover the val set
+        with no padding or duplicates, so all-reduced sums and counts give exact metrics.
+        """
+        _, val = self._built()
+        shard = Subset(val, range(rank, len(val), world_size))
+        return self._loader(shard, sampler=None, drop_last=False, pin_memory=pin_memory)
+
+    def _built(self) -> tuple[Dataset, Dataset]:
+        if self._datasets is None:
+            self._datasets = self.build_datasets()
+        return self._datasets
+
+    def _loader(
+        self,
+        dataset: Dataset,
+        sampler: DistributedSampler | None,
+        drop_last: bool,
+        pin_memory: bool,
+    ) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=False,
+            sampler=sampler,
+            drop_last=drop_last,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            pin_memory=pin_memory,
+        )

@@ -1,0 +1,57 @@
+"""Random images with random labels (torchvision's FakeData), in any (C, H, W) shape.
+
+Why: exercises the image models and the loaders with no download. Not learnable beyond
+memorisation: each image and label is drawn from torch's RNG seeded by its index.
+"""
+
+from collections.abc import Sequence
+
+from torch.utils.data import Dataset
+from torchvision import datasets, transforms
+
+from data.base import DataModule
+from trainer.errors import ConfigError
+
+
+class FakeImageData(DataModule):
+    """FakeData train and val sets; val is offset so it holds different images."""
+
+    def __init__(
+        self,
+        batch_size: int,
+        num_samples: int = 2048,
+        num_val_samples: int = 256,
+        image_shape: Sequence[int] = (3, 32, 32),
+        num_classes: int = 10,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__(batch_size, num_workers)
+        shape = tuple(int(s) for s in image_shape)  # may arrive as an omegaconf ListConfig
+        if len(shape) != 3 or shape[0] not in (1, 3) or min(shape) < 1:
+            raise ConfigError(
+                f"data.image_shape={list(shape)} is invalid: must be [C, H, W] with C 1 or 3 "
+                "and H, W >= 1"
+            )
+        if num_samples < 1 or num_val_samples < 1 or num_classes < 2:
+            raise ConfigError(
+                f"data.num_samples={num_samples}, data.num_val_samples={num_val_samples}, "
+                f"data.num_classes={num_classes}: sample counts must be >= 1 and classes >= 2"
+            )
+        self.num_samples = num_samples
+        self.num_val_samples = num_val_samples
+        self.input_shape = shape
+        self.num_classes = num_classes
+
+    def build_datasets(self) -> tuple[Dataset, Dataset]:
+        # FakeData seeds sample i with i + random_offset: offsetting val by the train size keeps
+        # the two sets disjoint, and every process generates the same images.
+        def fake(size: int, random_offset: int) -> Dataset:
+            return datasets.FakeData(
+                size=size,
+                image_size=self.input_shape,
+                num_classes=self.num_classes,
+                transform=transforms.ToTensor(),
+                random_offset=random_offset,
+            )
+
+        return fake(self.num_samples, 0), fake(self.num_val_samples, self.num_samples)
