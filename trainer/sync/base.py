@@ -1,0 +1,36 @@
+"""The interface every gradient-sync strategy implements; the trainer calls nothing else.
+
+A step, as the trainer runs it (k = grad_accum_steps):
+
+    for each of the first k-1 micro-batches:  with sync.no_sync(model): forward; backward
+    last micro-batch:                          forward; backward
+    sync.after_backward(model)                 # gradients are now equal on every rank
+    optimizer.step()
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+from torch import nn
+
+
+class SyncStrategy(ABC):
+    """How the replicas' gradients become one averaged gradient."""
+
+    @abstractmethod
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """Return the module the forward pass runs; every replica must start equal after this."""
+
+    def no_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
+        """Context for micro-batches whose gradients must only accumulate locally."""
+        return nullcontext()
+
+    def after_backward(self, model: nn.Module) -> None:
+        """Runs after the last micro-batch's backward, before optimizer.step()."""
+
+    def describe(self) -> dict[str, Any]:
+        """What the strategy does, for logs and summaries."""
+        return {}

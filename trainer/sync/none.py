@@ -1,0 +1,28 @@
+"""No communication at all: each rank trains its own model on its own shard (a baseline)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from trainer.sync.base import SyncStrategy
+
+log = logging.getLogger(__name__)
+
+
+class NoSync(SyncStrategy):
+    """Replicas drift apart on purpose; useful for single-process runs and divergence baselines."""
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        if dist.get_world_size() > 1 and dist.get_rank() == 0:
+            log.warning(
+                "sync=none with world_size=%d: ranks never communicate, so each trains a different model",
+                dist.get_world_size(),
+            )
+        return model
+
+    def describe(self) -> dict[str, Any]:
+        return {"strategy": "none"}
