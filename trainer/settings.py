@@ -1,0 +1,46 @@
+"""The trainer's own knobs (conf/trainer/default.yaml), as a typed record."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainer.errors import ConfigError, check, is_int, is_number
+
+DEVICES = ("auto", "cpu", "cuda")
+PRECISIONS = ("fp32", "bf16")
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """How long to train, how often to log and evaluate, and where and in what precision."""
+
+    max_steps: int | None = 300  # optimizer steps; with num_epochs too, whichever ends first
+    num_epochs: int | None = None
+    seed: int = 0
+    log_every_n_steps: int = 10
+    eval_every_n_steps: int = 100  # 0: evaluate only at the end
+    grad_accum_steps: int = 1  # micro-batches of data.batch_size per optimizer step
+    device: str = "auto"  # auto | cpu | cuda
+    precision: str = "fp32"  # fp32 | bf16 (autocast)
+    collective_timeout_s: float = 300.0
+    progress_bar: bool = True
+
+    def __post_init__(self) -> None:
+        # Checked once, at start-up on every rank alike, before any collective can be waiting.
+        check(self.max_steps is None or (is_int(self.max_steps) and self.max_steps >= 0),
+              "trainer.max_steps", self.max_steps, "must be an integer >= 0, or null to train trainer.num_epochs")
+        check(self.num_epochs is None or (is_int(self.num_epochs) and self.num_epochs >= 1),
+              "trainer.num_epochs", self.num_epochs, "must be an integer >= 1, or null")
+        if self.max_steps is None and self.num_epochs is None:
+            raise ConfigError("trainer.max_steps and trainer.num_epochs are both null: set at least one")
+        check(is_int(self.seed), "trainer.seed", self.seed, "must be an integer")
+        check(is_int(self.log_every_n_steps) and self.log_every_n_steps >= 1,
+              "trainer.log_every_n_steps", self.log_every_n_steps, "must be an integer >= 1")
+        check(is_int(self.eval_every_n_steps) and self.eval_every_n_steps >= 0,
+              "trainer.eval_every_n_steps", self.eval_every_n_steps, "must be an integer >= 0 (0: only at the end)")
+        check(is_int(self.grad_accum_steps) and self.grad_accum_steps >= 1,
+              "trainer.grad_accum_steps", self.grad_accum_steps, "must be an integer >= 1")
+        check(self.device in DEVICES, "trainer.device", self.device, f"accepted: {', '.join(DEVICES)}")
+        check(self.precision in PRECISIONS, "trainer.precision", self.precision, f"accepted: {', '.join(PRECISIONS)}")
+        check(is_number(self.collective_timeout_s) and self.collective_timeout_s > 0,
+              "trainer.collective_timeout_s", self.collective_timeout_s, "must be a number of seconds > 0")

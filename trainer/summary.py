@@ -1,0 +1,58 @@
+"""Turning per-rank metric rows into the numbers of summary.json (pure functions)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+TIME_KEYS = ("time/step_s", "time/data_s", "time/forward_s", "time/backward_s", "time/sync_s", "time/optimizer_s")
+
+
+def rank_timing(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Median of each timing key over a rank's logged training rows."""
+    stats: dict[str, float] = {}
+    for key in (*TIME_KEYS, "throughput/samples_per_s"):
+        values = [row[key] for row in rows if key in row]
+        if values:
+            stats[f"median_{key}"] = statistics.median(values)
+    return stats
+
+
+def job_throughput(per_rank_samples_per_s: Sequence[float]) -> float:
+    """Ranks process their shards at the same time, so the job's rate is the sum of theirs."""
+    return float(sum(per_rank_samples_per_s))
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def format_report(summary: dict[str, Any]) -> str:
+    """The end-of-run message: results, where everything is, and how to upload the W&B runs."""
+    sync = summary["sync"].get("strategy", "?")
+    lines = [
+        f"done: {summary['steps']} steps ({summary['epochs']:.2f} epochs), {summary['world_size']} rank(s), "
+        f"{summary['backend']} on {summary['device']}, sync={sync}, global batch {summary['global_batch_size']}",
+        f"  train/loss {_fmt(summary['train/loss'], '.4f')}   train/accuracy {_fmt(summary['train/accuracy'], '.3f')}"
+        f"   eval/loss {_fmt(summary.get('eval/loss'), '.4f')}   eval/accuracy {_fmt(summary.get('eval/accuracy'), '.3f')}",
+        f"  throughput {summary['throughput/global_samples_per_s']:.0f} samples/s (all ranks)",
+        f"  run dir  {summary['run_dir']}   (summary.json, checkpoints/last.pt, metrics/rank*.jsonl, train_rank*.log)",
+    ]
+    offline = [(r["rank"], loc) for r in summary["ranks"] for loc in r.get("outputs", []) if "offline-run-" in loc]
+    for rank, location in offline:
+        lines.append(f"  W&B run rank-{rank}: {location}")
+    if offline:
+        lines.append(f"  upload with: wandb sync {summary['run_dir']}/wandb/offline-run-*")
+    return "\n".join(lines)
+
+
+def log_final_report(summary: dict[str, Any]) -> None:
+    logging.getLogger("trainer").info("%s", format_report(summary))

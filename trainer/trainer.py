@@ -1,0 +1,269 @@
+"""The data-parallel training loop.
+
+fit():
+    for each epoch:
+        sampler.set_epoch(epoch)                  # a new shuffle, the same permutation on every rank
+        for each optimizer step:
+            k micro-batches: forward, backward    # all but the last under sync.no_sync()
+            sync.after_backward()                 # from here the gradients are equal on every rank
+            optimizer.step(); lr schedule step
+            every log_every_n_steps: one host sync, one row to every logger of this rank
+            every eval_every_n_steps: evaluate (sums all-reduced: the same numbers on every rank)
+    evaluate; rank 0 writes checkpoints/last.pt and summary.json; every rank waits at a barrier
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LambdaLR
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from data.base import DataModule
+from trainer.checkpoint import save_checkpoint
+from trainer.dist import DistContext, hostname
+from trainer.logger.base import MetricLogger
+from trainer.settings import TrainSettings
+from trainer.steps import global_batch_size, is_due, steps_per_epoch, total_steps
+from trainer.summary import job_throughput, rank_timing, write_json
+from trainer.sync.base import SyncStrategy
+from trainer.timing import StepTimer
+
+log = logging.getLogger(__name__)
+
+
+class _Window:
+    """Running sums between two logged steps, kept on the device so unlogged steps never sync."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss_sum = torch.zeros((), device=self.device)
+        self.correct = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.samples = 0
+        self.steps = 0
+        self.started = time.perf_counter()
+
+    def add(self, loss: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> None:
+        self.loss_sum += loss.detach().float()
+        self.correct += (logits.detach().argmax(dim=-1) == targets).sum()
+        self.samples += targets.shape[0]
+
+
+class Trainer:
+    """Holds the run's state (model, optimizer, step) and runs fit() on every rank."""
+
+    def __init__(
+        self,
+        *,
+        settings: TrainSettings,
+        ctx: DistContext,
+        model: nn.Module,
+        data: DataModule,
+        sync: SyncStrategy,
+        optimizer_factory: Callable[[Iterable[nn.Parameter]], Optimizer],
+        schedule_factory: Callable[..., Callable[[int], float]],
+        loggers: Sequence[MetricLogger],
+        run_dir: Path,
+        config: dict[str, Any],
+    ) -> None:
+        self.settings = settings
+        self.ctx = ctx
+        self.model = model.to(ctx.device)  # unwrapped: evaluation and checkpoints use it
+        self.sync = sync
+        self.train_model = sync.wrap(self.model)
+        self.optimizer = optimizer_factory(self.model.parameters())
+        pin = ctx.device.type == "cuda"
+        self.train_loader = data.train_loader(ctx.rank, ctx.world_size, settings.seed, pin_memory=pin)
+        self.val_loader = data.val_loader(ctx.rank, ctx.world_size, pin_memory=pin)
+        self.steps_per_epoch = steps_per_epoch(len(self.train_loader), settings.grad_accum_steps)
+        self.total_steps = total_steps(settings.max_steps, settings.num_epochs, self.steps_per_epoch)
+        self.scheduler = LambdaLR(self.optimizer, schedule_factory(total_steps=self.total_steps))
+        self.global_batch_size = global_batch_size(data.batch_size, settings.grad_accum_steps, ctx.world_size)
+        self.loggers = list(loggers)
+        self.run_dir = run_dir
+        self.config = config
+        self.step = 0
+        self.epoch = 0
+        self._lr = self.optimizer.param_groups[0]["lr"]
+        self._timer = StepTimer(ctx.device)
+        self._train_rows: list[dict[str, Any]] = []
+        self._train_samples = 0
+        self._train_seconds = 0.0
+        self._process = psutil.Process()
+
+    def _autocast(self) -> torch.autocast:
+        enabled = self.settings.precision == "bf16"
+        return torch.autocast(device_type=self.ctx.device.type, dtype=torch.bfloat16, enabled=enabled)
+
+    def fit(self) -> dict[str, Any]:
+        """Train for total_steps optimizer steps; returns the job summary (the same on every rank)."""
+        log.info(
+            "training %d steps: %d rank(s) x batch %d x %d micro-batch(es) = global batch %d, %d steps/epoch",
+            self.total_steps, self.ctx.world_size, self.train_loader.batch_size, self.settings.grad_accum_steps,
+            self.global_batch_size, self.steps_per_epoch,
+        )  # fmt: skip
+        started = time.perf_counter()
+        show_bar = self.settings.progress_bar and self.ctx.is_main_process
+        bar = tqdm(total=self.total_steps, disable=not show_bar, desc="train", unit="step", dynamic_ncols=True)
+        window = _Window(self.ctx.device)
+        self.model.train()
+        with bar, logging_redirect_tqdm():
+            while self.step < self.total_steps:
+                self.train_loader.sampler.set_epoch(self.epoch)  # type: ignore[union-attr]
+                batches = iter(self.train_loader)
+                for _ in range(min(self.steps_per_epoch, self.total_steps - self.step)):
+                    measure = is_due(self.step + 1, self.settings.log_every_n_steps, self.total_steps)
+                    phases = self._train_step(batches, window, measure)
+                    self.step += 1
+                    bar.update(1)
+                    if phases is not None:
+                        bar.set_postfix(loss=f"{self._log_train(window, phases):.4f}")
+                    if self.settings.eval_every_n_steps and self.step < self.total_steps:
+                        if self.step % self.settings.eval_every_n_steps == 0:
+                            self.evaluate()
+                            window.started = time.perf_counter()  # evaluation is not training time
+                if self.step % self.steps_per_epoch == 0:
+                    self.epoch += 1
+        final_eval = self.evaluate()
+        return self._finish(final_eval, time.perf_counter() - started)
+
+    def _train_step(self, batches: Iterator[Any], window: _Window, measure: bool) -> dict[str, float] | None:
+        k = self.settings.grad_accum_steps
+        device = self.ctx.device
+        self._timer.start(measure)
+        for i in range(k):
+            inputs, targets = next(batches)
+            inputs = inputs.to(device, non_blocking=True)
+            targets = targets.to(device, non_blocking=True)
+            self._timer.mark("data")
+            # Only the last micro-batch may communicate; the others accumulate gradients locally.
+            with self.sync.no_sync(self.train_model) if i < k - 1 else nullcontext():
+                with self._autocast():
+                    logits = self.train_model(inputs)
+                    loss = F.cross_entropy(logits, targets) / k
+                window.add(loss, logits, targets)
+                self._timer.mark("forward")
+                loss.backward()
+                self._timer.mark("backward")
+        self.sync.after_backward(self.train_model)
+        self._timer.mark("sync")
+        self._lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._timer.mark("optimizer")
+        window.steps += 1
+        return self._timer.stop()
+
+    def _log_train(self, window: _Window, phases: dict[str, float]) -> float:
+        loss = window.loss_sum.item() / window.steps  # the one host sync of a logged step
+        correct = window.correct.item()
+        elapsed = time.perf_counter() - window.started
+        self._train_samples += window.samples
+        self._train_seconds += elapsed
+        row: dict[str, Any] = {
+            "step": self.step,
+            "epoch": self.epoch,
+            "train/loss": loss,
+            "train/accuracy": correct / window.samples,
+            "train/lr": self._lr,
+            **{f"time/{phase}_s": seconds for phase, seconds in phases.items()},
+            "throughput/samples_per_s": window.samples / elapsed,
+            "memory/rss_mb": self._process.memory_info().rss / 2**20,
+        }
+        if self.ctx.device.type == "cuda":
+            row["memory/cuda_max_allocated_mb"] = torch.cuda.max_memory_allocated(self.ctx.device) / 2**20
+        for logger in self.loggers:
+            logger.log(row)
+        self._train_rows.append(row)
+        window.reset()
+        return loss
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Loss and accuracy on the validation split, exact over the whole split on every rank."""
+        # The unwrapped model: DDP's forward would broadcast buffers, and ranks' shards may differ
+        # in length by one batch, so a collective inside this loop could pair up wrongly.
+        self.model.eval()
+        sums = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)  # loss, correct, count
+        for inputs, targets in self.val_loader:
+            inputs = inputs.to(self.ctx.device, non_blocking=True)
+            targets = targets.to(self.ctx.device, non_blocking=True)
+            with self._autocast():
+                logits = self.model(inputs)
+            sums[0] += F.cross_entropy(logits.float(), targets, reduction="sum")
+            sums[1] += (logits.argmax(dim=-1) == targets).sum()
+            sums[2] += targets.shape[0]
+        dist.all_reduce(sums)  # every rank reaches this exactly once per evaluation
+        self.model.train()
+        loss_sum, correct, count = sums.tolist()
+        if count == 0:
+            return {}
+        metrics = {"eval/loss": loss_sum / count, "eval/accuracy": correct / count}
+        for logger in self.loggers:
+            logger.log({"step": self.step, "epoch": self.epoch, **metrics})
+        return metrics
+
+    def _finish(self, final_eval: dict[str, float], wall_s: float) -> dict[str, Any]:
+        last = self._train_rows[-1] if self._train_rows else {}
+        mine = {
+            "rank": self.ctx.rank,
+            "host": hostname(),
+            "train/loss": last.get("train/loss"),
+            "train/accuracy": last.get("train/accuracy"),
+            "samples_per_s": self._train_samples / self._train_seconds if self._train_seconds else 0.0,
+            "outputs": [logger.location for logger in self.loggers if logger.location],
+            **rank_timing(self._train_rows),
+        }
+        ranks: list[Any] = [None] * self.ctx.world_size
+        dist.all_gather_object(ranks, mine)
+        losses = [r["train/loss"] for r in ranks if r["train/loss"] is not None]
+        accuracies = [r["train/accuracy"] for r in ranks if r["train/accuracy"] is not None]
+        summary: dict[str, Any] = {
+            "run_dir": str(self.run_dir),
+            "world_size": self.ctx.world_size,
+            "backend": self.ctx.backend,
+            "device": str(self.ctx.device),
+            "sync": self.sync.describe(),
+            "steps": self.step,
+            "epochs": self.step / self.steps_per_epoch,
+            "global_batch_size": self.global_batch_size,
+            "wall_time_s": wall_s,
+            "train/loss": sum(losses) / len(losses) if losses else None,  # mean of the ranks' last windows
+            "train/accuracy": sum(accuracies) / len(accuracies) if accuracies else None,
+            **final_eval,
+            "throughput/global_samples_per_s": job_throughput([r["samples_per_s"] for r in ranks]),
+            "ranks": ranks,
+        }
+        for logger in self.loggers:
+            logger.log_summary({k: v for k, v in summary.items() if k != "ranks"} | {"rank": mine})
+        if self.ctx.is_main_process:
+            save_checkpoint(
+                self.run_dir / "checkpoints" / "last.pt",
+                {
+                    "model": self.model.state_dict(),
+                    "optimizer": self.optimizer.state_dict(),
+                    "scheduler": self.scheduler.state_dict(),
+                    "step": self.step,
+                    "epoch": self.epoch,
+                    "config": self.config,
+                },
+            )
+            write_json(self.run_dir / "summary.json", summary)
+        dist.barrier()  # nobody reads rank 0's files (or tears down) before they are complete
+        return summary
