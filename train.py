@@ -1,0 +1,63 @@
+"""ddplab's one entrypoint: compose the config, start the process group, train, tear down.
+
+    torchrun --nproc_per_node=2 train.py                       # mlp on synthetic data, sync=ddp, W&B offline
+    torchrun --nproc_per_node=2 train.py sync=manual           # all_reduce(SUM) / world_size after backward
+    torchrun --nproc_per_node=2 train.py sync=ddp sync.bucket_cap_mb=5
+    torchrun --nproc_per_node=2 train.py sync=none             # no communication: a divergence baseline
+    python train.py                                            # one process, world size 1, same code path
+
+Every rank runs this file. Before Hydra composes anything, rank 0 picks the run's name and the
+others receive it through torchrun's store, so all ranks write into one run directory.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig
+
+from trainer import config as conf, dist
+from trainer.build import add_loggers, build_parts, build_trainer, instantiate, prepare_data
+from trainer.exits import exit_cleanly
+from trainer.logger.base import MetricLogger
+from trainer.summary import log_final_report
+
+LAUNCH = dist.read_launch_env()
+STORE: dist.Store | None = None  # torchrun's store, connected under __main__ before Hydra runs
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> dict[str, Any]:
+    loggers: list[MetricLogger] = []
+    with exit_cleanly(loggers):  # ConfigError -> message + exit 2; SIGTERM -> flush + exit 143
+        config = conf.plain_config(cfg)
+        settings = instantiate(cfg.trainer)
+        parts = build_parts(cfg, settings)  # every constructor runs here, before any collective
+        device = dist.resolve_device(settings.device, LAUNCH.local_rank)
+        prefix = dist.group_key_prefix(LAUNCH, conf.job_num())
+        ctx = dist.init_process_group(LAUNCH, STORE, device, settings.collective_timeout_s, prefix)
+        try:
+            prepare_data(parts.data, ctx)
+            run_dir = conf.run_dir()
+            add_loggers(loggers, cfg, config, ctx, run_dir, group=conf.job_name(cfg.run_name))
+            summary = build_trainer(parts, settings, ctx, loggers, run_dir, config).fit()
+            if ctx.is_main_process:
+                log_final_report(summary)
+            return summary
+        finally:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    STORE = dist.connect_store(LAUNCH)
+    conf.register_resolvers(LAUNCH.rank, dist.agree_on_run_stamp(STORE, LAUNCH))
+    sys.argv += conf.hydra_overrides_for_rank(LAUNCH.rank)
+    try:
+        main()
+    except SystemExit as exit_:
+        if exit_.code == 1 and not conf.job_started():  # Hydra rejected the command line
+            conf.explain_overrides(sys.argv[1:], Path(__file__).parent / "conf")
+        raise

@@ -1,0 +1,102 @@
+"""The boundary between Hydra/OmegaConf and plain Python.
+
+Everything past this module gets plain dicts and typed constructor arguments; only this module,
+trainer/build.py, train.py and the tests handle DictConfig.
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+
+def register_resolvers(rank: int, run_stamp: str) -> None:
+    """Values every rank must see alike (the run stamp) or per rank (its log file and console level)."""
+    OmegaConf.register_new_resolver("ddplab.run_stamp", lambda: run_stamp, replace=True)
+    OmegaConf.register_new_resolver("ddplab.rank", lambda: rank, replace=True)
+    # Every rank logs to its own file; only rank 0 talks on the console unless something is wrong.
+    OmegaConf.register_new_resolver("ddplab.console_level", lambda: "INFO" if rank == 0 else "WARNING", replace=True)
+
+
+def hydra_overrides_for_rank(rank: int) -> list[str]:
+    """Only global rank 0 writes Hydra's .hydra/ files; the others would race it for the same paths."""
+    return [] if rank == 0 else ["hydra.output_subdir=null"]
+
+
+def plain_config(cfg: DictConfig) -> dict[str, Any]:
+    """The resolved config as plain containers: for W&B, checkpoints and summaries."""
+    mark_job_started()
+    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # type: ignore[return-value]
+
+
+def run_dir() -> Path:
+    """This job's output directory: hydra.run.dir, or <sweep dir>/<job num> under -m."""
+    return Path(HydraConfig.get().runtime.output_dir)
+
+
+def job_num() -> int:
+    """The multirun job number (0 for a single run): part of each job's store prefix and W&B group."""
+    hydra_cfg = HydraConfig.get()
+    return int(hydra_cfg.job.num) if hydra_cfg.mode == RunMode.MULTIRUN else 0
+
+
+def job_name(run_name: str) -> str:
+    """The W&B group of this job's runs: the run name, plus the job number under multirun."""
+    hydra_cfg = HydraConfig.get()
+    return f"{run_name}-{hydra_cfg.job.num}" if hydra_cfg.mode == RunMode.MULTIRUN else run_name
+
+
+_job_started = False
+
+
+def mark_job_started() -> None:
+    global _job_started
+    _job_started = True
+
+
+def job_started() -> bool:
+    """False while Hydra is still parsing the command line: an exit then is Hydra rejecting it."""
+    return _job_started
+
+
+def explain_overrides(overrides: list[str], config_dir: Path) -> None:
+    """After Hydra has rejected the command line, name the accepted keys next to a misspelt one.
+
+    Hydra says "Key 'max_step' is not in struct" but not which keys exist; this composes the
+    config with the same group choices and prints the keys at that level and the closest match.
+    It only ever adds a hint to a failure Hydra already reported, so it can never block a run.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides([o for o in overrides if not o.startswith("-")])
+    except Exception:
+        return  # a syntax error: Hydra's own message is the right one
+    groups = {p.name for p in config_dir.iterdir() if p.is_dir()}
+    choices = [o.input_line for o in parsed if o.key_or_group in groups and not o.is_sweep_override()]
+    plain = [o for o in parsed if not (o.is_add() or o.is_force_add() or o.is_delete())]
+    keys = [o.key_or_group for o in plain if "." in o.key_or_group and not o.key_or_group.startswith("hydra.")]
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir.resolve()), version_base="1.3"):
+            cfg = compose("config", overrides=choices)
+    except Exception:
+        return
+    for key in keys:
+        parent_key, _, leaf = key.rpartition(".")
+        parent = OmegaConf.select(cfg, parent_key, default=None)
+        if not isinstance(parent, DictConfig) or leaf in parent:
+            continue
+        accepted = sorted(str(k) for k in parent.keys() if not str(k).startswith("_"))
+        close = difflib.get_close_matches(leaf, accepted, n=1)
+        hint = f" Did you mean {parent_key}.{close[0]}?" if close else ""
+        listed = ", ".join(accepted) if accepted else "(none)"
+        print(f"'{key}' is not a config key. Keys under '{parent_key}': {listed}.{hint}", file=sys.stderr)
