@@ -1,0 +1,39 @@
+"""Run a function on N real gloo ranks: spawned processes meeting through a FileStore."""
+
+from __future__ import annotations
+
+import datetime as dt
+import multiprocessing as mp
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _run_rank(fn: Callable[..., Any], rank: int, world_size: int, workdir: str, args: tuple[Any, ...]) -> None:
+    torch.set_num_threads(1)
+    store = dist.FileStore(str(Path(workdir) / "store"), world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=dt.timedelta(seconds=60))
+    try:
+        torch.save(fn(rank, world_size, *args), Path(workdir) / f"result{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_ranks(fn: Callable[..., Any], world_size: int, workdir: Path, *args: Any, timeout_s: float = 180) -> list[Any]:
+    """fn(rank, world_size, *args) on every rank; returns the results in rank order. fn must be importable."""
+    workdir.mkdir(parents=True, exist_ok=False)  # a FileStore file must be new for every group
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_run_rank, args=(fn, r, world_size, str(workdir), args)) for r in range(world_size)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout_s)
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+    codes = [proc.exitcode for proc in procs]
+    assert codes == [0] * world_size, f"ranks exited with {codes}"
+    return [torch.load(workdir / f"result{r}.pt", weights_only=False) for r in range(world_size)]

@@ -1,0 +1,99 @@
+"""Pure functions of the trainer, and the manual gradient average on real ranks."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.dist_helpers import run_on_ranks
+from trainer.errors import ConfigError
+from trainer.schedule import WarmupCosine, warmup_cosine
+from trainer.settings import TrainSettings
+from trainer.steps import global_batch_size, is_due, steps_per_epoch, total_steps
+from trainer.summary import format_report, job_throughput, rank_timing
+from trainer.sync.manual import average_gradients
+from trainer.timing import PHASES, StepTimer
+
+
+def test_warmup_cosine_shape() -> None:
+    assert warmup_cosine(0, 10, 110, 0.0) == pytest.approx(0.1)
+    assert warmup_cosine(9, 10, 110, 0.0) == pytest.approx(1.0)
+    assert warmup_cosine(10, 10, 110, 0.0) == pytest.approx(1.0)
+    assert warmup_cosine(60, 10, 110, 0.0) == pytest.approx(0.5)
+    assert warmup_cosine(110, 10, 110, 0.1) == pytest.approx(0.1)
+    assert WarmupCosine(total_steps=110, warmup_steps=10)(60) == pytest.approx(0.5)
+
+
+def test_batch_and_step_arithmetic() -> None:
+    assert global_batch_size(batch_size=32, grad_accum_steps=4, world_size=2) == 256
+    assert steps_per_epoch(num_batches=10, grad_accum_steps=3) == 3
+    with pytest.raises(ConfigError, match="trainer.grad_accum_steps=4"):
+        steps_per_epoch(num_batches=3, grad_accum_steps=4)
+    assert total_steps(max_steps=100, num_epochs=None, steps_in_epoch=30) == 100
+    assert total_steps(max_steps=None, num_epochs=2, steps_in_epoch=30) == 60
+    assert total_steps(max_steps=100, num_epochs=2, steps_in_epoch=30) == 60
+    assert [s for s in range(1, 26) if is_due(s, 10, 25)] == [10, 20, 25]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_steps": -1}, "trainer.max_steps=-1"),
+        ({"max_steps": None, "num_epochs": None}, "both null"),
+        ({"grad_accum_steps": 0}, "trainer.grad_accum_steps=0"),
+        ({"precision": "fp16"}, "trainer.precision='fp16'.*fp32, bf16"),
+        ({"device": "tpu"}, "trainer.device='tpu'.*auto, cpu, cuda"),
+        ({"log_every_n_steps": 0}, "trainer.log_every_n_steps=0"),
+        ({"collective_timeout_s": 0}, "trainer.collective_timeout_s=0"),
+    ],
+)
+def test_settings_name_the_bad_value(kwargs: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        TrainSettings(**kwargs)
+
+
+def test_step_timer_phases_add_up_to_the_step() -> None:
+    timer = StepTimer(torch.device("cpu"))
+    timer.start(measure=True)
+    for phase in PHASES:
+        time.sleep(0.002)
+        timer.mark(phase)
+    phases = timer.stop()
+    assert phases is not None and all(phases[p] >= 0.002 for p in PHASES)
+    assert math.isclose(sum(phases[p] for p in PHASES), phases["step"], rel_tol=1e-9)
+    timer.start(measure=False)
+    timer.mark("data")
+    assert timer.stop() is None
+
+
+def test_summary_helpers() -> None:
+    rows = [{"time/step_s": s, "throughput/samples_per_s": 10.0 * s} for s in (1.0, 3.0, 2.0)]
+    assert rank_timing(rows)["median_time/step_s"] == 2.0
+    assert job_throughput([100.0, 150.0]) == 250.0
+    summary = {
+        "sync": {"strategy": "ddp"}, "steps": 5, "epochs": 0.5, "world_size": 2, "backend": "gloo",
+        "device": "cpu", "global_batch_size": 16, "train/loss": 0.5, "train/accuracy": 0.9,
+        "throughput/global_samples_per_s": 250.0, "run_dir": "/r",
+        "ranks": [{"rank": 0, "outputs": ["/r/metrics/rank0.jsonl", "/r/wandb/offline-run-x"]}],
+    }  # fmt: skip
+    report = format_report(summary)
+    assert "W&B run rank-0: /r/wandb/offline-run-x" in report and "wandb sync /r/wandb/offline-run-*" in report
+
+
+def _average(rank: int, world_size: int) -> list[torch.Tensor]:
+    params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2, 2)), torch.nn.Parameter(torch.zeros(1))]
+    params[0].grad = torch.full((3,), float(rank + 1))
+    params[1].grad = torch.full((2, 2), float(10 * (rank + 1)))
+    # params[2] has no gradient on any rank: skipped alike everywhere.
+    assert average_gradients(params, world_size) == (3 + 4) * 4
+    return [p.grad for p in params[:2]]
+
+
+def test_average_gradients_is_sum_over_world_size(tmp_path: Path) -> None:
+    for grads in run_on_ranks(_average, 2, tmp_path / "avg"):
+        assert torch.equal(grads[0], torch.full((3,), 1.5))
+        assert torch.equal(grads[1], torch.full((2, 2), 15.0))
