@@ -27,6 +27,9 @@ class WandbLogger:
             raise ConfigError(f"logger.mode={mode!r} is not one of: {', '.join(MODES)}")
         import wandb  # here, so that logger=none never imports W&B
 
+        # wandb 0.31 sends its own usage telemetry based on the global settings, not init()'s, so
+        # offline must be set here too, or an "offline" run still reaches for the network at exit.
+        wandb.setup(settings=wandb.Settings(mode=mode))
         # mode is always passed explicitly: without it and without an API key wandb.init fails.
         self._run = wandb.init(
             mode=mode,
