@@ -1,0 +1,107 @@
+"""Bad input and dying ranks, through the real CLI: clear messages, quick exits, nothing lost."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.cli import env, output, torchrun, torchrun_cmd, train_rows
+from tests.compose import REPO
+from trainer.wandb_offline import find_runs
+
+pytestmark = pytest.mark.slow
+
+BAD_INPUTS = {
+    # id: (overrides, text every rank must print: key, value, accepted values)
+    "unknown-sync": (["sync=bogus"], ["Could not find 'sync/bogus'", "ddp", "manual", "none"]),
+    "bucket-zero": (["sync.bucket_cap_mb=0"], ["sync.bucket_cap_mb=0 is invalid", "must be a number > 0"]),
+    "batch-zero": (["data.batch_size=0"], ["data.batch_size=0 is invalid", "integer > 0"]),
+    "negative-steps": (["trainer.max_steps=-1"], ["trainer.max_steps=-1 is invalid", "integer >= 0"]),
+    "misspelt-key": (["trainer.max_step=5"], ["trainer.max_step", "Did you mean trainer.max_steps?", "log_every_n_steps"]),
+    "missing-root": (["data=mnist", "data.root=/nonexistent/mnist"], ["data.root=/nonexistent/mnist", "data.download=true"]),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=list(BAD_INPUTS))
+def test_bad_input_fails_fast_on_every_rank_with_a_clear_message(tmp_path: Path, case: str) -> None:
+    overrides, expected = BAD_INPUTS[case]
+    started = time.monotonic()
+    proc = torchrun([*overrides, "logger=none", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout_s=120)
+    elapsed = time.monotonic() - started
+    text = output(proc)
+    assert proc.returncode != 0, text
+    for fragment in expected:
+        assert text.count(fragment) >= 2, f"{fragment!r} not printed by both ranks:\n{text}"
+    # No traceback from our code or Hydra's: the only one allowed is torchrun's own failure report.
+    assert text.count("Traceback (most recent call last)") <= 1, text
+    assert 'train.py", line' not in text and str(REPO / "trainer") not in text and "hydra/_internal" not in text
+    assert elapsed < 60, f"took {elapsed:.0f}s"
+
+
+def wait_for_rows(path: Path, count: int, proc: subprocess.Popen[str], timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the job ended early"
+        if path.exists() and len(train_rows(path)) >= count:
+            return
+        time.sleep(0.2)
+    pytest.fail(f"{path} never reached {count} rows")
+
+
+def workers(launcher: subprocess.Popen[str]) -> dict[int, psutil.Process]:
+    """torchrun's worker processes by global rank."""
+    found = {}
+    for child in psutil.Process(launcher.pid).children(recursive=True):
+        try:
+            if "train.py" in " ".join(child.cmdline()) and "RANK" in child.environ():
+                found[int(child.environ()["RANK"])] = child
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def start_long_job(tmp_path: Path) -> tuple[subprocess.Popen[str], Path]:
+    run_dir = tmp_path / "run"
+    args = ["trainer.max_steps=1000000", "trainer.log_every_n_steps=5", "trainer.eval_every_n_steps=0",
+            "trainer.progress_bar=false", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    launcher = subprocess.Popen(torchrun_cmd(args), cwd=tmp_path, env=env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    for rank in (0, 1):
+        wait_for_rows(run_dir / "metrics" / f"rank{rank}.jsonl", 3, launcher)
+    return launcher, run_dir
+
+
+def assert_rank_flushed(run_dir: Path, rank: int, exit_codes: set[int]) -> None:
+    """The rank's W&B run was finished and holds every row its JSONL holds."""
+    (run,) = [run for run in find_runs(run_dir) if run.name == f"rank-{rank}"]
+    assert run.exit_code in exit_codes
+    logged = [row["_step"] for row in run.history if "train/loss" in row]
+    assert logged == [row["step"] for row in train_rows(run_dir / "metrics" / f"rank{rank}.jsonl")]
+    assert len(logged) >= 3
+
+
+def test_sigterm_flushes_every_rank(tmp_path: Path) -> None:
+    launcher, run_dir = start_long_job(tmp_path)
+    launcher.send_signal(signal.SIGTERM)  # torchrun passes it on to every worker
+    out, _ = launcher.communicate(timeout=60)
+    assert launcher.returncode != 0, out
+    for rank in (0, 1):
+        assert_rank_flushed(run_dir, rank, {143})
+        assert "terminated by signal" in (run_dir / f"train_rank{rank}.log").read_text()
+
+
+def test_a_killed_rank_brings_the_job_down_and_the_survivor_flushes(tmp_path: Path) -> None:
+    launcher, run_dir = start_long_job(tmp_path)
+    killed_at = time.monotonic()
+    workers(launcher)[1].kill()  # SIGKILL: rank 1 cannot clean up at all
+    out, _ = launcher.communicate(timeout=60)
+    assert launcher.returncode != 0, out
+    assert time.monotonic() - killed_at < 30
+    # Rank 0 either sees the broken collective first (exit 1) or torchrun's SIGTERM (143);
+    # either way its run is finished with everything it logged.
+    assert_rank_flushed(run_dir, 0, {1, 143})
