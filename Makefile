@@ -1,0 +1,33 @@
+# Two commands: `make train` (set up, then the demo job on 2 CPU ranks) and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+NPROC ?= 2
+ARGS ?=
+
+.PHONY: train test test-fast setup clean
+
+setup: $(VENV)/.installed
+
+# Re-installs when pyproject.toml changes. torch comes from whatever index/constraints pip is
+# configured with (on the project's build machines, wheels on local disk).
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install -e '.[dev]'
+	touch $@
+
+# One thread per rank: NPROC ranks share the machine's cores.
+train: setup
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) train.py $(ARGS)
+
+# The whole suite, slow end-to-end tests included: this is what CI runs (.ci/run).
+test: setup
+	$(BIN)/pytest
+
+# Everything but the end-to-end torchrun tests, for a quick loop while editing.
+test-fast: setup
+	$(BIN)/pytest -m "not slow"
+
+clean:
+	rm -rf outputs multirun .pytest_cache
