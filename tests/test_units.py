@@ -13,7 +13,13 @@ from tests.dist_helpers import run_on_ranks
 from trainer.errors import ConfigError
 from trainer.schedule import WarmupCosine, warmup_cosine
 from trainer.settings import TrainSettings
-from trainer.steps import global_batch_size, is_due, steps_per_epoch, total_steps
+from trainer.steps import (
+    epoch_of,
+    global_batch_size,
+    is_due,
+    steps_per_epoch,
+    total_steps,
+)
 from trainer.summary import format_report, job_throughput, rank_timing
 from trainer.sync.manual import average_gradients
 from trainer.timing import PHASES, StepTimer
@@ -37,6 +43,7 @@ def test_batch_and_step_arithmetic() -> None:
     assert total_steps(max_steps=None, num_epochs=2, steps_in_epoch=30) == 60
     assert total_steps(max_steps=100, num_epochs=2, steps_in_epoch=30) == 60
     assert [s for s in range(1, 26) if is_due(s, 10, 25)] == [10, 20, 25]
+    assert [epoch_of(s, 4) for s in (0, 1, 4, 5, 8)] == [0, 0, 0, 1, 1]
 
 
 @pytest.mark.parametrize(

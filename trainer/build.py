@@ -19,7 +19,6 @@ from torch import nn
 from torch.optim import Optimizer
 
 from data.base import DataModule
-
 from trainer.dist import DistContext, hostname
 from trainer.errors import ConfigError
 from trainer.logger.base import MetricLogger

@@ -36,3 +36,8 @@ def total_steps(max_steps: int | None, num_epochs: int | None, steps_in_epoch: i
 def is_due(step: int, every_n_steps: int, last_step: int) -> bool:
     """Periodic events (logging, evaluation) fire every n steps and always on the last one."""
     return step == last_step or (every_n_steps > 0 and step % every_n_steps == 0)
+
+
+def epoch_of(step: int, steps_in_epoch: int) -> int:
+    """The 0-based epoch that optimizer step `step` (1-based) belongs to; 0 before any step."""
+    return max(0, step - 1) // steps_in_epoch

@@ -27,6 +27,22 @@ def job_throughput(per_rank_samples_per_s: Sequence[float]) -> float:
     return float(sum(per_rank_samples_per_s))
 
 
+def _mean(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
+
+
+def job_summary(ranks: Sequence[dict[str, Any]], **facts: Any) -> dict[str, Any]:
+    """summary.json: the job's facts, the ranks' final numbers combined, and every rank's own."""
+    return {
+        **facts,
+        "train/loss": _mean([r["train/loss"] for r in ranks]),  # mean of the ranks' last windows
+        "train/accuracy": _mean([r["train/accuracy"] for r in ranks]),
+        "throughput/global_samples_per_s": job_throughput([r["samples_per_s"] for r in ranks]),
+        "ranks": list(ranks),
+    }
+
+
 def write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 

@@ -36,8 +36,14 @@ from trainer.checkpoint import save_checkpoint
 from trainer.dist import DistContext, hostname
 from trainer.logger.base import MetricLogger
 from trainer.settings import TrainSettings
-from trainer.steps import global_batch_size, is_due, steps_per_epoch, total_steps
-from trainer.summary import job_throughput, rank_timing, write_json
+from trainer.steps import (
+    epoch_of,
+    global_batch_size,
+    is_due,
+    steps_per_epoch,
+    total_steps,
+)
+from trainer.summary import job_summary, rank_timing, write_json
 from trainer.sync.base import SyncStrategy
 from trainer.timing import StepTimer
 
@@ -178,7 +184,7 @@ class Trainer:
         self._train_seconds += elapsed
         row: dict[str, Any] = {
             "step": self.step,
-            "epoch": self.epoch,
+            "epoch": epoch_of(self.step, self.steps_per_epoch),
             "train/loss": loss,
             "train/accuracy": correct / window.samples,
             "train/lr": self._lr,
@@ -216,7 +222,7 @@ class Trainer:
             return {}
         metrics = {"eval/loss": loss_sum / count, "eval/accuracy": correct / count}
         for logger in self.loggers:
-            logger.log({"step": self.step, "epoch": self.epoch, **metrics})
+            logger.log({"step": self.step, "epoch": epoch_of(self.step, self.steps_per_epoch), **metrics})
         return metrics
 
     def _finish(self, final_eval: dict[str, float], wall_s: float) -> dict[str, Any]:
@@ -232,24 +238,19 @@ class Trainer:
         }
         ranks: list[Any] = [None] * self.ctx.world_size
         dist.all_gather_object(ranks, mine)
-        losses = [r["train/loss"] for r in ranks if r["train/loss"] is not None]
-        accuracies = [r["train/accuracy"] for r in ranks if r["train/accuracy"] is not None]
-        summary: dict[str, Any] = {
-            "run_dir": str(self.run_dir),
-            "world_size": self.ctx.world_size,
-            "backend": self.ctx.backend,
-            "device": str(self.ctx.device),
-            "sync": self.sync.describe(),
-            "steps": self.step,
-            "epochs": self.step / self.steps_per_epoch,
-            "global_batch_size": self.global_batch_size,
-            "wall_time_s": wall_s,
-            "train/loss": sum(losses) / len(losses) if losses else None,  # mean of the ranks' last windows
-            "train/accuracy": sum(accuracies) / len(accuracies) if accuracies else None,
+        summary = job_summary(
+            ranks,
+            run_dir=str(self.run_dir),
+            world_size=self.ctx.world_size,
+            backend=self.ctx.backend,
+            device=str(self.ctx.device),
+            sync=self.sync.describe(),
+            steps=self.step,
+            epochs=self.step / self.steps_per_epoch,
+            global_batch_size=self.global_batch_size,
+            wall_time_s=wall_s,
             **final_eval,
-            "throughput/global_samples_per_s": job_throughput([r["samples_per_s"] for r in ranks]),
-            "ranks": ranks,
-        }
+        )
         for logger in self.loggers:
             logger.log_summary({k: v for k, v in summary.items() if k != "ranks"} | {"rank": mine})
         if self.ctx.is_main_process:
@@ -260,7 +261,7 @@ class Trainer:
                     "optimizer": self.optimizer.state_dict(),
                     "scheduler": self.scheduler.state_dict(),
                     "step": self.step,
-                    "epoch": self.epoch,
+                    "epoch": self.epoch,  # the loop's epoch counter: where a resumed run continues
                     "config": self.config,
                 },
             )

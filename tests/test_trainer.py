@@ -1,0 +1,54 @@
+"""The trainer's own behaviour on one real rank: epochs, precision, what it writes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from tests.compose import compose_config
+from tests.dist_helpers import run_on_ranks
+from trainer.build import build_parts, build_trainer, instantiate, prepare_data
+from trainer.dist import DistContext
+from trainer.logger.jsonl import JsonlLogger
+
+
+def fit(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dict:
+    cfg = compose_config(["logger=none", "trainer.progress_bar=false", "data.num_samples=256",
+                          "data.num_val_samples=32", *overrides])  # fmt: skip
+    settings = instantiate(cfg.trainer)
+    parts = build_parts(cfg, settings)
+    initial = {k: v.clone() for k, v in parts.model.state_dict().items()}
+    ctx = DistContext(rank, rank, world_size, torch.device("cpu"), "gloo")
+    prepare_data(parts.data, ctx)
+    logger = JsonlLogger(Path(run_dir) / "metrics" / f"rank{rank}.jsonl")
+    trainer = build_trainer(parts, settings, ctx, [logger], Path(run_dir), {"note": "test"})
+    summary = trainer.fit()
+    logger.close()
+    changed = any(not torch.equal(initial[k], v) for k, v in trainer.model.state_dict().items())
+    return {"summary": summary, "changed": changed, "total_steps": trainer.total_steps}
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics" / "rank0.jsonl").read_text().splitlines()]
+
+
+def test_num_epochs_sets_the_length_and_rows_carry_their_epoch(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    # 256 samples / batch 32 = 8 steps per epoch.
+    overrides = ["data.batch_size=32", "trainer.max_steps=null", "trainer.num_epochs=2", "trainer.log_every_n_steps=4"]
+    (result,) = run_on_ranks(fit, 1, tmp_path / "job", overrides, str(run_dir))
+    assert result["total_steps"] == 16 and result["summary"]["epochs"] == 2.0
+    train = [(r["step"], r["epoch"]) for r in rows(run_dir) if "train/loss" in r]
+    assert train == [(4, 0), (8, 0), (12, 1), (16, 1)]
+    assert [(r["step"], r["epoch"]) for r in rows(run_dir) if "eval/loss" in r] == [(16, 1)]
+    checkpoint = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert checkpoint["step"] == 16 and checkpoint["config"] == {"note": "test"}
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 16
+
+
+def test_bf16_autocast_trains_on_cpu(tmp_path: Path) -> None:
+    (result,) = run_on_ranks(fit, 1, tmp_path / "job", ["trainer.precision=bf16", "trainer.max_steps=5"], str(tmp_path / "run"))
+    assert result["changed"]
+    assert all(torch.isfinite(torch.tensor(r["train/loss"])) for r in rows(tmp_path / "run") if "train/loss" in r)
