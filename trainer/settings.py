@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from trainer.errors import ConfigError, check, is_int, is_number
+from trainer.fault import Fault
 
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("fp32", "bf16")
@@ -24,6 +25,7 @@ class TrainSettings:
     precision: str = "fp32"  # fp32 | bf16 (autocast)
     collective_timeout_s: float = 300.0
     progress_bar: bool = True
+    fault: Fault = field(default_factory=Fault)  # testing aid: fail one rank on purpose
 
     def __post_init__(self) -> None:
         # Checked once, at start-up on every rank alike, before any collective can be waiting.

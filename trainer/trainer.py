@@ -149,6 +149,7 @@ class Trainer:
         return self._finish(final_eval, time.perf_counter() - started)
 
     def _train_step(self, batches: Iterator[Any], window: _Window, measure: bool) -> dict[str, float] | None:
+        self.settings.fault.maybe_fire(self.ctx.rank, self.step + 1)
         k = self.settings.grad_accum_steps
         device = self.ctx.device
         self._timer.start(measure)
