@@ -5,6 +5,8 @@
     torchrun --nproc_per_node=2 train.py sync=ddp sync.bucket_cap_mb=5
     torchrun --nproc_per_node=2 train.py sync=none             # no communication: a divergence baseline
     python train.py                                            # one process, world size 1, same code path
+    torchrun --nproc_per_node=2 train.py -m sync.bucket_cap_mb=1,5,25      # a sweep, every rank in step
+    python train.py -m hydra/launcher=torchrun sync.bucket_cap_mb=1,5,25   # each job its own torchrun group
 
 Every rank runs this file. Before Hydra composes anything, rank 0 picks the run's name and the
 others receive it through torchrun's store, so all ranks write into one run directory.
@@ -21,19 +23,10 @@ from omegaconf import DictConfig
 
 from trainer import config as conf
 from trainer import dist
-from trainer.build import (
-    add_loggers,
-    build_parts,
-    build_trainer,
-    instantiate,
-    prepare_data,
-)
+from trainer.build import add_loggers, build_parts, build_trainer, instantiate, prepare_data
 from trainer.exits import exit_cleanly
 from trainer.logger.base import MetricLogger
 from trainer.summary import log_final_report
-
-LAUNCH = dist.read_launch_env()
-STORE: dist.Store | None = None  # torchrun's store, connected under __main__ before Hydra runs
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
@@ -43,10 +36,12 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         config = conf.plain_config(cfg)
         settings = instantiate(cfg.trainer)
         parts = build_parts(cfg, settings)  # every constructor runs here, before any collective
-        device = dist.resolve_device(settings.device, LAUNCH.local_rank)
-        prefix = dist.group_key_prefix(LAUNCH, conf.job_num())
-        ctx = dist.init_process_group(LAUNCH, STORE, device, settings.collective_timeout_s, prefix)
+        launch = dist.read_launch_env()  # read here, not at import: submitit tasks unpickle main()
+        device = dist.resolve_device(settings.device, launch.local_rank)
+        prefix = dist.group_key_prefix(launch, conf.job_num())  # a fresh prefix per multirun job
+        ctx = dist.init_process_group(launch, dist.job_store(launch), device, settings.collective_timeout_s, prefix)
         try:
+            dist.check_ranks_agree("the job (number, overrides)", conf.job_identity())
             prepare_data(parts.data, ctx)
             run_dir = conf.run_dir()
             add_loggers(loggers, cfg, config, ctx, run_dir, group=conf.job_name(cfg.run_name))
@@ -59,9 +54,8 @@ def main(cfg: DictConfig) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    STORE = dist.connect_store(LAUNCH)
-    conf.register_resolvers(LAUNCH.rank, dist.agree_on_run_stamp(STORE, LAUNCH))
-    sys.argv += conf.hydra_overrides_for_rank(LAUNCH.rank)
+    launch = dist.read_launch_env()
+    conf.set_run_stamp(dist.agree_on_run_stamp(dist.job_store(launch), launch))
     try:
         main()
     except SystemExit as exit_:

@@ -27,7 +27,7 @@ COMMON = [
 
 def train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dict[str, torch.Tensor]:
     """The real build path of train.py, on the process group the helper started."""
-    cfg = compose_config(COMMON + overrides, rank=rank)
+    cfg = compose_config(COMMON + overrides)
     settings = instantiate(cfg.trainer)
     parts = build_parts(cfg, settings)
     ctx = DistContext(rank, rank, world_size, torch.device("cpu"), "gloo")

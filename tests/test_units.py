@@ -104,3 +104,20 @@ def test_average_gradients_is_sum_over_world_size(tmp_path: Path) -> None:
     for grads in run_on_ranks(_average, 2, tmp_path / "avg"):
         assert torch.equal(grads[0], torch.full((3,), 1.5))
         assert torch.equal(grads[1], torch.full((2, 2), 15.0))
+
+
+def _agree(rank: int, world_size: int, values: list) -> str:
+    from trainer.dist import check_ranks_agree
+
+    try:
+        check_ranks_agree("the job", values[rank])
+    except RuntimeError as err:
+        return str(err)
+    return "agreed"
+
+
+def test_ranks_that_drift_into_different_jobs_are_stopped(tmp_path: Path) -> None:
+    assert run_on_ranks(_agree, 2, tmp_path / "same", [(0, ("a=1",)), (0, ("a=1",))]) == ["agreed", "agreed"]
+    messages = run_on_ranks(_agree, 2, tmp_path / "drift", [(0, ("a=1",)), (1, ("a=5",))])
+    assert messages[0] == messages[1]
+    assert "ranks disagree on the job" in messages[0] and "rank 1: (1, ('a=5',))" in messages[0]

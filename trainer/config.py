@@ -7,6 +7,7 @@ trainer/build.py, train.py and the tests handle DictConfig.
 from __future__ import annotations
 
 import difflib
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,18 +16,35 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-
-def register_resolvers(rank: int, run_stamp: str) -> None:
-    """Values every rank must see alike (the run stamp) or per rank (its log file and console level)."""
-    OmegaConf.register_new_resolver("ddplab.run_stamp", lambda: run_stamp, replace=True)
-    OmegaConf.register_new_resolver("ddplab.rank", lambda: rank, replace=True)
-    # Every rank logs to its own file; only rank 0 talks on the console unless something is wrong.
-    OmegaConf.register_new_resolver("ddplab.console_level", lambda: "INFO" if rank == 0 else "WARNING", replace=True)
+from trainer.dist import read_launch_env
 
 
-def hydra_overrides_for_rank(rank: int) -> list[str]:
-    """Only global rank 0 writes Hydra's .hydra/ files; the others would race it for the same paths."""
-    return [] if rank == 0 else ["hydra.output_subdir=null"]
+RUN_STAMP_ENV = "DDPLAB_RUN_STAMP"
+
+
+def set_run_stamp(stamp: str) -> None:
+    """Publish the agreed run stamp; child processes (submitit tasks, launchers) inherit it."""
+    os.environ[RUN_STAMP_ENV] = stamp
+
+
+def _run_stamp() -> str:
+    if RUN_STAMP_ENV not in os.environ:
+        raise RuntimeError(f"{RUN_STAMP_ENV} is not set: train.py sets it before Hydra runs (or set run_name=...)")
+    return os.environ[RUN_STAMP_ENV]
+
+
+def _rank() -> int:
+    return read_launch_env().rank
+
+
+# Registered on import, and evaluated lazily in whichever process resolves them: a submitit task
+# resolves the run dir and its log file name itself, from its own environment.
+OmegaConf.register_new_resolver("ddplab.run_stamp", _run_stamp, replace=True)
+OmegaConf.register_new_resolver("ddplab.rank", _rank, replace=True)
+# Every rank logs to its own file; only rank 0 talks on the console unless something is wrong.
+OmegaConf.register_new_resolver("ddplab.console_level", lambda: "INFO" if _rank() == 0 else "WARNING", replace=True)
+# Only global rank 0 writes Hydra's .hydra/ files; the others would race it for the same paths.
+OmegaConf.register_new_resolver("ddplab.hydra_subdir", lambda: ".hydra" if _rank() == 0 else None, replace=True)
 
 
 def plain_config(cfg: DictConfig) -> dict[str, Any]:
@@ -44,6 +62,11 @@ def job_num() -> int:
     """The multirun job number (0 for a single run): part of each job's store prefix and W&B group."""
     hydra_cfg = HydraConfig.get()
     return int(hydra_cfg.job.num) if hydra_cfg.mode == RunMode.MULTIRUN else 0
+
+
+def job_identity() -> tuple[int, tuple[str, ...]]:
+    """The multirun job number and its overrides: what every rank must agree it is running."""
+    return job_num(), tuple(HydraConfig.get().overrides.task)
 
 
 def job_name(run_name: str) -> str:

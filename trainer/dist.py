@@ -1,8 +1,10 @@
 """The one place that reads the launcher's environment, and the process group's life cycle.
 
 torchrun exports RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, TORCHELASTIC_RUN_ID and
-TORCHELASTIC_RESTART_COUNT to every worker. Without them (``python train.py``) the job is one
-process of world size 1 that still runs the same code path, collectives included.
+TORCHELASTIC_RESTART_COUNT to every worker. Under Hydra's submitit launcher (Slurm, or its local
+stand-in) the rank and rendezvous come from submitit's job environment instead. Without either
+(``python train.py``) the job is one process of world size 1 that still runs the same code path,
+collectives included.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,7 +36,11 @@ class LaunchEnv:
     world_size: int
     run_id: str
     restart_count: int
-    launched: bool  # started by torchrun (or an equivalent launcher), not plain `python`
+    launcher: str  # "torchrun", "submitit" or "none" (plain python)
+
+    @property
+    def launched(self) -> bool:
+        return self.launcher != "none"
 
     @property
     def is_main_process(self) -> bool:
@@ -57,23 +64,52 @@ class DistContext:
 
 
 def read_launch_env(environ: Mapping[str, str] = os.environ) -> LaunchEnv:
-    """Read torchrun's variables once; fall back to a single process when RANK is unset."""
-    if "RANK" not in environ:
-        return LaunchEnv(rank=0, local_rank=0, world_size=1, run_id="local", restart_count=0, launched=False)
-    return LaunchEnv(
-        rank=int(environ["RANK"]),
-        local_rank=int(environ.get("LOCAL_RANK", "0")),
-        world_size=int(environ["WORLD_SIZE"]),
-        run_id=environ.get("TORCHELASTIC_RUN_ID", "none"),
-        restart_count=int(environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-        launched=True,
-    )
+    """Read the launcher's variables; fall back to a single process when there are none."""
+    if "RANK" in environ:
+        return LaunchEnv(
+            rank=int(environ["RANK"]),
+            local_rank=int(environ.get("LOCAL_RANK", "0")),
+            world_size=int(environ["WORLD_SIZE"]),
+            run_id=environ.get("TORCHELASTIC_RUN_ID", "none"),
+            restart_count=int(environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            launcher="torchrun",
+        )
+    if environ.get("SUBMITIT_EXECUTOR"):
+        import submitit
+
+        job = submitit.JobEnvironment()
+        return LaunchEnv(
+            rank=job.global_rank,
+            local_rank=job.local_rank,
+            world_size=job.num_tasks,
+            run_id=str(job.job_id),
+            restart_count=0,
+            launcher="submitit",
+        )
+    return LaunchEnv(rank=0, local_rank=0, world_size=1, run_id="local", restart_count=0, launcher="none")
+
+
+_store: dist.Store | None = None
+
+
+def job_store(env: LaunchEnv) -> dist.Store:
+    """This process's connection to the job's store, made once and reused by every multirun job."""
+    global _store
+    if _store is None:
+        _store = connect_store(env)
+    return _store
 
 
 def connect_store(env: LaunchEnv) -> dist.Store:
     """The job's key-value store: torchrun's (via PyTorch's env:// rendezvous) or an in-process one."""
-    if not env.launched:
+    if env.launcher == "none":
         return dist.HashStore()
+    if env.launcher == "submitit":
+        from submitit.helpers import TorchDistributedEnvironment
+
+        # MASTER_ADDR/PORT, RANK, WORLD_SIZE for env://. Each rank keeps every GPU visible and
+        # picks cuda:<local rank> itself, as under torchrun.
+        TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
     # env:// knows whether torchrun's agent already serves a store at MASTER_ADDR:MASTER_PORT.
     store, _, _ = next(dist.rendezvous("env://", rank=env.rank, world_size=env.world_size, timeout=STARTUP_TIMEOUT))
     return store
@@ -136,6 +172,19 @@ def group_key_prefix(env: LaunchEnv, job_num: int) -> str:
 def destroy_process_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def check_ranks_agree(what: str, value: Any) -> None:
+    """Every rank must hold the same value (e.g. the multirun job it is in), or the job stops.
+
+    Ranks that drifted apart would pair their collectives with another job's; this turns that
+    into an error naming each rank's value instead.
+    """
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    if any(v != values[0] for v in values):
+        listing = "; ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+        raise RuntimeError(f"ranks disagree on {what}: {listing}")
 
 
 def hostname() -> str:

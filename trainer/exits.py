@@ -55,9 +55,10 @@ def exit_cleanly(loggers: Sequence[MetricLogger]) -> Iterator[None]:
     except KeyboardInterrupt:
         code = 130
         raise
-    except BaseException:
+    except BaseException as err:
         code = 1
-        log.exception("training failed")
+        # The first line names the error: launchers and sweeps quote it as the root cause.
+        log.exception("training failed: %s: %s", type(err).__name__, err)
         raise SystemExit(code) from None
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a late SIGTERM must not cut the flush short
