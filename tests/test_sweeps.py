@@ -1,0 +1,129 @@
+"""Sweeps and multi-process launches end to end: multirun inside torchrun (route 1), the torchrun
+launcher plugin (route 2), two torchrun "nodes" on loopback, and submitit's local executor."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.cli import TRAIN, env, output, torchrun, train_rows
+from trainer.wandb_offline import find_runs
+
+pytestmark = pytest.mark.slow
+
+QUICK = ["trainer.max_steps=6", "trainer.log_every_n_steps=3", "trainer.progress_bar=false",
+         "data.num_samples=1024", "data.num_val_samples=128"]  # fmt: skip
+FAIL_FIRST_JOB_ON_RANK_1 = ["trainer.fault.at_step=3,null", "trainer.fault.rank=1"]
+
+
+def python_train(args: list[str], cwd: Path, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, TRAIN, *args], cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout_s)
+
+
+def sweep_dir(cwd: Path) -> Path:
+    (stamp,) = (cwd / "multirun").iterdir()
+    return stamp
+
+
+def assert_job_complete(job: Path, world_size: int = 2, wandb: bool = False) -> dict:
+    """A finished job's files, as DESIGN.md lists them; returns its summary."""
+    assert (job / ".hydra" / "config.yaml").is_file()
+    for rank in range(world_size):
+        assert (job / f"train_rank{rank}.log").is_file()
+        assert len(train_rows(job / "metrics" / f"rank{rank}.jsonl")) == 2
+    assert (job / "checkpoints" / "last.pt").is_file()
+    summary = json.loads((job / "summary.json").read_text())
+    assert summary["world_size"] == world_size and summary["steps"] == 6
+    if wandb:
+        runs = find_runs(job)
+        assert sorted(run.name for run in runs) == [f"rank-{r}" for r in range(world_size)]
+        assert len({run.group for run in runs}) == 1 and all(run.exit_code == 0 for run in runs)
+    return summary
+
+
+def groups(job: Path) -> set[str]:
+    return {run.group for run in find_runs(job)}
+
+
+def test_route1_multirun_inside_torchrun(tmp_path: Path) -> None:
+    proc = torchrun(["-m", "sync=ddp", "sync.bucket_cap_mb=1,5", *QUICK], cwd=tmp_path)
+    assert proc.returncode == 0, output(proc)
+    sweep = sweep_dir(tmp_path)
+    first = assert_job_complete(sweep / "0", wandb=True)
+    second = assert_job_complete(sweep / "1", wandb=True)
+    assert first["sync"]["bucket_cap_mb"] == 1.0 and second["sync"]["bucket_cap_mb"] == 5.0
+    assert groups(sweep / "0") == {f"{sweep.name}-0"} and groups(sweep / "1") == {f"{sweep.name}-1"}
+    assert proc.stdout.count("Launching 2 jobs") == 1  # Hydra's own messages from rank 0 only
+
+
+def test_route1_a_job_failing_on_one_rank_stops_the_sweep(tmp_path: Path) -> None:
+    started = time.monotonic()
+    proc = torchrun(["-m", *FAIL_FIRST_JOB_ON_RANK_1, "logger=none", *QUICK], cwd=tmp_path)
+    assert proc.returncode != 0, output(proc)
+    assert time.monotonic() - started < 60
+    assert "injected fault" in output(proc)
+    sweep = sweep_dir(tmp_path)
+    assert not (sweep / "1").exists(), "a later job started after a failure"
+    assert not (sweep / "0" / "summary.json").exists(), "the failed job looks finished"
+
+
+def test_route2_torchrun_launcher_runs_each_job_as_its_own_group(tmp_path: Path) -> None:
+    proc = python_train(["-m", "hydra/launcher=torchrun", "hydra.launcher.nproc_per_node=2", "sync=ddp",
+                         "sync.bucket_cap_mb=1,5", *QUICK], cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, output(proc)
+    sweep = sweep_dir(tmp_path)
+    assert_job_complete(sweep / "0", wandb=True)
+    assert_job_complete(sweep / "1", wandb=True)
+    assert groups(sweep / "0") == {f"{sweep.name}-0"} and groups(sweep / "1") == {f"{sweep.name}-1"}
+
+
+def test_route2_isolates_a_failing_job_and_exits_nonzero(tmp_path: Path) -> None:
+    proc = python_train(["-m", "hydra/launcher=torchrun", *FAIL_FIRST_JOB_ON_RANK_1, "logger=none", *QUICK], cwd=tmp_path)
+    text = output(proc)
+    assert proc.returncode != 0, text
+    assert "job 0 (" in text and "failed: rank 1 exited with code 1" in text and "InjectedFault" in text
+    sweep = sweep_dir(tmp_path)
+    assert not (sweep / "0" / "summary.json").exists()
+    assert_job_complete(sweep / "1")  # the next job still ran
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_nodes_on_loopback_form_one_job(tmp_path: Path) -> None:
+    """Two torchrun invocations, 2 processes each, meeting through c10d rendezvous: world size 4."""
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nnodes=2", "--nproc_per_node=2", "--rdzv-backend=c10d",
+           f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=two-nodes", TRAIN, *QUICK]  # fmt: skip
+    nodes = [subprocess.Popen(cmd, cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]  # fmt: skip
+    outs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outs
+    (run_dir,) = (tmp_path / "outputs").iterdir()  # all four ranks agreed on one directory
+    assert_job_complete(run_dir, world_size=4)
+    runs = {run.name: run for run in find_runs(run_dir)}
+    assert sorted(runs) == ["rank-0", "rank-1", "rank-2", "rank-3"]
+    # Global ranks 0..3, local ranks 0,1 on each node; one group for the whole job.
+    local = sorted((run.config["run"]["rank"], run.config["run"]["local_rank"]) for run in runs.values())
+    assert local[0][0] == 0 and sorted(r for r, _ in local) == [0, 1, 2, 3]
+    assert sorted(lr for _, lr in local) == [0, 0, 1, 1] and len({run.group for run in runs.values()}) == 1
+    # Only global rank 0 announces results, though each node has a local rank 0.
+    assert sum("done: 6 steps" in out for out in outs) == 1
+
+
+def test_submitit_local_runs_each_job_as_two_tasks(tmp_path: Path) -> None:
+    proc = python_train(["-m", "hydra/launcher=local", "hydra.launcher.tasks_per_node=2", "sync=ddp",
+                         "sync.bucket_cap_mb=1,5", "logger=none", *QUICK], cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, output(proc)
+    sweep = sweep_dir(tmp_path)
+    for job in ("0", "1"):
+        summary = assert_job_complete(sweep / job)
+        assert [r["rank"] for r in summary["ranks"]] == [0, 1]
