@@ -52,3 +52,13 @@ def test_bf16_autocast_trains_on_cpu(tmp_path: Path) -> None:
     (result,) = run_on_ranks(fit, 1, tmp_path / "job", ["trainer.precision=bf16", "trainer.max_steps=5"], str(tmp_path / "run"))
     assert result["changed"]
     assert all(torch.isfinite(torch.tensor(r["train/loss"])) for r in rows(tmp_path / "run") if "train/loss" in r)
+
+
+def test_ddp_reports_the_bucket_layout_after_its_rebuild(tmp_path: Path) -> None:
+    # ~1 KB buckets on a ~10 KB model: DDP must end up with several.
+    overrides = ["sync=ddp", "sync.bucket_cap_mb=0.001", "model.hidden_sizes=[32,32]", "trainer.max_steps=4"]
+    summaries = [r["summary"] for r in run_on_ranks(fit, 2, tmp_path / "job", overrides, str(tmp_path / "run"))]
+    sync = summaries[0]["sync"]
+    assert sync["buckets_rebuilt"] and sync["num_buckets"] > 2
+    assert sum(sync["bucket_sizes_bytes"]) == sync["total_parameter_bytes"]
+    assert summaries[1]["sync"] == sync

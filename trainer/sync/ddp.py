@@ -69,12 +69,14 @@ class DDPSync(SyncStrategy):
             "broadcast_buffers": self.broadcast_buffers,
         }
         if self._ddp is not None:
-            # DDP's own logging record (a prototype API): the bucket layout, after its rebuild once
-            # the first iteration has shown the order in which gradients become ready.
+            # DDP's own logging record (a prototype API). DDP rebuilds its buckets once, after the
+            # first iteration, in the order gradients became ready: report that layout once it exists.
             data = self._ddp._get_ddp_logging_data()
-            sizes = [int(s) for s in str(data.get("bucket_sizes", "")).split(",") if s.strip()]
+            rebuilt = bool(data.get("has_rebuilt_buckets")) and bool(data.get("rebuilt_bucket_sizes"))
+            layout = data.get("rebuilt_bucket_sizes") if rebuilt else data.get("bucket_sizes", "")
+            sizes = [int(s) for s in str(layout).split(",") if s.strip()]
             info["num_buckets"] = len(sizes)
             info["bucket_sizes_bytes"] = sizes
-            info["buckets_rebuilt"] = bool(data.get("has_rebuilt_buckets", 0))
+            info["buckets_rebuilt"] = rebuilt
             info["total_parameter_bytes"] = int(data.get("total_parameter_size_bytes", 0))
         return info
