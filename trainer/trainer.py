@@ -133,12 +133,11 @@ class Trainer:
                 self.train_loader.sampler.set_epoch(self.epoch)  # type: ignore[union-attr]
                 batches = iter(self.train_loader)
                 for _ in range(min(self.steps_per_epoch, self.total_steps - self.step)):
-                    measure = is_due(self.step + 1, self.settings.log_every_n_steps, self.total_steps)
-                    phases = self._train_step(batches, window, measure)
+                    self._train_step(batches, window)
                     self.step += 1
                     bar.update(1)
-                    if phases is not None:
-                        bar.set_postfix(loss=f"{self._log_train(window, phases):.4f}")
+                    if is_due(self.step, self.settings.log_every_n_steps, self.total_steps):
+                        bar.set_postfix(loss=f"{self._log_train(window):.4f}")
                     if self.settings.eval_every_n_steps and self.step < self.total_steps:
                         if self.step % self.settings.eval_every_n_steps == 0:
                             self.evaluate()
@@ -148,11 +147,11 @@ class Trainer:
         final_eval = self.evaluate()
         return self._finish(final_eval, time.perf_counter() - started)
 
-    def _train_step(self, batches: Iterator[Any], window: _Window, measure: bool) -> dict[str, float] | None:
+    def _train_step(self, batches: Iterator[Any], window: _Window) -> None:
         self.settings.fault.maybe_fire(self.ctx.rank, self.step + 1)
         k = self.settings.grad_accum_steps
         device = self.ctx.device
-        self._timer.start(measure)
+        self._timer.start()
         for i in range(k):
             inputs, targets = next(batches)
             inputs = inputs.to(device, non_blocking=True)
@@ -175,11 +174,12 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self._timer.mark("optimizer")
         window.steps += 1
-        return self._timer.stop()
+        self._timer.stop()
 
-    def _log_train(self, window: _Window, phases: dict[str, float]) -> float:
+    def _log_train(self, window: _Window) -> float:
         loss = window.loss_sum.item() / window.steps  # the one host sync of a logged step
         correct = window.correct.item()
+        phases = self._timer.collect() or {}  # mean of every step since the previous row
         elapsed = time.perf_counter() - window.started
         self._train_samples += window.samples
         self._train_seconds += elapsed
