@@ -1,0 +1,290 @@
+"""The sweep report on small hand-written job dirs: every number is checked against arithmetic here."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from PIL import Image
+
+from tests.compose import REPO
+from trainer.report import (
+    build_rows,
+    differing_overrides,
+    find_jobs,
+    main,
+    plot,
+    rank_stats,
+    read_jsonl,
+)
+
+DDP = "trainer.sync.ddp.DDPSync"
+MANUAL = "trainer.sync.manual.ManualSync"
+NONE = "trainer.sync.none.NoSync"
+
+
+def train_row(step: int, step_s: float, sync_s: float, samples_per_s: float, loss: float) -> dict[str, Any]:
+    return {
+        "step": step, "epoch": 0, "train/loss": loss, "train/accuracy": 0.5, "train/lr": 0.1,
+        "time/step_s": step_s, "time/data_s": 0.0, "time/forward_s": 0.0, "time/backward_s": 0.0,
+        "time/sync_s": sync_s, "time/optimizer_s": 0.0, "throughput/samples_per_s": samples_per_s,
+        "memory/rss_mb": 700.0, "some/future_key": 123.0,  # unknown keys must be ignored
+    }  # fmt: skip
+
+
+def eval_row(step: int, accuracy: float) -> dict[str, Any]:
+    return {"step": step, "epoch": 0, "eval/loss": 1.0, "eval/accuracy": accuracy}
+
+
+def write_job(
+    path: Path,
+    ranks: list[list[dict[str, Any]]],
+    target: str | None,
+    overrides: list[str] | None,
+    bucket_cap_mb: float | None = None,
+    complete: bool = True,
+    tail: str = "",
+) -> Path:
+    (path / "metrics").mkdir(parents=True)
+    for rank, rows in enumerate(ranks):
+        lines = "".join(json.dumps(row) + "\n" for row in rows)
+        (path / "metrics" / f"rank{rank}.jsonl").write_text(lines + tail)
+    if target is not None:
+        sync: dict[str, Any] = {"_target_": target}
+        if bucket_cap_mb is not None:
+            sync["bucket_cap_mb"] = bucket_cap_mb
+        (path / ".hydra").mkdir()
+        config = {"run_name": "${ddplab.run_stamp:}", "model": {"_target_": "models.mlp.MLP"}, "sync": sync}
+        (path / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
+        (path / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    if complete:
+        summary = {"steps": 30, "sync": {"strategy": target}}
+        (path / "summary.json").write_text(json.dumps(summary))
+    return path
+
+
+@pytest.fixture
+def sweep(tmp_path: Path) -> Path:
+    """Job 0/1: ddp at 1 and 25 MiB (job 1 on 3 ranks); job 2: manual; job 3: ddp at 5 MiB, killed mid-write.
+
+    The values make medians differ from means and sum/sum differ from a mean of ratios.
+    """
+    root = tmp_path / "sweep"
+    write_job(root / "0", [
+        [train_row(10, 0.010, 0.001, 100, 2.5), train_row(20, 0.030, 0.003, 300, 2.2), eval_row(20, 0.5),
+         train_row(30, 0.012, 0.002, 230, 2.0), eval_row(30, 0.75)],
+        [train_row(10, 0.020, 0.002, 150, 2.4), train_row(20, 0.016, 0.002, 40, 1.5), eval_row(20, 0.5),
+         train_row(30, 0.030, 0.002, 250, 1.0), eval_row(30, 0.75)],
+    ], DDP, ["sync=ddp", "sync.bucket_cap_mb=1", "logger=none", "run_name=x-0"], 1)  # fmt: skip
+    write_job(root / "1", [
+        [train_row(10, 0.008, 0.0, 400, 1.2), train_row(20, 0.008, 0.0, 400, 1.1), eval_row(20, 0.8)],
+        [train_row(10, 0.010, 0.0, 300, 1.3), train_row(20, 0.010, 0.0, 300, 0.9), eval_row(20, 0.8)],
+        [train_row(10, 0.030, 0.0, 100, 1.3), train_row(20, 0.030, 0.0, 100, 1.0), eval_row(20, 0.8)],
+    ], DDP, ["sync=ddp", "sync.bucket_cap_mb=25", "logger=none", "run_name=x-1"], 25)  # fmt: skip
+    write_job(root / "2", [
+        [train_row(10, 0.040, 0.020, 50, 3.0), train_row(20, 0.050, 0.030, 70, 2.0), eval_row(20, 0.25)],
+        [train_row(10, 0.060, 0.030, 40, 1.0), train_row(20, 0.060, 0.030, 40, 1.0), eval_row(20, 0.25)],
+    ], MANUAL, ["sync=manual", "logger=none", "run_name=x-2"])  # fmt: skip
+    write_job(root / "3", [[train_row(10, 0.100, 0.0, 10, 5.0)], [train_row(10, 0.200, 0.0, 20, 6.0)]],
+              DDP, ["sync=ddp", "sync.bucket_cap_mb=5", "logger=none", "run_name=x-3"], 5,
+              complete=False, tail='{"step": 20, "train/lo')  # fmt: skip
+    (root / "multirun.yaml").write_text("hydra: {}\n")
+    return root
+
+
+# Worked by hand from the rows above:
+# job 0: rank medians 12 ms and 20 ms -> 16.00; samples/s 230 + 150 = 380;
+#        sync share (0.006/0.052 + 0.006/0.066) / 2 = 10.32 %; loss (2.0 + 1.0) / 2; last eval 0.75
+# job 1: 8, 10 and 30 ms -> 10.00; 400 + 300 + 100 = 800; sync 0 %; loss (1.1 + 0.9 + 1.0) / 3; eval 0.8
+# job 2: 45 and 60 ms -> 52.50; 60 + 40 = 100; sync (0.05/0.09 + 0.06/0.12) / 2 = 52.78 %; loss 1.5
+# job 3: 100 and 200 ms -> 150.00; 10 + 20 = 30; incomplete, truncated last line skipped
+SYNC_0 = 100 * (0.006 / 0.052 + 0.006 / 0.066) / 2
+SYNC_2 = 100 * (0.05 / 0.09 + 0.06 / 0.12) / 2
+EXPECTED_CELLS = {
+    "0": ["0", "ok", "sync=ddp sync.bucket_cap_mb=1", "ddp", "1", "16.00", "380", "10.3†", "1.5000", "0.750",
+          "r1 (20.00 ms)", "r0 (12.00 ms)"],
+    "1": ["1", "ok", "sync=ddp sync.bucket_cap_mb=25", "ddp", "25", "10.00", "800", "0.0†", "1.0000", "0.800",
+          "r2 (30.00 ms)", "r0 (8.00 ms)"],
+    "2": ["2", "ok", "sync=manual", "manual", "", "52.50", "100", "52.8", "1.5000", "0.250",
+          "r1 (60.00 ms)", "r0 (45.00 ms)"],
+    "3": ["3", "incomplete", "sync=ddp sync.bucket_cap_mb=5", "ddp", "5", "(150.00)", "(30)", "(0.0†)",
+          "(5.5000)", "", "(r1 (200.00 ms))", "(r0 (100.00 ms))"],
+}  # fmt: skip
+
+
+def markdown_rows(text: str) -> dict[str, list[str]]:
+    lines = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| job")]
+    cells = [[c.strip() for c in line.strip("|").split(" | ")] for line in lines]
+    return {c[0]: c for c in cells}
+
+
+def test_table_markdown_and_csv_numbers(sweep: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    assert main([str(sweep), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "DDP bucket size sweep: sweep, 3 ranks" in printed
+    table = {line.split()[0]: line for line in printed.splitlines()[2:6]}
+    for job, cells in EXPECTED_CELLS.items():
+        tokens = " ".join(c for c in cells if c).split()
+        assert table[job].split() == tokens
+    assert markdown_rows((out / "report.md").read_text()) == EXPECTED_CELLS
+
+    records = {r["job"]: r for r in csv.DictReader((out / "report.csv").open())}
+    assert list(records) == ["0", "1", "2", "3"]
+    expected = {  # job: step_ms, samples_per_s, sync_share_pct, train_loss, eval_accuracy, rank0/1/2 step ms
+        "0": (16.0, 380.0, SYNC_0, 1.5, 0.75, 12.0, 20.0, None),
+        "1": (10.0, 800.0, 0.0, 1.0, 0.8, 8.0, 10.0, 30.0),
+        "2": (52.5, 100.0, SYNC_2, 1.5, 0.25, 45.0, 60.0, None),
+        "3": (150.0, 30.0, 0.0, 5.5, None, 100.0, 200.0, None),
+    }
+    columns = ("step_ms", "samples_per_s", "sync_share_pct", "train_loss", "eval_accuracy", "rank0_step_ms",
+               "rank1_step_ms", "rank2_step_ms")  # fmt: skip
+    for job, values in expected.items():
+        for column, value in zip(columns, values):
+            got = records[job][column]
+            assert (got == "") if value is None else (float(got) == pytest.approx(value)), (job, column, got)
+    assert [records[j]["status"] for j in "0123"] == ["ok", "ok", "ok", "incomplete"]
+    assert [records[j]["bucket_cap_mb"] for j in "0123"] == ["1.0", "25.0", "", "5.0"]
+    assert [(records[j]["slowest_rank"], records[j]["fastest_rank"]) for j in "0123"] == [
+        ("1", "0"), ("2", "0"), ("1", "0"), ("1", "0")]
+    assert [records[j]["num_ranks"] for j in "0123"] == ["2", "3", "2", "2"]
+
+
+def test_rank_stats_of_one_rank() -> None:
+    rows = [train_row(10, 0.010, 0.001, 100, 2.5), eval_row(10, 0.5), train_row(20, 0.030, 0.003, 300, 2.0)]
+    stats = rank_stats(1, rows)
+    assert (stats.rank, stats.timed_steps) == (1, 2)
+    assert stats.step_ms == pytest.approx(20.0)  # median of 10 and 30 ms
+    assert stats.samples_per_s == pytest.approx(200.0)
+    assert stats.sync_share == pytest.approx(0.004 / 0.040)
+    assert stats.train_loss == 2.0  # the last training row, not an eval row
+    empty = rank_stats(0, [eval_row(10, 0.5)])
+    assert (empty.step_ms, empty.samples_per_s, empty.sync_share, empty.train_loss) == (None, None, None, None)
+
+
+def test_truncated_jsonl_line_is_skipped(tmp_path: Path) -> None:
+    path = tmp_path / "rank0.jsonl"
+    path.write_text(json.dumps(eval_row(1, 0.5)) + "\n" + '{"step": 2, "train/lo')
+    assert read_jsonl(path) == [eval_row(1, 0.5)]
+
+
+def test_differing_overrides() -> None:
+    jobs = [
+        ["sync=ddp", "sync.bucket_cap_mb=1", "logger=none", "run_name=a-0", "hydra.verbose=true"],
+        ["sync=ddp", "sync.bucket_cap_mb=25", "logger=none", "run_name=a-1", "hydra.verbose=false"],
+        ["sync=manual", "logger=none", "run_name=a-2"],
+    ]
+    assert differing_overrides(jobs) == [
+        ["sync=ddp", "sync.bucket_cap_mb=1"],
+        ["sync=ddp", "sync.bucket_cap_mb=25"],
+        ["sync=manual"],  # it lacks sync.bucket_cap_mb: that key differs too, but it has nothing to show
+    ]
+    assert differing_overrides([["model=cnn", "seed=1"], ["model=cnn", "seed=2"]]) == [["seed=1"], ["seed=2"]]
+    assert differing_overrides([["+extra=1"], ["+extra=2"]]) == [["+extra=1"], ["+extra=2"]]
+    assert differing_overrides([["a=1"], ["a=1"]]) == [[], []]
+    # One job: everything it was given, except naming and Hydra's own settings.
+    assert differing_overrides([jobs[0]]) == [["sync=ddp", "sync.bucket_cap_mb=1", "logger=none"]]
+
+
+def drawn_points(axes: list[Any]) -> tuple[set[float], set[float]]:
+    xs: set[float] = set()
+    ys: set[float] = set()
+    for line in (line for ax in axes for line in ax.lines):
+        xs.update(float(x) for x in line.get_xdata())
+        ys.update(round(float(y), 6) for y in line.get_ydata())
+    return xs, ys
+
+
+def test_plot_draws_complete_jobs_only(sweep: Path) -> None:
+    fig = plot(build_rows(find_jobs(sweep)), "title")
+    step_ax, rate_ax, rank_rate_ax = fig.axes  # the third: per-rank samples/s on a right axis
+    assert step_ax.get_xscale() == rate_ax.get_xscale() == "log"
+    assert "ms" in step_ax.get_ylabel() and "samples/s" in rate_ax.get_ylabel()
+    step_x, step_y = drawn_points([step_ax])
+    rate_x, rate_y = drawn_points([rate_ax, rank_rate_ax])
+    # Jobs 0 and 1 as a line with their ranks as markers; manual as a horizontal reference line.
+    assert {1.0, 25.0} <= step_x and {16.0, 12.0, 20.0, 10.0, 8.0, 30.0, 52.5} <= step_y
+    assert {380.0, 230.0, 150.0, 800.0, 400.0, 300.0, 100.0} <= rate_y
+    # The incomplete job 3 (5 MiB, 150 ms, 100/200 ms ranks, 30 samples/s) appears nowhere.
+    assert 5.0 not in step_x | rate_x
+    assert not {150.0, 100.0, 200.0} & step_y and 30.0 not in rate_y
+    legend = [t.get_text() for t in step_ax.get_legend().get_texts()]
+    assert "ddp" in legend and "manual (job 2, no buckets)" in legend
+    assert any("job 3" in t.get_text() for t in fig.texts)
+
+
+def test_plot_per_job_without_bucket_sizes(tmp_path: Path) -> None:
+    root = tmp_path / "sweep"
+    write_job(root / "0", [[train_row(10, 0.040, 0.02, 50, 1.0)]], MANUAL, ["sync=manual"])
+    write_job(root / "1", [[train_row(10, 0.010, 0.0, 90, 1.0)]], NONE, ["sync=none"])
+    fig = plot(build_rows(find_jobs(root)), "title")
+    assert fig.axes[0].get_xscale() == "linear"
+    labels = [t.get_text() for t in fig.axes[0].get_xticklabels()]
+    assert labels == ["job 0\nsync=manual", "job 1\nsync=none"]
+    assert [p.get_height() for p in fig.axes[0].patches] == pytest.approx([40.0, 10.0])
+
+
+def test_files_written_and_png_is_an_image(sweep: Path) -> None:
+    assert main([str(sweep)]) == 0  # default --out: the sweep dir itself
+    markdown = (sweep / "report.md").read_text()
+    assert "## Legend" in markdown and "median over ranks" in markdown and "![" in markdown
+    assert "(report.png)" in markdown
+    with Image.open(sweep / "report.png") as image:
+        image.verify()
+    with Image.open(sweep / "report.png") as image:
+        assert image.format == "PNG" and image.width >= 1000 and image.height >= 400
+
+
+def test_single_job_dir_and_missing_hydra(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ranks = [[train_row(10, 0.010, 0.0, 100, 1.0)], [train_row(10, 0.020, 0.0, 50, 3.0)]]
+    overrides = ["sync=ddp", "sync.bucket_cap_mb=5", "logger=none", "run_name=s", "hydra.run.dir=/x"]
+    job = write_job(tmp_path / "single", ranks, DDP, overrides, 5)
+    assert main([str(job)]) == 0
+    line = capsys.readouterr().out.splitlines()[2]
+    assert line.split() == ["single", "ok", "sync=ddp", "sync.bucket_cap_mb=5", "logger=none", "ddp", "5",
+                            "15.00", "150", "0.0†", "2.0000", "r1", "(20.00", "ms)", "r0", "(10.00", "ms)"]  # fmt: skip
+    assert (job / "report.csv").is_file() and (job / "report.png").is_file()
+
+    bare = write_job(tmp_path / "bare", [[train_row(10, 0.010, 0.0, 100, 1.0)]], None, None, complete=False)
+    assert main([str(bare)]) == 0
+    assert capsys.readouterr().out.splitlines()[2].split() == [
+        "bare", "incomplete", "(10.00)", "(100)", "(0.0)", "(1.0000)", "(r0", "(10.00", "ms))", "(r0", "(10.00", "ms))",
+    ]  # fmt: skip
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "trainer.report", *args]
+    return subprocess.run(command, check=False, cwd=REPO, capture_output=True, encoding="utf-8", timeout=120)
+
+
+def test_cli_prints_the_table(sweep: Path) -> None:
+    proc = run_cli(str(sweep))
+    assert proc.returncode == 0, proc.stderr
+    assert "job  status" in proc.stdout and "16.00" in proc.stdout and "incomplete" in proc.stdout
+    assert (sweep / "report.md").is_file()
+
+
+def test_cli_rejects_dirs_without_jobs_or_metrics(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = run_cli(str(empty))
+    assert proc.returncode == 2 and str(empty) in proc.stderr and "no job dirs" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    (tmp_path / "nometrics" / "0").mkdir(parents=True)
+    proc = run_cli(str(tmp_path / "nometrics"))
+    assert proc.returncode == 2 and "no metrics" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (empty / "report.md").exists()
+
+
+def test_jobs_sorted_by_number_and_other_dirs_ignored(tmp_path: Path) -> None:
+    for name in ("10", "2"):
+        write_job(tmp_path / name, [[train_row(10, 0.010, 0.0, 100, 1.0)]], NONE, [f"seed={name}"])
+    (tmp_path / ".submitit").mkdir()
+    (tmp_path / "notes").mkdir()
+    assert [job.name for job in find_jobs(tmp_path)] == ["2", "10"]
