@@ -23,7 +23,13 @@ from omegaconf import DictConfig
 
 from trainer import config as conf
 from trainer import dist
-from trainer.build import add_loggers, build_parts, build_trainer, instantiate, prepare_data
+from trainer.build import (
+    add_loggers,
+    build_parts,
+    build_trainer,
+    instantiate,
+    prepare_data,
+)
 from trainer.exits import exit_cleanly
 from trainer.logger.base import MetricLogger
 from trainer.summary import log_final_report

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.cli import TRAIN, env, output, torchrun, train_rows
+from tests.compose import REPO
 from trainer.wandb_offline import find_runs
 
 pytestmark = pytest.mark.slow
@@ -60,6 +61,9 @@ def test_route1_multirun_inside_torchrun(tmp_path: Path) -> None:
     assert first["sync"]["bucket_cap_mb"] == 1.0 and second["sync"]["bucket_cap_mb"] == 5.0
     assert groups(sweep / "0") == {f"{sweep.name}-0"} and groups(sweep / "1") == {f"{sweep.name}-1"}
     assert proc.stdout.count("Launching 2 jobs") == 1  # Hydra's own messages from rank 0 only
+    report = subprocess.run([sys.executable, "-m", "trainer.report", str(sweep)], cwd=REPO, capture_output=True, text=True)
+    assert report.returncode == 0, report.stderr
+    assert "sync.bucket_cap_mb=1" in report.stdout and (sweep / "report.png").stat().st_size > 10_000
 
 
 def test_route1_a_job_failing_on_one_rank_stops_the_sweep(tmp_path: Path) -> None:

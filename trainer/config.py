@@ -18,7 +18,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainer.dist import read_launch_env
 
-
 RUN_STAMP_ENV = "DDPLAB_RUN_STAMP"
 
 

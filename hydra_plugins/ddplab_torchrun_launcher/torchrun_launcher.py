@@ -19,10 +19,18 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
-from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, setup_globals
+from hydra.core.utils import (
+    JobReturn,
+    JobStatus,
+    configure_log,
+    filter_overrides,
+    setup_globals,
+)
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, open_dict
+
+from trainer.dist import read_launch_env
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +69,7 @@ class TorchrunLauncher(Launcher):
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         assert self.config is not None and self.hydra_context is not None
-        if "RANK" in os.environ:
+        if read_launch_env().launched:
             raise RuntimeError("hydra/launcher=torchrun starts torchrun itself: run it with plain `python train.py -m ...`")
         setup_globals()
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
