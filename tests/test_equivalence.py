@@ -69,8 +69,10 @@ def single_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.
         # Accumulation: 2 micro-batches of 4 per rank; ddp must not communicate on the first.
         ["sync=ddp", "data.batch_size=4", "trainer.grad_accum_steps=2"],
         ["sync=manual", "data.batch_size=4", "trainer.grad_accum_steps=2"],
+        # Flattened into ~1 KB groups: several coalesced all_reduces per step.
+        ["sync=manual", "sync.coalesce_mb=0.001", "data.batch_size=8"],
     ],
-    ids=["manual", "ddp", "ddp-tiny-buckets", "ddp-bucket-view-static", "ddp-accum", "manual-accum"],
+    ids=["manual", "ddp", "ddp-tiny-buckets", "ddp-bucket-view-static", "ddp-accum", "manual-accum", "manual-coalesced"],
 )
 def test_two_ranks_equal_one_process_with_twice_the_batch(
     tmp_path: Path, single_process: dict[str, torch.Tensor], overrides: list[str]

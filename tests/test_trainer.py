@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.compose import compose_config
@@ -62,3 +63,40 @@ def test_ddp_reports_the_bucket_layout_after_its_rebuild(tmp_path: Path) -> None
     assert sync["buckets_rebuilt"] and sync["num_buckets"] > 2
     assert sum(sync["bucket_sizes_bytes"]) == sync["total_parameter_bytes"]
     assert summaries[1]["sync"] == sync
+
+
+def param_bytes(rank: int, world_size: int) -> int:
+    cfg = compose_config(["model.hidden_sizes=[32,32]"])
+    return sum(p.numel() * p.element_size() for p in build_parts(cfg, instantiate(cfg.trainer)).model.parameters())
+
+
+@pytest.mark.parametrize("sync", ["manual", "ddp"])
+def test_rows_account_for_communication_and_phases_add_up(tmp_path: Path, sync: str) -> None:
+    run_dir = tmp_path / "run"
+    overrides = [f"sync={sync}", "model.hidden_sizes=[32,32]", "trainer.max_steps=6", "trainer.log_every_n_steps=3"]
+    run_on_ranks(fit, 2, tmp_path / "job", overrides, str(run_dir))
+    expected = param_bytes(0, 1)
+    train = [r for r in rows(run_dir) if "train/loss" in r]
+    assert len(train) == 2
+    for row in train:
+        assert row["comm/bytes_per_step"] == expected  # every gradient, once per step
+        phases = sum(row[f"time/{p}_s"] for p in ("data", "forward", "backward", "sync", "optimizer"))
+        assert phases == pytest.approx(row["time/step_s"], rel=1e-6)
+        assert 0 < row["time/comm_exposed_s"] <= row["time/comm_s"] + 1e-9
+        assert row["comm/busbw_GBps"] > 0 and 0.0 <= row["comm/overlap_fraction"] <= 1.0
+        if sync == "manual":
+            assert row["time/comm_s"] == row["time/sync_s"] and row["comm/collectives_per_step"] == 6
+        else:
+            assert row["time/comm_s"] <= row["time/backward_s"]  # DDP communicates inside backward
+
+
+def test_sync_none_sends_nothing(tmp_path: Path) -> None:
+    run_on_ranks(fit, 2, tmp_path / "job", ["sync=none", "trainer.max_steps=3"], str(tmp_path / "run"))
+    assert not any(key.startswith("comm/") for r in rows(tmp_path / "run") for key in r)
+
+
+def test_profile_flag_leaves_a_trace_per_rank(tmp_path: Path) -> None:
+    run_on_ranks(fit, 2, tmp_path / "job", ["trainer.profile=true", "trainer.max_steps=6"], str(tmp_path / "run"))
+    traces = sorted(p.name.split(".")[0] for p in (tmp_path / "run" / "profiler").glob("*.pt.trace.json"))
+    assert traces == ["rank0", "rank1"]
+    assert '"traceEvents"' in next((tmp_path / "run" / "profiler").glob("rank0.*")).read_text()[:2000]

@@ -21,7 +21,8 @@ from trainer.steps import (
     total_steps,
 )
 from trainer.summary import format_report, job_throughput, rank_timing
-from trainer.sync.manual import average_gradients
+from trainer.sync.comm import CommCounters, busy_time, comm_metrics, exposed_time
+from trainer.sync.manual import average_gradients, average_gradients_coalesced, coalesce
 from trainer.timing import PHASES, StepTimer
 
 
@@ -92,19 +93,44 @@ def test_summary_helpers() -> None:
     assert "W&B run rank-0: /r/wandb/offline-run-x" in report and "wandb sync /r/wandb/offline-run-*" in report
 
 
-def _average(rank: int, world_size: int) -> list[torch.Tensor]:
-    params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2, 2)), torch.nn.Parameter(torch.zeros(1))]
-    params[0].grad = torch.full((3,), float(rank + 1))
-    params[1].grad = torch.full((2, 2), float(10 * (rank + 1)))
-    # params[2] has no gradient on any rank: skipped alike everywhere.
-    assert average_gradients(params, world_size) == (3 + 4) * 4
-    return [p.grad for p in params[:2]]
+def _average(rank: int, world_size: int, cap_bytes: int) -> list[torch.Tensor]:
+    grads = [torch.full((3,), float(rank + 1)), torch.full((2, 2), float(10 * (rank + 1))), torch.arange(5.0) * rank]
+    if cap_bytes:
+        calls = average_gradients_coalesced(grads, world_size, cap_bytes)
+    else:
+        calls = average_gradients(grads, world_size)
+    return [*grads, torch.tensor(calls)]
 
 
-def test_average_gradients_is_sum_over_world_size(tmp_path: Path) -> None:
-    for grads in run_on_ranks(_average, 2, tmp_path / "avg"):
+@pytest.mark.parametrize(("cap_bytes", "calls"), [(0, 3), (28, 2), (1 << 20, 1)], ids=["per-tensor", "two-groups", "one-group"])
+def test_average_gradients_is_sum_over_world_size(tmp_path: Path, cap_bytes: int, calls: int) -> None:
+    for *grads, made in run_on_ranks(_average, 2, tmp_path / "avg", cap_bytes):
         assert torch.equal(grads[0], torch.full((3,), 1.5))
         assert torch.equal(grads[1], torch.full((2, 2), 15.0))
+        assert torch.equal(grads[2], torch.arange(5.0) / 2)
+        assert made.item() == calls
+
+
+def test_coalesce_groups_consecutive_gradients_up_to_the_cap() -> None:
+    grads = [torch.zeros(4), torch.zeros(4), torch.zeros(100), torch.zeros(2)]  # 16, 16, 400, 8 bytes
+    assert [[g.numel() for g in group] for group in coalesce(grads, 32)] == [[4, 4], [100], [2]]
+
+
+def test_comm_metrics_arithmetic() -> None:
+    # Two collectives in flight 0-4 s and 2-6 s: busy 6 s; the last left at 2 s and came back at 6 s.
+    assert busy_time([(0.0, 4.0), (2.0, 6.0), (7.0, 8.0)]) == 7.0
+    assert exposed_time([(0.0, 4.0), (2.0, 6.0)]) == 4.0
+    counts = CommCounters(bytes=4_000_000_000, collectives=4, seconds=8.0, exposed_seconds=2.0, timed=True)
+    m = comm_metrics(counts, steps=2, sync_phase_s=0.0, in_sync_phase=False, world_size=2)
+    assert m["comm/bytes_per_step"] == 2e9 and m["comm/collectives_per_step"] == 2
+    assert m["time/comm_s"] == 4.0 and m["time/comm_exposed_s"] == 1.0 and m["comm/overlap_fraction"] == 0.75
+    assert m["comm/busbw_GBps"] == pytest.approx(0.5)  # 2e9 B / 4 s x 2(2-1)/2
+    manual = comm_metrics(CommCounters(bytes=100, collectives=1), 1, sync_phase_s=0.5, in_sync_phase=True, world_size=4)
+    assert manual["time/comm_s"] == manual["time/comm_exposed_s"] == 0.5 and manual["comm/overlap_fraction"] == 0.0
+    untimed = comm_metrics(CommCounters(bytes=100, collectives=1), 1, sync_phase_s=0.5, in_sync_phase=False, world_size=2)
+    assert "time/comm_s" not in untimed and untimed["comm/bytes_per_step"] == 100
+    assert comm_metrics(CommCounters(), 1, 0.5, True, 2) == {}
+    assert counts.take().bytes == 4_000_000_000 and counts.bytes == 0
 
 
 def _agree(rank: int, world_size: int, values: list) -> str:

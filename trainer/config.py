@@ -46,6 +46,18 @@ OmegaConf.register_new_resolver("ddplab.console_level", lambda: "INFO" if _rank(
 OmegaConf.register_new_resolver("ddplab.hydra_subdir", lambda: ".hydra" if _rank() == 0 else None, replace=True)
 
 
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+
+def compose_config(overrides: list[str], run_stamp: str = "composed") -> DictConfig:
+    """The config train.py would see for these overrides, without running Hydra's app (tests, benchmarks)."""
+    from hydra import compose, initialize_config_dir
+
+    set_run_stamp(os.environ.get(RUN_STAMP_ENV, run_stamp))
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("config", overrides=overrides)
+
+
 def plain_config(cfg: DictConfig) -> dict[str, Any]:
     """The resolved config as plain containers: for W&B, checkpoints and summaries."""
     mark_job_started()

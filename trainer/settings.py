@@ -25,6 +25,7 @@ class TrainSettings:
     precision: str = "fp32"  # fp32 | bf16 (autocast)
     collective_timeout_s: float = 300.0
     progress_bar: bool = True
+    profile: bool = False  # torch.profiler trace of a few steps per rank, in <run dir>/profiler/
     fault: Fault = field(default_factory=Fault)  # testing aid: fail one rank on purpose
 
     def __post_init__(self) -> None:

@@ -35,6 +35,7 @@ from data.base import DataModule
 from trainer.checkpoint import save_checkpoint
 from trainer.dist import DistContext, hostname
 from trainer.logger.base import MetricLogger
+from trainer.profiling import StepProfiler
 from trainer.settings import TrainSettings
 from trainer.steps import (
     epoch_of,
@@ -45,6 +46,7 @@ from trainer.steps import (
 )
 from trainer.summary import job_summary, rank_timing, write_json
 from trainer.sync.base import SyncStrategy
+from trainer.sync.comm import comm_metrics
 from trainer.timing import StepTimer
 
 log = logging.getLogger(__name__)
@@ -107,6 +109,8 @@ class Trainer:
         self.epoch = 0
         self._lr = self.optimizer.param_groups[0]["lr"]
         self._timer = StepTimer(ctx.device)
+        self._window = _Window(ctx.device)
+        self._batches: Iterator[Any] | None = None  # the current epoch's batches
         self._train_rows: list[dict[str, Any]] = []
         self._train_samples = 0
         self._train_seconds = 0.0
@@ -126,26 +130,42 @@ class Trainer:
         started = time.perf_counter()
         show_bar = self.settings.progress_bar and self.ctx.is_main_process
         bar = tqdm(total=self.total_steps, disable=not show_bar, desc="train", unit="step", dynamic_ncols=True)
-        window = _Window(self.ctx.device)
-        self.model.train()
-        with bar, logging_redirect_tqdm():
-            while self.step < self.total_steps:
-                self.train_loader.sampler.set_epoch(self.epoch)  # type: ignore[union-attr]
-                batches = iter(self.train_loader)
-                for _ in range(min(self.steps_per_epoch, self.total_steps - self.step)):
-                    self._train_step(batches, window)
-                    self.step += 1
-                    bar.update(1)
-                    if is_due(self.step, self.settings.log_every_n_steps, self.total_steps):
-                        bar.set_postfix(loss=f"{self._log_train(window):.4f}")
-                    if self.settings.eval_every_n_steps and self.step < self.total_steps:
-                        if self.step % self.settings.eval_every_n_steps == 0:
-                            self.evaluate()
-                            window.started = time.perf_counter()  # evaluation is not training time
-                if self.step % self.steps_per_epoch == 0:
-                    self.epoch += 1
+        profiler = StepProfiler(self.settings.profile, self.ctx.device, self.ctx.rank, self.run_dir / "profiler")
+        with bar, logging_redirect_tqdm(), profiler:
+            self.train(self.total_steps, bar, profiler)
         final_eval = self.evaluate()
         return self._finish(final_eval, time.perf_counter() - started)
+
+    def train(self, until_step: int, bar: tqdm | None = None, profiler: StepProfiler | None = None) -> None:
+        """Run optimizer steps, logging and evaluating as configured, until `step == until_step`.
+
+        Callable repeatedly (the overhead benchmark times it): it continues mid-epoch where it
+        stopped, and time spent outside it is not counted in a logging window that starts here.
+        """
+        self.model.train()
+        if self._window.steps == 0:
+            self._window.started = time.perf_counter()
+        while self.step < until_step:
+            if self._batches is None:  # a new epoch: a new shuffle, the same on every rank
+                self.train_loader.sampler.set_epoch(self.epoch)  # type: ignore[union-attr]
+                self._batches = iter(self.train_loader)
+            self._train_step(self._batches, self._window)
+            self.step += 1
+            if profiler is not None:
+                profiler.step()
+            if bar is not None:
+                bar.update(1)
+            if is_due(self.step, self.settings.log_every_n_steps, self.total_steps):
+                loss = self._log_train(self._window)
+                if bar is not None:
+                    bar.set_postfix(loss=f"{loss:.4f}")
+            every = self.settings.eval_every_n_steps
+            if every and self.step % every == 0 and self.step < self.total_steps:
+                self.evaluate()
+                self._window.started = time.perf_counter()  # evaluation is not training time
+            if self.step % self.steps_per_epoch == 0:
+                self.epoch += 1
+                self._batches = None
 
     def _train_step(self, batches: Iterator[Any], window: _Window) -> None:
         self.settings.fault.maybe_fire(self.ctx.rank, self.step + 1)
@@ -192,7 +212,12 @@ class Trainer:
             **{f"time/{phase}_s": seconds for phase, seconds in phases.items()},
             "throughput/samples_per_s": window.samples / elapsed,
             "memory/rss_mb": self._process.memory_info().rss / 2**20,
-        }
+            **comm_metrics(self.sync.comm.take(), window.steps, phases.get("sync", 0.0),
+                           self.sync.comm_in_sync_phase, self.ctx.world_size),
+        }  # fmt: skip
+        if not self._train_rows and self.ctx.is_main_process:
+            # Once per job, after the first logged step: DDP has rebuilt its buckets by then.
+            log.info("sync: %s", self.sync.describe())
         if self.ctx.device.type == "cuda":
             row["memory/cuda_max_allocated_mb"] = torch.cuda.max_memory_allocated(self.ctx.device) / 2**20
         for logger in self.loggers:

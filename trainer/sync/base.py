@@ -16,9 +16,21 @@ from typing import Any
 
 from torch import nn
 
+from trainer.sync.comm import CommCounters
+
 
 class SyncStrategy(ABC):
-    """How the replicas' gradients become one averaged gradient."""
+    """How the replicas' gradients become one averaged gradient.
+
+    Besides the four methods, a strategy counts what it sends in `self.comm`, which the trainer
+    reads at logged steps. `comm_in_sync_phase` says that all its communication happens inside
+    after_backward, so the trainer's timing of that phase is its communication time.
+    """
+
+    comm_in_sync_phase: bool = False
+
+    def __init__(self) -> None:
+        self.comm = CommCounters()
 
     @abstractmethod
     def wrap(self, model: nn.Module) -> nn.Module:

@@ -1,16 +1,20 @@
 """PyTorch's DistributedDataParallel with every knob taken from config."""
 
-from __future__ import annotations
+# No `from __future__ import annotations` here: DDP checks the hook's annotations as real types.
 
 import inspect
+import time
 from contextlib import AbstractContextManager
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer.errors import check, is_number
 from trainer.sync.base import SyncStrategy
+from trainer.sync.comm import busy_time, exposed_time
 
 # torch 2.14 renamed the per-forward buffer broadcast to forward_sync_buffers (the old name warns).
 # The new flag always syncs buffers at construction, which we want anyway: replicas start equal.
@@ -19,6 +23,36 @@ _BUFFER_FLAG = (
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
     else "broadcast_buffers"
 )
+
+
+class BucketClock:
+    """A DDP communication hook doing what DDP's built-in all-reduce does, timed per bucket.
+
+    Each bucket is divided by the world size and all-reduced with SUM, as DDP does without a hook;
+    the hook also notes when the bucket left (its gradients were ready) and when the reduced
+    bucket came back, which is what tells hidden communication from exposed. Host clocks only
+    mean that on CPU, where gloo completes the future when the data is there.
+    """
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.bytes = 0
+        self.calls = 0
+        self.intervals: list[tuple[float, float]] = []
+
+    def hook(self, state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        tensor = bucket.buffer()
+        self.bytes += tensor.numel() * tensor.element_size()
+        self.calls += 1
+        launched = time.perf_counter()
+        tensor.div_(self.world_size)
+        future = dist.all_reduce(tensor, async_op=True).get_future()
+
+        def arrived(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+            self.intervals.append((launched, time.perf_counter()))  # runs on gloo's thread
+            return done.value()[0]
+
+        return future.then(arrived)
 
 
 class DDPSync(SyncStrategy):
@@ -34,12 +68,15 @@ class DDPSync(SyncStrategy):
     ) -> None:
         check(is_number(bucket_cap_mb) and bucket_cap_mb > 0, "sync.bucket_cap_mb", bucket_cap_mb,
               "must be a number > 0 (MiB per gradient bucket; DDP's default is 25)")
+        super().__init__()
         self.bucket_cap_mb = float(bucket_cap_mb)
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
         self._ddp: DistributedDataParallel | None = None
+        self._clock: BucketClock | None = None
+        self._grad_bytes = 0
 
     def wrap(self, model: nn.Module) -> nn.Module:
         device = next(model.parameters()).device
@@ -53,7 +90,27 @@ class DDPSync(SyncStrategy):
             find_unused_parameters=self.find_unused_parameters,
             **{_BUFFER_FLAG: self.broadcast_buffers},
         )
+        if device.type == "cpu":
+            # On CUDA, DDP's C++ all-reduce stays in place (a Python hook would add GIL traffic to
+            # every bucket, and host clocks can't time NCCL): bytes are counted, time is not.
+            self._clock = BucketClock(dist.get_world_size())
+            self._ddp.register_comm_hook(state=None, hook=self._clock.hook)
+        self._grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         return self._ddp
+
+    def after_backward(self, model: nn.Module) -> None:
+        # DDP has already reduced every bucket (backward waits for them); only the accounting is left.
+        clock = self._clock
+        if clock is None:
+            self.comm.bytes += self._grad_bytes
+            return
+        intervals, clock.intervals = clock.intervals, []
+        self.comm.bytes += clock.bytes
+        self.comm.collectives += clock.calls
+        self.comm.seconds += busy_time(intervals)
+        self.comm.exposed_seconds += exposed_time(intervals)
+        self.comm.timed = True
+        clock.bytes, clock.calls = 0, 0
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
         assert isinstance(model, DistributedDataParallel), "no_sync needs the module wrap() returned"

@@ -1,0 +1,71 @@
+"""Counting what a sync strategy communicates, and turning the counts into per-step metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass
+class CommCounters:
+    """Cumulative since the last take(): bytes all-reduced, calls, and (when measured) wall time."""
+
+    bytes: int = 0
+    collectives: int = 0
+    seconds: float = 0.0  # wall time with at least one collective in flight
+    exposed_seconds: float = 0.0  # the part of it not hidden under backward computation
+    timed: bool = False  # whether seconds/exposed_seconds were measured
+
+    def take(self) -> CommCounters:
+        """The counts so far; the counters start again from zero."""
+        taken = CommCounters(self.bytes, self.collectives, self.seconds, self.exposed_seconds, self.timed)
+        self.bytes, self.collectives, self.seconds, self.exposed_seconds = 0, 0, 0.0, 0.0
+        return taken
+
+
+def all_reduce_bus_factor(world_size: int) -> float:
+    """nccl-tests' busbw/algbw for all_reduce, 2(n-1)/n: what each link really carries."""
+    return 2 * (world_size - 1) / world_size
+
+
+def busy_time(intervals: Sequence[tuple[float, float]]) -> float:
+    """Length of the union of [start, end] intervals: time with at least one collective in flight."""
+    total, cursor = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > cursor:
+            total += end - max(start, cursor)
+            cursor = end
+    return total
+
+
+def exposed_time(intervals: Sequence[tuple[float, float]]) -> float:
+    """Communication left after the last bucket was launched, i.e. after backward's compute ended."""
+    if not intervals:
+        return 0.0
+    return max(0.0, max(end for _, end in intervals) - max(start for start, _ in intervals))
+
+
+def comm_metrics(counts: CommCounters, steps: int, sync_phase_s: float, in_sync_phase: bool,
+                 world_size: int) -> dict[str, float]:  # fmt: skip
+    """Per-step communication metrics for one logged row (an empty dict when nothing was sent).
+
+    `in_sync_phase`: the strategy communicates only inside after_backward (manual), so the timed
+    sync phase is its communication time, all of it exposed. Otherwise the strategy's own timing
+    is used if it has one (ddp on CPU), and time is left out when nothing measured it.
+    """
+    if counts.bytes == 0 or steps == 0:
+        return {}
+    metrics = {"comm/bytes_per_step": counts.bytes / steps, "comm/collectives_per_step": counts.collectives / steps}
+    if in_sync_phase:
+        seconds, exposed = sync_phase_s, sync_phase_s
+    elif counts.timed:
+        seconds, exposed = counts.seconds / steps, counts.exposed_seconds / steps
+    else:
+        return metrics
+    metrics["time/comm_s"] = seconds
+    metrics["time/comm_exposed_s"] = exposed
+    if seconds > 0:
+        metrics["comm/overlap_fraction"] = max(0.0, 1.0 - exposed / seconds)
+        algbw = (counts.bytes / steps) / seconds
+        metrics["comm/busbw_GBps"] = algbw * all_reduce_bus_factor(world_size) / 1e9
+    return metrics
