@@ -2,11 +2,18 @@
 
 Why: exercises the image models and the loaders with no download. Not learnable beyond
 memorisation: each image and label is drawn from torch's RNG seeded by its index.
+
+The images are generated once, when the datasets are built, and then served from memory.
+FakeData draws each sample by reseeding torch's global RNG, and on a CUDA build of torch every
+reseed also queues a lazy CUDA/XPU/MTIA seed call that captures the Python call stack: per
+sample, at a cost that grows with how deep the training loop's stack is. Generated on the fly,
+that cost showed up as "framework overhead" in benchmarks/overhead.py.
 """
 
 from collections.abc import Sequence
 
-from torch.utils.data import Dataset
+import torch
+from torch.utils.data import Dataset, TensorDataset
 from torchvision import datasets, transforms
 
 from data.base import DataModule
@@ -46,12 +53,14 @@ class FakeImageData(DataModule):
         # FakeData seeds sample i with i + random_offset: offsetting val by the train size keeps
         # the two sets disjoint, and every process generates the same images.
         def fake(size: int, random_offset: int) -> Dataset:
-            return datasets.FakeData(
+            generated = datasets.FakeData(
                 size=size,
                 image_size=self.input_shape,
                 num_classes=self.num_classes,
                 transform=transforms.ToTensor(),
                 random_offset=random_offset,
             )
+            images, labels = zip(*(generated[i] for i in range(size)), strict=True)
+            return TensorDataset(torch.stack(images), torch.tensor(labels, dtype=torch.int64))
 
         return fake(self.num_samples, 0), fake(self.num_val_samples, self.num_samples)
