@@ -85,7 +85,8 @@ def test_rows_account_for_communication_and_phases_add_up(tmp_path: Path, sync: 
         assert 0 < row["time/comm_exposed_s"] <= row["time/comm_s"] + 1e-9
         assert row["comm/busbw_GBps"] > 0 and 0.0 <= row["comm/overlap_fraction"] <= 1.0
         if sync == "manual":
-            assert row["time/comm_s"] == row["time/sync_s"] and row["comm/collectives_per_step"] == 6
+            # The default coalescing puts this small model's 6 gradients into one all_reduce.
+            assert row["time/comm_s"] == row["time/sync_s"] and row["comm/collectives_per_step"] == 1
         else:
             assert row["time/comm_s"] <= row["time/backward_s"]  # DDP communicates inside backward
 

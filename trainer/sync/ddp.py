@@ -65,6 +65,7 @@ class DDPSync(SyncStrategy):
         static_graph: bool = False,
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
+        time_buckets: bool = True,
     ) -> None:
         check(is_number(bucket_cap_mb) and bucket_cap_mb > 0, "sync.bucket_cap_mb", bucket_cap_mb,
               "must be a number > 0 (MiB per gradient bucket; DDP's default is 25)")
@@ -74,6 +75,7 @@ class DDPSync(SyncStrategy):
         self.static_graph = static_graph
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
+        self.time_buckets = time_buckets
         self._ddp: DistributedDataParallel | None = None
         self._clock: BucketClock | None = None
         self._grad_bytes = 0
@@ -90,9 +92,10 @@ class DDPSync(SyncStrategy):
             find_unused_parameters=self.find_unused_parameters,
             **{_BUFFER_FLAG: self.broadcast_buffers},
         )
-        if device.type == "cpu":
-            # On CUDA, DDP's C++ all-reduce stays in place (a Python hook would add GIL traffic to
-            # every bucket, and host clocks can't time NCCL): bytes are counted, time is not.
+        if device.type == "cpu" and self.time_buckets:
+            # On CUDA (or with time_buckets=false), DDP's C++ all-reduce stays in place: host clocks
+            # can't time NCCL, and a Python hook adds GIL traffic to every bucket. Bytes are still
+            # counted; time is not.
             self._clock = BucketClock(dist.get_world_size())
             self._ddp.register_comm_hook(state=None, hook=self._clock.hook)
         self._grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
@@ -124,6 +127,7 @@ class DDPSync(SyncStrategy):
             "static_graph": self.static_graph,
             "find_unused_parameters": self.find_unused_parameters,
             "broadcast_buffers": self.broadcast_buffers,
+            "time_buckets": self.time_buckets,
         }
         if self._ddp is not None:
             # DDP's own logging record (a prototype API). DDP rebuilds its buckets once, after the

@@ -50,6 +50,10 @@ def average_gradients_coalesced(grads: list[torch.Tensor], world_size: int, cap_
     """
     calls = 0
     for group in coalesce(grads, cap_bytes):
+        calls += 1
+        if len(group) == 1:  # nothing to coalesce: reduce in place, no copies
+            average_gradients(group, world_size)
+            continue
         flat = torch.cat([g.reshape(-1) for g in group])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
         flat.div_(world_size)
@@ -57,7 +61,6 @@ def average_gradients_coalesced(grads: list[torch.Tensor], world_size: int, cap_
         for grad in group:
             grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
             offset += grad.numel()
-        calls += 1
     return calls
 
 
@@ -66,7 +69,7 @@ class ManualSync(SyncStrategy):
 
     comm_in_sync_phase = True  # it communicates only in after_backward, which the trainer times
 
-    def __init__(self, coalesce_mb: float = 0.0) -> None:
+    def __init__(self, coalesce_mb: float = 25.0) -> None:
         super().__init__()
         check(is_number(coalesce_mb) and coalesce_mb >= 0, "sync.coalesce_mb", coalesce_mb,
               "must be a number >= 0 (0: one all_reduce per gradient; >0: MiB per flattened all_reduce)")  # fmt: skip
