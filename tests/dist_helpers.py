@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import multiprocessing as mp
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,9 @@ def _run_rank(fn: Callable[..., Any], rank: int, world_size: int, workdir: str, 
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=dt.timedelta(seconds=60))
     try:
         torch.save(fn(rank, world_size, *args), Path(workdir) / f"result{rank}.pt")
+    except BaseException:
+        (Path(workdir) / f"error{rank}.txt").write_text(traceback.format_exc())  # for the failing test's message
+        raise
     finally:
         dist.destroy_process_group()
 
@@ -35,5 +39,6 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, workdir: Path, *args: 
         if proc.is_alive():
             proc.kill()
     codes = [proc.exitcode for proc in procs]
-    assert codes == [0] * world_size, f"ranks exited with {codes}"
+    errors = "".join(f"\n--- rank {p.stem[5:]} ---\n{p.read_text()}" for p in sorted(workdir.glob("error*.txt")))
+    assert codes == [0] * world_size, f"ranks exited with {codes}{errors}"
     return [torch.load(workdir / f"result{r}.pt", weights_only=False) for r in range(world_size)]

@@ -80,8 +80,11 @@ def test_step_timer_averages_every_step_and_phases_add_up() -> None:
 
 
 def test_summary_helpers() -> None:
-    rows = [{"time/step_s": s, "throughput/samples_per_s": 10.0 * s} for s in (1.0, 3.0, 2.0)]
-    assert rank_timing(rows)["median_time/step_s"] == 2.0
+    rows = [{"time/step_s": s, "throughput/samples_per_s": 10.0 * s, "memory/rss_mb": 100 * s, "comm/busbw_GBps": s,
+             "train/loss": 1.0} for s in (1.0, 3.0, 2.0)]  # fmt: skip
+    timing = rank_timing(rows)
+    assert timing["median_time/step_s"] == 2.0 and timing["median_comm/busbw_GBps"] == 2.0
+    assert timing["peak_memory/rss_mb"] == 300.0 and "median_train/loss" not in timing
     assert job_throughput([100.0, 150.0]) == 250.0
     summary = {
         "sync": {"strategy": "ddp"}, "steps": 5, "epochs": 0.5, "world_size": 2, "backend": "gloo",

@@ -9,16 +9,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-TIME_KEYS = ("time/step_s", "time/data_s", "time/forward_s", "time/backward_s", "time/sync_s", "time/optimizer_s")
+MEDIAN_PREFIXES = ("time/", "comm/", "throughput/")  # a rank's typical step
+PEAK_PREFIXES = ("memory/",)  # a rank's worst moment
 
 
 def rank_timing(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
-    """Median of each timing key over a rank's logged training rows."""
+    """A rank's step anatomy over its logged training rows: medians of times, comms and throughput,
+    peaks of memory."""
     stats: dict[str, float] = {}
-    for key in (*TIME_KEYS, "throughput/samples_per_s"):
+    keys = sorted({key for row in rows for key in row})
+    for key in keys:
         values = [row[key] for row in rows if key in row]
-        if values:
+        if key.startswith(MEDIAN_PREFIXES):
             stats[f"median_{key}"] = statistics.median(values)
+        elif key.startswith(PEAK_PREFIXES):
+            stats[f"peak_{key}"] = max(values)
     return stats
 
 
