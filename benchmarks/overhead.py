@@ -1,0 +1,242 @@
+"""Overhead benchmark: ddplab's trainer against a minimal hand-written loop, side by side.
+
+    torchrun --nproc_per_node=2 benchmarks/overhead.py            # the README's table (~5 min on 2 cores)
+    torchrun --nproc_per_node=2 benchmarks/overhead.py --quick    # a smoke run
+
+For each model (an MLP of ~25 M parameters, where communication is heavy, and the cnn, where
+compute is) and each strategy (none, manual, ddp), both implementations train the same model on
+the same data with the same per-rank batch and optimizer. The hand-written loop is what a PyTorch
+DDP tutorial writes: plain torch, no logging. Rounds interleave the two (framework first, then
+the loop first, ...); each round times a fixed number of steps after a barrier, and a job's time
+is its slowest rank's. Reported: medians over rounds, the ratio framework / loop, and the
+framework's communication time per step against the floor of one all_reduce of the same bytes
+measured in the same run (sync efficiency = floor / communication time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+from trainer import dist as ddist  # noqa: E402
+from trainer.build import build_parts, build_trainer, instantiate, prepare_data  # noqa: E402
+from trainer.collectives import measure  # noqa: E402
+from trainer.config import compose_config  # noqa: E402
+from trainer.logger.jsonl import JsonlLogger  # noqa: E402
+
+MODELS = {
+    "mlp-25M": ["model=mlp", "model.hidden_sizes=[3584,3584,3584]", "data=synthetic", "data.batch_size=64"],
+    "cnn": ["model=cnn", "data=fake", "data.batch_size=64", "data.num_samples=4096"],
+    # Not in the default run: a step of well under a millisecond, where per-step bookkeeping shows.
+    "mlp-tiny": ["model=mlp", "model.hidden_sizes=[64]", "data=synthetic", "data.batch_size=64"],
+}
+DEFAULT_MODELS = ("mlp-25M", "cnn")
+# manual's default flattens gradients into all_reduces of up to 25 MiB; coalesce_mb=0 is the
+# textbook one call per gradient, as the hand-written loop does.
+STRATEGIES = ("none", "manual:coalesce_mb=0", "manual", "ddp")
+
+
+class HandWritten:
+    """The loop a DDP tutorial writes: same model, data, batch and optimizer; nothing else."""
+
+    def __init__(self, overrides: list[str], strategy: str, ctx: ddist.DistContext) -> None:
+        cfg = compose_config(overrides)
+        parts = build_parts(cfg, instantiate(cfg.trainer))  # the same model and dataset objects
+        train, _ = parts.data.build_datasets()
+        self.sampler = DistributedSampler(train, ctx.world_size, ctx.rank, shuffle=True, seed=0, drop_last=True)
+        self.loader = DataLoader(train, batch_size=parts.data.batch_size, sampler=self.sampler, drop_last=True)
+        strategy = strategy.split(":")[0]  # the tutorial loop has no knobs: manual is one call per gradient
+        self.device, self.world_size, self.manual = ctx.device, ctx.world_size, strategy == "manual"
+        model = parts.model.to(ctx.device)
+        if strategy == "ddp":
+            model = DistributedDataParallel(model, bucket_cap_mb=25)
+        if self.manual:
+            for tensor in model.parameters():
+                dist.broadcast(tensor.data, src=0)
+        self.model = model
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        self.epoch, self.batches = 0, iter(self.loader)
+
+    def run(self, steps: int) -> None:
+        for _ in range(steps):
+            try:
+                inputs, targets = next(self.batches)
+            except StopIteration:
+                self.epoch += 1
+                self.sampler.set_epoch(self.epoch)
+                self.batches = iter(self.loader)
+                inputs, targets = next(self.batches)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(self.model(inputs.to(self.device)), targets.to(self.device))
+            loss.backward()
+            if self.manual:
+                for param in self.model.parameters():
+                    dist.all_reduce(param.grad)
+                    param.grad.div_(self.world_size)
+            self.optimizer.step()
+
+
+class Framework:
+    """ddplab's own Trainer, built as train.py builds it, logging JSONL every 10 steps."""
+
+    def __init__(self, overrides: list[str], strategy: str, ctx: ddist.DistContext, out: Path) -> None:
+        name, *knobs = strategy.split(":")  # e.g. "manual:coalesce_mb=25" -> sync=manual sync.coalesce_mb=25
+        sync = [f"sync={name}", *(f"sync.{knob}" for knob in knobs)]
+        cfg = compose_config([*overrides, *sync, "logger=none", "trainer.max_steps=1000000000",
+                              "trainer.eval_every_n_steps=0", "trainer.progress_bar=false"])  # fmt: skip
+        settings = instantiate(cfg.trainer)
+        parts = build_parts(cfg, settings)
+        prepare_data(parts.data, ctx)
+        self.jsonl = out / f"rank{ctx.rank}.jsonl"
+        self.trainer = build_trainer(parts, settings, ctx, [JsonlLogger(self.jsonl)], out, {})
+
+    def run(self, steps: int) -> None:
+        self.trainer.train(self.trainer.step + steps)
+
+    def sync_alone(self, repeats: int) -> float:
+        """Median seconds of after_backward on real gradients with the ranks started together.
+
+        In training, the sync phase also holds the wait for the slower rank to finish its
+        backward; started after a barrier, it is the strategy's communication alone.
+        """
+        trainer = self.trainer
+        inputs, targets = next(iter(trainer.train_loader))
+        loss = F.cross_entropy(trainer.train_model(inputs.to(trainer.ctx.device)), targets.to(trainer.ctx.device))
+        loss.backward()
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            started = time.perf_counter()
+            trainer.sync.after_backward(trainer.train_model)
+            times.append(time.perf_counter() - started)
+        trainer.optimizer.zero_grad(set_to_none=True)
+        trainer.sync.comm.take()  # not training: keep it out of the counters
+        return statistics.median(times)
+
+    def comm(self, skip_rows: int) -> tuple[float, float, float]:
+        """Median communication and exposed seconds, and bytes, per step over this rank's rows after warm-up."""
+        rows = [json.loads(line) for line in self.jsonl.read_text().splitlines()][skip_rows:]
+        rows = [row for row in rows if "time/comm_s" in row]
+        if not rows:
+            return 0.0, 0.0, 0.0
+        return (statistics.median(r["time/comm_s"] for r in rows),
+                statistics.median(r["time/comm_exposed_s"] for r in rows), rows[-1]["comm/bytes_per_step"])  # fmt: skip
+
+
+def timed(run: object, steps: int, device: torch.device) -> float:
+    """Seconds per step of the slowest rank for `steps` steps started together."""
+    dist.barrier()
+    started = time.perf_counter()
+    run(steps)  # type: ignore[operator]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elapsed = torch.tensor([(time.perf_counter() - started) / steps], dtype=torch.float64, device=device)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()
+
+
+@dataclass
+class Result:
+    model: str
+    strategy: str
+    framework_s: list[float] = field(default_factory=list)
+    loop_s: list[float] = field(default_factory=list)
+    comm_s: float = 0.0
+    exposed_s: float = 0.0
+    bytes_per_step: float = 0.0
+    floor_s: float = 0.0
+    alone_s: float | None = None
+
+    def row(self) -> dict[str, object]:
+        fw, hw = statistics.median(self.framework_s), statistics.median(self.loop_s)
+        ratios = [f / h for f, h in zip(self.framework_s, self.loop_s, strict=True)]
+        efficiency = self.floor_s / self.alone_s if self.alone_s else None
+        return {"model": self.model, "sync": self.strategy, "framework_ms": fw * 1e3, "loop_ms": hw * 1e3,
+                "ratio": statistics.median(ratios), "ratios": ratios, "mb_per_step": self.bytes_per_step / 2**20,
+                "comm_in_step_ms": self.comm_s * 1e3 if self.bytes_per_step else None,
+                "exposed_ms": self.exposed_s * 1e3 if self.bytes_per_step else None,
+                "sync_alone_ms": self.alone_s * 1e3 if self.alone_s else None,
+                "floor_ms": self.floor_s * 1e3 if self.floor_s else None, "sync_efficiency": efficiency}  # fmt: skip
+
+
+def bench(model: str, strategy: str, args: argparse.Namespace, ctx: ddist.DistContext, out: Path) -> Result:
+    overrides = MODELS[model]
+    framework = Framework(overrides, strategy, ctx, out / f"{model}-{strategy.replace(':', '-')}")
+    loop = HandWritten(overrides, strategy, ctx)
+    framework.run(args.warmup)
+    loop.run(args.warmup)
+    result = Result(model, strategy)
+    for round_ in range(args.rounds):
+        pair = [("framework", framework), ("loop", loop)]
+        for name, impl in pair if round_ % 2 == 0 else reversed(pair):
+            seconds = timed(impl.run, args.steps, ctx.device)
+            (result.framework_s if name == "framework" else result.loop_s).append(seconds)
+    warmup_rows = max(1, args.warmup // 10)
+    result.comm_s, result.exposed_s, result.bytes_per_step = framework.comm(skip_rows=warmup_rows)
+    if result.bytes_per_step and ctx.world_size > 1:
+        result.floor_s = measure("all_reduce", int(result.bytes_per_step), iters=10, warmup=3, device=ctx.device)
+        if framework.trainer.sync.comm_in_sync_phase:  # ddp communicates inside backward: no "alone"
+            result.alone_s = framework.sync_alone(repeats=11)
+    return result
+
+
+def format_table(rows: list[dict[str, object]]) -> str:
+    def cell(value: object, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    lines = ["| model | sync | framework ms/step | hand-written ms/step | framework / hand-written | MB/step "
+             "| comm in step ms | exposed ms | sync alone ms | floor ms | floor / sync alone |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['sync']} | {r['framework_ms']:.1f} | {r['loop_ms']:.1f} | {r['ratio']:.3f} "
+                     f"| {r['mb_per_step']:.1f} | {cell(r['comm_in_step_ms'], '.1f')} | {cell(r['exposed_ms'], '.1f')} "
+                     f"| {cell(r['sync_alone_ms'], '.1f')} "
+                     f"| {cell(r['floor_ms'], '.1f')} | {cell(r['sync_efficiency'], '.2f')} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per round and implementation")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"of: {', '.join(MODELS)}")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--quick", action="store_true", help="2 rounds of 3 steps on the cnn only")
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.steps, args.warmup, args.models = 2, 3, 2, "cnn"
+    env = ddist.read_launch_env()
+    device = ddist.resolve_device("auto", env.local_rank)
+    ctx = ddist.init_process_group(env, ddist.job_store(env), device, 600, "ddplab/overhead/")
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            results = [bench(m, s, args, ctx, Path(tmp)).row()
+                       for m in args.models.split(",") for s in args.strategies.split(",")]  # fmt: skip
+        if ctx.is_main_process:
+            print(f"{ctx.world_size} ranks, {ctx.backend} on {ctx.device}, {args.rounds} rounds x {args.steps} steps, "
+                  "medians over rounds; the job's time per step is its slowest rank's")  # fmt: skip
+            print(format_table(results))
+            if args.json:
+                args.json.write_text(json.dumps(results, indent=2) + "\n")
+    finally:
+        ddist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
