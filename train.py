@@ -32,6 +32,7 @@ from trainer.build import (
 )
 from trainer.exits import exit_cleanly
 from trainer.logger.base import MetricLogger
+from trainer.preflight import bytes_needed, check_output_dir
 from trainer.summary import log_final_report
 
 
@@ -42,6 +43,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         config = conf.plain_config(cfg)
         settings = instantiate(cfg.trainer)
         parts = build_parts(cfg, settings)  # every constructor runs here, before any collective
+        check_output_dir(conf.run_dir(), bytes_needed(parts.model, settings.keep_checkpoints))  # full disk: fail now
         launch = dist.read_launch_env()  # read here, not at import: submitit tasks unpickle main()
         device = dist.resolve_device(settings.device, launch.local_rank)
         prefix = dist.group_key_prefix(launch, conf.job_num())  # a fresh prefix per multirun job

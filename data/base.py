@@ -4,11 +4,34 @@ Why one base class: the sharding rules are what make a data-parallel run compara
 single-process one, so they live here once and subclasses only say where the samples come from.
 """
 
+import itertools
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import Any
 
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
 from trainer.errors import ConfigError
+
+
+class ResumableSampler(DistributedSampler):
+    """DistributedSampler that can start its next pass part-way, for resuming mid-epoch.
+
+    skip_next(n) drops the first n indices of the next iteration only (indices, not loaded
+    samples: nothing is read to fast-forward), so a resumed run sees exactly the batches the
+    interrupted one had not yet seen.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._skip = 0
+
+    def skip_next(self, num_indices: int) -> None:
+        self._skip = num_indices
+
+    def __iter__(self) -> Iterator[int]:
+        skip, self._skip = self._skip, 0
+        return itertools.islice(super().__iter__(), skip, None)
 
 
 class DataModule(ABC):
@@ -61,7 +84,7 @@ class DataModule(ABC):
                 f"{world_size * self.batch_size}, so every rank would get zero batches per epoch; "
                 f"use data.batch_size <= {len(train) // world_size} or fewer ranks"
             )
-        sampler = DistributedSampler(
+        sampler = ResumableSampler(
             train, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True
         )
         return self._loader(train, sampler=sampler, drop_last=True, pin_memory=pin_memory)

@@ -56,6 +56,8 @@ class DistContext:
     world_size: int
     device: torch.device
     backend: str
+    attempt: int = 0  # torchrun's restart count: 0 for the first attempt
+    store: dist.Store | None = None  # the process group's store (this job's key prefix)
 
     @property
     def is_main_process(self) -> bool:
@@ -153,15 +155,16 @@ def init_process_group(
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = dt.timedelta(seconds=timeout_s)
     store.set_timeout(timeout)
+    group_store = dist.PrefixStore(key_prefix, store)
     dist.init_process_group(
         backend=backend,
-        store=dist.PrefixStore(key_prefix, store),
+        store=group_store,
         rank=env.rank,
         world_size=env.world_size,
         timeout=timeout,
         device_id=device if device.type == "cuda" else None,
     )
-    return DistContext(env.rank, env.local_rank, env.world_size, device, backend)
+    return DistContext(env.rank, env.local_rank, env.world_size, device, backend, env.restart_count, group_store)
 
 
 def group_key_prefix(env: LaunchEnv, job_num: int) -> str:

@@ -25,10 +25,44 @@ class Terminated(SystemExit):
     """The launcher asked this rank to stop; the exit code is 128 + the signal number, as a shell reports it."""
 
 
+# How long a SIGTERM waits for the current step to end. torchrun kills a worker 30 s after its
+# SIGTERM; a step that is stuck must not cost the logs that the remaining time can still flush.
+STEP_GRACE_S = 15.0
+
+_in_step = False
+_pending: int | None = None
+
+
 def _raise_terminated(signum: int, frame: FrameType | None) -> None:
+    global _pending
     # Ignore repeats: a second SIGTERM must not interrupt the flush the first one started.
     signal.signal(signum, signal.SIG_IGN)
-    raise Terminated(128 + signum)
+    if _in_step and signum == signal.SIGTERM:
+        _pending = signum  # stop at the end of this step, with a consistent state...
+        signal.signal(signal.SIGALRM, _raise_terminated)
+        signal.setitimer(signal.ITIMER_REAL, STEP_GRACE_S)  # ...unless it does not end in time
+        return
+    raise Terminated(128 + (_pending or signum))
+
+
+@contextmanager
+def step_boundary() -> Iterator[None]:
+    """A SIGTERM arriving inside waits for the step to end, then raises Terminated.
+
+    Parameters, optimizer and schedule then all belong to the same step, so a checkpoint written
+    on the way out is one an uninterrupted run also passes through. A step stuck in a collective
+    still ends: the collective fails (peer gone) or times out (trainer.collective_timeout_s).
+    """
+    global _in_step, _pending
+    _in_step = True
+    try:
+        yield
+    finally:
+        _in_step = False
+    if _pending is not None:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signum, _pending = _pending, None
+        raise Terminated(128 + signum)
 
 
 @contextmanager

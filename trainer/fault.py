@@ -1,16 +1,26 @@
 """A switch that makes one rank fail on purpose: a testing aid for the failure paths.
 
-`trainer.fault.rank=1 trainer.fault.at_step=3` makes rank 1 raise at the start of step 3, so
-tests (and users checking their cluster) can watch a real job lose a rank and stop cleanly.
+`trainer.fault.rank=1 trainer.fault.at_step=3 trainer.fault.kind=crash` makes rank 1 fail at the
+start of step 3, so tests (and users checking their cluster) can watch a real job lose a rank and
+stop, restart or resume. It acts in torchrun's first attempt only, so an elastic restart runs clean.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
+import time
 from dataclasses import dataclass
+
+import torch
+from torch import nn
 
 from trainer.errors import check, is_int
 
-KINDS = ("crash",)
+log = logging.getLogger(__name__)
+
+KINDS = ("crash", "hang", "sigterm", "perturb", "nan_loss")
 
 
 class InjectedFault(RuntimeError):
@@ -32,7 +42,25 @@ class Fault:
         check(self.at_step is None or (is_int(self.at_step) and self.at_step >= 1), "trainer.fault.at_step",
               self.at_step, "must be a step number >= 1, or null (off)")  # fmt: skip
 
-    def maybe_fire(self, rank: int, step: int) -> None:
+    def _due(self, rank: int, step: int, attempt: int) -> bool:
+        return attempt == 0 and rank == self.rank and step == self.at_step
+
+    def poisons_loss(self, rank: int, step: int, attempt: int) -> bool:
+        """kind=nan_loss: this rank's loss (so its gradients, so the averaged ones) becomes NaN."""
+        return self.kind == "nan_loss" and self._due(rank, step, attempt)
+
+    def maybe_fire(self, rank: int, step: int, attempt: int, model: nn.Module) -> None:
         """Called at the start of every step (1-based) on every rank."""
-        if rank == self.rank and step == self.at_step:
-            raise InjectedFault(f"injected fault (trainer.fault.kind={self.kind}) on rank {rank} at step {step}")
+        if not self._due(rank, step, attempt) or self.kind == "nan_loss":
+            return
+        log.warning("trainer.fault: %s on rank %d at step %d (a testing aid; first attempt only)", self.kind, rank, step)
+        if self.kind == "crash":
+            raise InjectedFault(f"injected fault (trainer.fault.kind=crash) on rank {rank} at step {step}")
+        if self.kind == "hang":
+            while True:  # as if stuck outside any collective: the others' next collective times out
+                time.sleep(3600)
+        if self.kind == "sigterm":
+            os.kill(os.getpid(), signal.SIGTERM)  # as if the launcher or Slurm stopped this rank
+        if self.kind == "perturb":
+            with torch.no_grad():  # this replica alone drifts: the replica check must notice
+                next(model.parameters()).view(-1)[0] += 1e-3

@@ -9,6 +9,7 @@ from trainer.fault import Fault
 
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("fp32", "bf16")
+NONFINITE = ("raise", "skip")
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,12 @@ class TrainSettings:
     collective_timeout_s: float = 300.0
     progress_bar: bool = True
     profile: bool = False  # torch.profiler trace of a few steps per rank, in <run dir>/profiler/
+    checkpoint_every_n_steps: int = 0  # 0: only at the end
+    keep_checkpoints: int = 3  # step-<n>.pt files kept (last.pt always points at the newest)
+    resume: str = "auto"  # auto: from <run dir>/checkpoints/last.pt if present; never; or a path
+    checkpoint_on_sigterm: bool = False  # when every rank is stopped at the same step boundary
+    on_nonfinite: str = "raise"  # raise | skip (skip the optimizer step on all ranks alike)
+    check_replicas_every_n_steps: int = 100  # 0: off; strategies that let replicas differ skip it
     fault: Fault = field(default_factory=Fault)  # testing aid: fail one rank on purpose
 
     def __post_init__(self) -> None:
@@ -45,5 +52,14 @@ class TrainSettings:
               "trainer.grad_accum_steps", self.grad_accum_steps, "must be an integer >= 1")
         check(self.device in DEVICES, "trainer.device", self.device, f"accepted: {', '.join(DEVICES)}")
         check(self.precision in PRECISIONS, "trainer.precision", self.precision, f"accepted: {', '.join(PRECISIONS)}")
+        check(is_int(self.checkpoint_every_n_steps) and self.checkpoint_every_n_steps >= 0,
+              "trainer.checkpoint_every_n_steps", self.checkpoint_every_n_steps, "must be an integer >= 0 (0: only at the end)")
+        check(is_int(self.keep_checkpoints) and self.keep_checkpoints >= 1,
+              "trainer.keep_checkpoints", self.keep_checkpoints, "must be an integer >= 1")
+        check(isinstance(self.resume, str) and self.resume != "", "trainer.resume", self.resume,
+              "accepted: auto, never, or the path of a checkpoint file")
+        check(self.on_nonfinite in NONFINITE, "trainer.on_nonfinite", self.on_nonfinite, f"accepted: {', '.join(NONFINITE)}")
+        check(is_int(self.check_replicas_every_n_steps) and self.check_replicas_every_n_steps >= 0,
+              "trainer.check_replicas_every_n_steps", self.check_replicas_every_n_steps, "must be an integer >= 0 (0: off)")
         check(is_number(self.collective_timeout_s) and self.collective_timeout_s > 0,
               "trainer.collective_timeout_s", self.collective_timeout_s, "must be a number of seconds > 0")

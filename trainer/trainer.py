@@ -32,8 +32,10 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from data.base import DataModule
-from trainer.checkpoint import save_checkpoint
+from trainer import resume
 from trainer.dist import DistContext, hostname
+from trainer.exits import Terminated, step_boundary
+from trainer.guards import NonFiniteWatch, check_replicas, grads_finite
 from trainer.logger.base import MetricLogger
 from trainer.profiling import StepProfiler
 from trainer.settings import TrainSettings
@@ -50,6 +52,10 @@ from trainer.sync.comm import comm_metrics
 from trainer.timing import StepTimer
 
 log = logging.getLogger(__name__)
+
+
+class StepFailed(RuntimeError):
+    """A training step raised; the message names the step and the rank."""
 
 
 class _Window:
@@ -115,6 +121,9 @@ class Trainer:
         self._train_samples = 0
         self._train_seconds = 0.0
         self._process = psutil.Process()
+        self._nonfinite = NonFiniteWatch(ctx.device)
+        self._skipped_steps = 0
+        resume.resume_if_any(self)  # trainer.resume: the state of a checkpoint, if there is one
 
     def _autocast(self) -> AbstractContextManager[Any]:
         # fp32 skips autocast entirely: even disabled, entering it costs a few µs per micro-batch.
@@ -147,30 +156,65 @@ class Trainer:
         self.model.train()
         if self._window.steps == 0:
             self._window.started = time.perf_counter()
-        while self.step < until_step:
-            if self._batches is None:  # a new epoch: a new shuffle, the same on every rank
-                self.train_loader.sampler.set_epoch(self.epoch)  # type: ignore[union-attr]
-                self._batches = iter(self.train_loader)
+        try:
+            while self.step < until_step:
+                # A SIGTERM waits for the whole iteration, its periodic events included: then every
+                # rank stops having run the same collectives, at the same step.
+                with step_boundary():
+                    self.run_iteration(bar, profiler)
+        except Terminated:
+            if self.settings.checkpoint_on_sigterm:
+                resume.stop_together(self)
+            raise
+
+    def run_iteration(self, bar: tqdm | None = None, profiler: StepProfiler | None = None) -> None:
+        """One optimizer step and whatever is due after it."""
+        if self._batches is None:  # a new epoch: a new shuffle, the same on every rank
+            self.train_loader.sampler.set_epoch(self.epoch)  # type: ignore[union-attr]
+            self._batches = iter(self.train_loader)
+        try:
             self._train_step(self._batches, self._window)
-            self.step += 1
-            if profiler is not None:
-                profiler.step()
+        except Exception as err:  # say where: the step, and this rank
+            raise StepFailed(f"step {self.step + 1} on rank {self.ctx.rank}: {type(err).__name__}: {err}") from err
+        self.step += 1
+        if self.step % self.steps_per_epoch == 0:
+            self.epoch += 1
+            self._batches = None
+        if profiler is not None:
+            profiler.step()
+        if bar is not None:
+            bar.update(1)
+        self._after_step(bar)
+
+    def _after_step(self, bar: tqdm | None) -> None:
+        """What happens between steps: every periodic event, each on every rank at the same step."""
+        s = self.settings
+        if is_due(self.step, s.log_every_n_steps, self.total_steps):
+            self._check_finite()
+            loss = self._log_train(self._window)
             if bar is not None:
-                bar.update(1)
-            if is_due(self.step, self.settings.log_every_n_steps, self.total_steps):
-                loss = self._log_train(self._window)
-                if bar is not None:
-                    bar.set_postfix(loss=f"{loss:.4f}")
-            every = self.settings.eval_every_n_steps
-            if every and self.step % every == 0 and self.step < self.total_steps:
-                self.evaluate()
-                self._window.started = time.perf_counter()  # evaluation is not training time
-            if self.step % self.steps_per_epoch == 0:
-                self.epoch += 1
-                self._batches = None
+                bar.set_postfix(loss=f"{loss:.4f}")
+        if s.check_replicas_every_n_steps and self.sync.keeps_replicas_equal:
+            if self.step % s.check_replicas_every_n_steps == 0:
+                check_replicas(self.model, self.step)
+        if s.eval_every_n_steps and self.step % s.eval_every_n_steps == 0 and self.step < self.total_steps:
+            self.evaluate()
+            self._window.started = time.perf_counter()  # evaluation is not training time
+        if s.checkpoint_every_n_steps and self.step % s.checkpoint_every_n_steps == 0 and self.step < self.total_steps:
+            self.save_checkpoint()
+            self._window.started = time.perf_counter()  # nor is writing checkpoints
+
+    def _check_finite(self) -> None:
+        if self.settings.on_nonfinite == "raise":
+            self._nonfinite.raise_if_seen()
+
+    def save_checkpoint(self) -> None:
+        """checkpoints/step-<step>.pt and last.pt (rank 0), after checking the state is worth keeping."""
+        self._check_finite()
+        resume.save(self)
 
     def _train_step(self, batches: Iterator[Any], window: _Window) -> None:
-        self.settings.fault.maybe_fire(self.ctx.rank, self.step + 1)
+        self.settings.fault.maybe_fire(self.ctx.rank, self.step + 1, self.ctx.attempt, self.model)
         k = self.settings.grad_accum_steps
         device = self.ctx.device
         self._timer.start()
@@ -184,14 +228,23 @@ class Trainer:
                 with self._autocast():
                     logits = self.train_model(inputs)
                     loss = F.cross_entropy(logits, targets) / k
+                if self.settings.fault.poisons_loss(self.ctx.rank, self.step + 1, self.ctx.attempt):
+                    loss = loss * float("nan")
                 window.add(loss, logits, targets)
+                self._nonfinite.observe(loss, self.step + 1)
                 self._timer.mark("forward")
                 loss.backward()
                 self._timer.mark("backward")
         self.sync.after_backward(self.train_model)
         self._timer.mark("sync")
         self._lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
+        if self.settings.on_nonfinite == "skip" and not grads_finite(self.model.parameters()):
+            # Gradients are averaged by now, so every rank sees the same non-finite values and
+            # skips this same step: the replicas stay equal.
+            self._skipped_steps += 1
+            log.warning("step %d: non-finite gradients, optimizer step skipped (trainer.on_nonfinite=skip)", self.step + 1)
+        else:
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._timer.mark("optimizer")
@@ -214,6 +267,7 @@ class Trainer:
             **{f"time/{phase}_s": seconds for phase, seconds in phases.items()},
             "throughput/samples_per_s": window.samples / elapsed,
             "memory/rss_mb": self._process.memory_info().rss / 2**20,
+            **({"train/skipped_steps": self._skipped_steps} if self._skipped_steps else {}),
             **comm_metrics(self.sync.comm.take(), window.steps, phases.get("sync", 0.0),
                            self.sync.comm_in_sync_phase, self.ctx.world_size),
         }  # fmt: skip
@@ -281,18 +335,8 @@ class Trainer:
         )
         for logger in self.loggers:
             logger.log_summary({k: v for k, v in summary.items() if k != "ranks"} | {"rank": mine})
+        self.save_checkpoint()
         if self.ctx.is_main_process:
-            save_checkpoint(
-                self.run_dir / "checkpoints" / "last.pt",
-                {
-                    "model": self.model.state_dict(),
-                    "optimizer": self.optimizer.state_dict(),
-                    "scheduler": self.scheduler.state_dict(),
-                    "step": self.step,
-                    "epoch": self.epoch,  # the loop's epoch counter: where a resumed run continues
-                    "config": self.config,
-                },
-            )
             write_json(self.run_dir / "summary.json", summary)
         dist.barrier()  # nobody reads rank 0's files (or tears down) before they are complete
         return summary

@@ -25,9 +25,11 @@ class SyncStrategy(ABC):
     Besides the four methods, a strategy counts what it sends in `self.comm`, which the trainer
     reads at logged steps. `comm_in_sync_phase` says that all its communication happens inside
     after_backward, so the trainer's timing of that phase is its communication time.
+    `keeps_replicas_equal` says every rank holds the same parameters after each step.
     """
 
     comm_in_sync_phase: bool = False
+    keeps_replicas_equal: bool = True  # the trainer's replica check applies
 
     def __init__(self) -> None:
         self.comm = CommCounters()

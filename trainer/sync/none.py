@@ -16,6 +16,8 @@ log = logging.getLogger(__name__)
 class NoSync(SyncStrategy):
     """Replicas drift apart on purpose; useful for single-process runs and divergence baselines."""
 
+    keeps_replicas_equal = False
+
     def wrap(self, model: nn.Module) -> nn.Module:
         if dist.get_world_size() > 1 and dist.get_rank() == 0:
             log.warning(

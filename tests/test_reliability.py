@@ -1,0 +1,235 @@
+"""Reliability on real ranks: checkpoints and resume, refusals, non-finite losses, replica checks,
+and (slow) crash -> elastic restart -> bit-identical, hangs, SIGTERM, resume after a clean stop."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.cli import TORCHRUN, TRAIN, env, jsonl, output, torchrun, train_rows
+from tests.compose import compose_config
+from tests.dist_helpers import run_on_ranks
+from trainer.build import build_parts, build_trainer, instantiate, prepare_data
+from trainer.checkpoint import CheckpointError, find_resume_state, load_checkpoint, save_checkpoint, step_files
+from trainer.dist import DistContext
+from trainer.errors import ConfigError
+from trainer.logger.jsonl import JsonlLogger
+from trainer.preflight import check_output_dir
+from trainer.wandb_offline import find_runs
+
+# 512 samples, 2 ranks x 32 = 8 steps per epoch: checkpoints at 4 and 12 are mid-epoch.
+BASE = ["logger=none", "trainer.progress_bar=false", "model.hidden_sizes=[32,32]", "data.num_samples=512",
+        "data.num_val_samples=64", "data.batch_size=32", "trainer.log_every_n_steps=2", "schedule=warmup_cosine",
+        "schedule.warmup_steps=5"]  # fmt: skip
+
+
+def fit(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dict:
+    """train.py's build path on the helper's process group; returns the final weights or the error."""
+    cfg = compose_config([*BASE, *overrides])
+    from trainer.config import plain_config
+
+    config = plain_config(cfg)
+    settings = instantiate(cfg.trainer)
+    parts = build_parts(cfg, settings)
+    ctx = DistContext(rank, rank, world_size, torch.device("cpu"), "gloo")
+    prepare_data(parts.data, ctx)
+    logger = JsonlLogger(Path(run_dir) / "metrics" / f"rank{rank}.jsonl")
+    try:
+        trainer = build_trainer(parts, settings, ctx, [logger], Path(run_dir), config)
+        trainer.fit()
+    except (RuntimeError, ConfigError) as err:
+        return {"error": f"{type(err).__name__}: {err}"}
+    finally:
+        logger.close()
+    return {"model": {k: v.clone() for k, v in trainer.model.state_dict().items()}, "step": trainer.step}
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_from_a_mid_run_checkpoint_is_bit_identical(tmp_path: Path) -> None:
+    """Train 12 steps with checkpoints every 4; delete the end, resume from step 4; compare with 12 straight."""
+    straight = run_on_ranks(fit, 2, tmp_path / "a", ["trainer.max_steps=12"], str(tmp_path / "straight"))
+    run_dir = tmp_path / "resumed"
+    first = run_on_ranks(fit, 2, tmp_path / "b", ["trainer.max_steps=12", "trainer.checkpoint_every_n_steps=4",
+                                                  "trainer.keep_checkpoints=5"], str(run_dir))  # fmt: skip
+    assert same(first[0]["model"], straight[0]["model"])  # checkpointing changes nothing
+    ckpt = run_dir / "checkpoints"
+    assert [p.name for p in step_files(ckpt)] == ["step-12.pt", "step-8.pt", "step-4.pt"]
+    for name in ("step-12.pt", "step-8.pt"):  # as if the run had died after its step-4 checkpoint
+        (ckpt / name).unlink()
+    (ckpt / "last.pt").unlink()
+    os.link(ckpt / "step-4.pt", ckpt / "last.pt")
+    resumed = run_on_ranks(fit, 2, tmp_path / "c", ["trainer.max_steps=12", "trainer.checkpoint_every_n_steps=4",
+                                                    "trainer.keep_checkpoints=5"], str(run_dir))  # fmt: skip
+    assert resumed[0]["step"] == 12
+    assert same(resumed[0]["model"], straight[0]["model"]) and same(resumed[1]["model"], straight[0]["model"])
+    # The JSONL continues the step count and the LR schedule where the checkpoint left them.
+    rows = train_rows(run_dir / "metrics" / "rank0.jsonl")
+    straight_lr = {r["step"]: r["train/lr"] for r in train_rows(tmp_path / "straight" / "metrics" / "rank0.jsonl")}
+    after = [r for r in rows[rows.index(next(r for r in rows if r["step"] == 12)) + 1:]]
+    assert [r["step"] for r in after] == [6, 8, 10, 12]
+    assert all(r["train/lr"] == straight_lr[r["step"]] for r in after)
+
+
+def test_resume_refuses_another_world_size_or_training_config(tmp_path: Path) -> None:
+    run_dir = str(tmp_path / "run")
+    run_on_ranks(fit, 2, tmp_path / "a", ["trainer.max_steps=4"], run_dir)
+    (one,) = run_on_ranks(fit, 1, tmp_path / "b", ["trainer.max_steps=4"], run_dir)
+    assert "written by 2 ranks, this job has 1" in one["error"] and "trainer.resume=never" in one["error"]
+    changed = run_on_ranks(fit, 2, tmp_path / "c", ["trainer.max_steps=4", "optim.lr=0.5"], run_dir)
+    assert "optim.lr: checkpoint 0.1, now 0.5" in changed[0]["error"]
+    # Logging knobs are not training config: changing them still resumes.
+    fine = run_on_ranks(fit, 2, tmp_path / "d", ["trainer.max_steps=4", "trainer.log_every_n_steps=1"], run_dir)
+    assert "error" not in fine[0]
+    fresh = run_on_ranks(fit, 2, tmp_path / "e", ["trainer.max_steps=4", "optim.lr=0.5", "trainer.resume=never"], run_dir)
+    assert "error" not in fresh[0]
+
+
+def test_corrupt_or_unsafe_checkpoints_are_refused_and_auto_falls_back(tmp_path: Path) -> None:
+    ckpt = tmp_path / "checkpoints"
+    for step in (2, 4):
+        save_checkpoint(ckpt, {"model": {"w": torch.full((3,), float(step))}, "step": step}, keep=3)
+    assert load_checkpoint(ckpt / "last.pt")["step"] == 4
+    data = (ckpt / "step-4.pt").read_bytes()
+    (ckpt / "last.pt").unlink()
+    (ckpt / "last.pt").write_bytes(data[: len(data) // 2])  # a truncated last.pt
+    with pytest.raises(CheckpointError, match=r"last\.pt is truncated or corrupt"):
+        load_checkpoint(ckpt / "last.pt")
+    path, state = find_resume_state(tmp_path, "auto")  # falls back to the newest good file
+    assert path.name == "step-4.pt" and state["step"] == 4
+    # A checkpoint that would need to run code to load is refused, never executed.
+    torch.save({"format": 1, "model": {}, "step": 6, "hook": os.system}, ckpt / "step-6.pt")
+    with pytest.raises(CheckpointError, match="refusing checkpoint .*step-6.pt"):
+        load_checkpoint(ckpt / "step-6.pt")
+    assert find_resume_state(tmp_path, "auto")[0].name == "step-4.pt"
+    with pytest.raises(CheckpointError, match="step-6.pt"):  # an explicit path is not second-guessed
+        find_resume_state(tmp_path, str(ckpt / "step-6.pt"))
+    with pytest.raises(CheckpointError, match="no such file"):
+        find_resume_state(tmp_path, str(tmp_path / "missing.pt"))
+    assert find_resume_state(tmp_path, "never") is None
+
+
+def test_keep_checkpoints_prunes_old_step_files(tmp_path: Path) -> None:
+    for step in range(1, 6):
+        save_checkpoint(tmp_path, {"model": {}, "step": step}, keep=2)
+    assert [p.name for p in step_files(tmp_path)] == ["step-5.pt", "step-4.pt"]
+    assert load_checkpoint(tmp_path / "last.pt")["step"] == 5
+
+
+@pytest.mark.parametrize(("mode", "expect"), [("raise", "non-finite loss at step 3 on rank(s) 1"), ("skip", None)])
+def test_nonfinite_loss_raises_or_is_skipped_on_every_rank(tmp_path: Path, mode: str, expect: str | None) -> None:
+    overrides = ["trainer.max_steps=6", f"trainer.on_nonfinite={mode}", "trainer.fault.kind=nan_loss",
+                 "trainer.fault.rank=1", "trainer.fault.at_step=3"]  # fmt: skip
+    results = run_on_ranks(fit, 2, tmp_path / "job", overrides, str(tmp_path / "run"))
+    if expect:
+        assert all(expect in r["error"] and "NonFiniteError" in r["error"] for r in results)
+        return
+    assert same(results[0]["model"], results[1]["model"])
+    assert all(torch.isfinite(t).all() for t in results[0]["model"].values())
+    rows = train_rows(tmp_path / "run" / "metrics" / "rank0.jsonl")
+    assert rows[-1]["train/skipped_steps"] == 1
+
+
+def test_replica_check_names_the_rank_that_drifted(tmp_path: Path) -> None:
+    overrides = ["trainer.max_steps=8", "trainer.check_replicas_every_n_steps=4", "trainer.fault.kind=perturb",
+                 "trainer.fault.rank=1", "trainer.fault.at_step=2"]  # fmt: skip
+    results = run_on_ranks(fit, 2, tmp_path / "job", overrides, str(tmp_path / "run"))
+    assert all("replica check at step 4: the parameters of rank(s) 1 differ" in r["error"] for r in results)
+
+
+def test_output_dir_without_room_fails_before_training(tmp_path: Path) -> None:
+    check_output_dir(tmp_path / "run", needed_bytes=1)
+    with pytest.raises(ConfigError, match=r"hydra.run.dir=.*MiB free, but this run needs about"):
+        check_output_dir(tmp_path / "run", needed_bytes=2**60)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="cannot be written"):
+        check_output_dir(tmp_path / "file" / "run", needed_bytes=1)
+
+
+SLOW_BASE = [*BASE, "trainer.max_steps=30", "trainer.checkpoint_every_n_steps=10"]
+
+
+@pytest.mark.slow
+def test_crash_then_elastic_restart_ends_bit_identical(tmp_path: Path) -> None:
+    straight = torchrun([*SLOW_BASE, f"hydra.run.dir={tmp_path / 'straight'}"], cwd=tmp_path)
+    assert straight.returncode == 0, output(straight)
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1", TRAIN, *SLOW_BASE,
+           "trainer.fault.rank=1", "trainer.fault.at_step=15", f"hydra.run.dir={tmp_path / 'crashed'}"]  # fmt: skip
+    crashed = subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
+    text = output(crashed)
+    assert crashed.returncode == 0, text
+    assert "injected fault" in text and "resumed from" in text and "at step 10" in text
+    a = torch.load(tmp_path / "straight" / "checkpoints" / "last.pt", weights_only=True)
+    b = torch.load(tmp_path / "crashed" / "checkpoints" / "last.pt", weights_only=True)
+    assert a["step"] == b["step"] == 30
+    assert same(a["model"], b["model"]) and same(a["optimizer"]["state"][0], b["optimizer"]["state"][0])
+
+
+@pytest.mark.slow
+def test_a_hanging_rank_fails_the_job_within_the_timeout(tmp_path: Path) -> None:
+    started = time.monotonic()
+    proc = torchrun([*BASE, "trainer.max_steps=100", "trainer.collective_timeout_s=5", "trainer.fault.kind=hang",
+                     "trainer.fault.rank=1", "trainer.fault.at_step=5", f"hydra.run.dir={tmp_path / 'run'}"],
+                    cwd=tmp_path, timeout_s=120)  # fmt: skip
+    elapsed = time.monotonic() - started
+    text = output(proc)
+    assert proc.returncode != 0, text
+    # Rank 0 waits one collective timeout, then fails naming the step; the hung rank gets SIGTERM
+    # and stops within the step grace (15 s) instead of waiting for torchrun's SIGKILL.
+    assert "training failed: StepFailed: step 5 on rank 0" in text and "Timed out" in text
+    assert "[rank1] terminated by signal" in text
+    assert elapsed < 5 + 15 + 20, f"took {elapsed:.0f}s"
+
+
+@pytest.mark.slow
+def test_a_rank_receiving_sigterm_stops_the_job_and_nothing_logged_is_lost(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = torchrun([*BASE, "logger=wandb", "trainer.max_steps=100", "trainer.fault.kind=sigterm",
+                     "trainer.fault.rank=0", "trainer.fault.at_step=7", f"hydra.run.dir={run_dir}"], cwd=tmp_path)  # fmt: skip
+    assert proc.returncode != 0, output(proc)
+    for rank in (0, 1):
+        (run,) = [run for run in find_runs(run_dir) if run.name == f"rank-{rank}"]
+        logged = [row["_step"] for row in run.history if "train/loss" in row]
+        assert logged == [row["step"] for row in train_rows(run_dir / "metrics" / f"rank{rank}.jsonl")]
+        assert logged[:3] == [2, 4, 6] and run.exit_code in (1, 143)
+    (rank0,) = [run for run in find_runs(run_dir) if run.name == "rank-0"]
+    assert rank0.exit_code == 143  # it stopped at the end of step 7, as told
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoint_then_resume_continues_step_count_and_schedule(tmp_path: Path) -> None:
+    args = [*BASE, "trainer.max_steps=400", "trainer.checkpoint_on_sigterm=true", f"hydra.run.dir={tmp_path / 'run'}"]
+    launcher = subprocess.Popen([TORCHRUN, "--standalone", "--nproc_per_node=2", TRAIN, *args], cwd=tmp_path,
+                                env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    metrics = tmp_path / "run" / "metrics" / "rank0.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and len(train_rows(metrics)) >= 10) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    launcher.send_signal(signal.SIGTERM)  # as Slurm preempting the job: every rank is told
+    text = launcher.communicate(timeout=60)[0]
+    assert launcher.returncode != 0, text
+    assert "checkpoint written at step" in text
+    stopped = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["step"]
+    assert 20 <= stopped < 400
+    resumed = torchrun(args, cwd=tmp_path)  # the same command again: resume=auto
+    assert resumed.returncode == 0, output(resumed)
+    assert f"resumed from {tmp_path / 'run' / 'checkpoints' / 'last.pt'} at step {stopped}" in resumed.stdout
+    straight = torchrun([*args[:-1], f"hydra.run.dir={tmp_path / 'straight'}"], cwd=tmp_path)
+    assert straight.returncode == 0, output(straight)
+    a = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
+    b = torch.load(tmp_path / "straight" / "checkpoints" / "last.pt", weights_only=True)
+    assert same(a["model"], b["model"])
+    straight_lr = {r["step"]: r["train/lr"] for r in train_rows(tmp_path / "straight" / "metrics" / "rank0.jsonl")}
+    after = [r for r in jsonl(metrics) if "train/loss" in r and r["step"] > stopped]
+    assert after and all(r["train/lr"] == straight_lr[r["step"]] for r in after)
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 400
