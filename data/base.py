@@ -14,6 +14,17 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 from trainer.errors import ConfigError
 
 
+def fetch(dataset_class: type, root: str, name: str, offline_hint: str) -> None:
+    """Download a torchvision dataset into root (data.download=true); a failure says how else to get it."""
+    try:
+        dataset_class(root, train=True, download=True)
+    except (RuntimeError, OSError) as error:
+        raise ConfigError(
+            f"data.download=true could not fetch {name} into data.root={root}: {error}; "
+            f"without a network, {offline_hint} and set data.download=false"
+        ) from error
+
+
 class ResumableSampler(DistributedSampler):
     """DistributedSampler that can start its next pass part-way, for resuming mid-epoch.
 

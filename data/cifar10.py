@@ -12,7 +12,7 @@ from torch.utils.data import Dataset
 from torchvision import datasets, transforms
 from torchvision.datasets.utils import check_integrity
 
-from data.base import DataModule
+from data.base import DataModule, fetch
 from trainer.errors import ConfigError
 
 BATCH_DIR = datasets.CIFAR10.base_folder  # "cifar-10-batches-py"
@@ -56,16 +56,8 @@ class Cifar10Data(DataModule):
         self.verify_md5 = verify_md5
 
     def prepare(self) -> None:
-        if not self.download:
-            return
-        try:
-            datasets.CIFAR10(self.root, train=True, download=True)
-        except (RuntimeError, OSError) as error:
-            raise ConfigError(
-                f"data.download=true could not fetch CIFAR-10 into data.root={self.root}: "
-                f"{error}; without a network, extract cifar-10-python.tar.gz into {self.root} "
-                "and set data.download=false"
-            ) from error
+        if self.download:
+            fetch(datasets.CIFAR10, self.root, "CIFAR-10", f"extract cifar-10-python.tar.gz into {self.root}")
 
     def build_datasets(self) -> tuple[Dataset, Dataset]:
         folder = os.path.join(self.root, BATCH_DIR)

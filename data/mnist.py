@@ -11,7 +11,7 @@ import os
 from torch.utils.data import Dataset
 from torchvision import datasets, transforms
 
-from data.base import DataModule
+from data.base import DataModule, fetch
 from trainer.errors import ConfigError
 
 RAW_FILES = (
@@ -39,16 +39,8 @@ class MnistData(DataModule):
         self.download = download
 
     def prepare(self) -> None:
-        if not self.download:
-            return
-        try:
-            datasets.MNIST(self.root, train=True, download=True)
-        except (RuntimeError, OSError) as error:
-            raise ConfigError(
-                f"data.download=true could not fetch MNIST into data.root={self.root}: {error}; "
-                f"without a network, copy the four idx files into {self.root}/MNIST/raw/ and "
-                "set data.download=false"
-            ) from error
+        if self.download:
+            fetch(datasets.MNIST, self.root, "MNIST", f"copy the four idx files into {self.root}/MNIST/raw/")
 
     def build_datasets(self) -> tuple[Dataset, Dataset]:
         self._check_files()
