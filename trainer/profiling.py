@@ -12,7 +12,12 @@ from pathlib import Path
 from types import TracebackType
 
 import torch
-from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+from torch.profiler import (
+    ProfilerActivity,
+    profile,
+    schedule,
+    tensorboard_trace_handler,
+)
 
 
 class StepProfiler(AbstractContextManager["StepProfiler"]):

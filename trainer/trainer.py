@@ -1,15 +1,15 @@
 """The data-parallel training loop.
 
-fit():
+Trainer(...) resumes from a checkpoint when trainer.resume finds one; then fit():
     for each epoch:
         sampler.set_epoch(epoch)                  # a new shuffle, the same permutation on every rank
-        for each optimizer step:
+        for each optimizer step (a SIGTERM waits for the iteration to end):
             k micro-batches: forward, backward    # all but the last under sync.no_sync()
             sync.after_backward()                 # from here the gradients are equal on every rank
-            optimizer.step(); lr schedule step
-            every log_every_n_steps: one host sync, one row to every logger of this rank
-            every eval_every_n_steps: evaluate (sums all-reduced: the same numbers on every rank)
-    evaluate; rank 0 writes checkpoints/last.pt and summary.json; every rank waits at a barrier
+            optimizer.step(); lr schedule step    # the optimizer step skipped if on_nonfinite=skip says so
+            then, as due, on every rank at the same step: a logged row (one host sync), the replica
+            check, evaluation (sums all-reduced), a checkpoint
+    evaluate; rank 0 writes checkpoints/step-<n>.pt, last.pt, summary.json; every rank waits at a barrier
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from trainer.dist import DistContext, hostname
 from trainer.exits import Terminated, step_boundary
 from trainer.guards import NonFiniteWatch, check_replicas, grads_finite
 from trainer.logger.base import MetricLogger
+from trainer.metrics import Window, evaluate
 from trainer.profiling import StepProfiler
 from trainer.settings import TrainSettings
 from trainer.steps import (
@@ -56,26 +57,6 @@ log = logging.getLogger(__name__)
 
 class StepFailed(RuntimeError):
     """A training step raised; the message names the step and the rank."""
-
-
-class _Window:
-    """Running sums between two logged steps, kept on the device so unlogged steps never sync."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.reset()
-
-    def reset(self) -> None:
-        self.loss_sum = torch.zeros((), device=self.device)
-        self.correct = torch.zeros((), dtype=torch.int64, device=self.device)
-        self.samples = 0
-        self.steps = 0
-        self.started = time.perf_counter()
-
-    def add(self, loss: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> None:
-        self.loss_sum += loss.detach().float()
-        self.correct += (logits.detach().argmax(dim=-1) == targets).sum()
-        self.samples += targets.shape[0]
 
 
 class Trainer:
@@ -115,7 +96,7 @@ class Trainer:
         self.epoch = 0
         self._lr = self.optimizer.param_groups[0]["lr"]
         self._timer = StepTimer(ctx.device)
-        self._window = _Window(ctx.device)
+        self._window = Window(ctx.device)
         self._batches: Iterator[Any] | None = None  # the current epoch's batches
         self._train_rows: list[dict[str, Any]] = []
         self._train_samples = 0
@@ -213,7 +194,7 @@ class Trainer:
         self._check_finite()
         resume.save(self)
 
-    def _train_step(self, batches: Iterator[Any], window: _Window) -> None:
+    def _train_step(self, batches: Iterator[Any], window: Window) -> None:
         self.settings.fault.maybe_fire(self.ctx.rank, self.step + 1, self.ctx.attempt, self.model)
         k = self.settings.grad_accum_steps
         device = self.ctx.device
@@ -251,7 +232,7 @@ class Trainer:
         window.steps += 1
         self._timer.stop()
 
-    def _log_train(self, window: _Window) -> float:
+    def _log_train(self, window: Window) -> float:
         loss = window.loss_sum.item() / window.steps  # the one host sync of a logged step
         correct = window.correct.item()
         phases = self._timer.collect() or {}  # mean of every step since the previous row
@@ -282,29 +263,12 @@ class Trainer:
         window.reset()
         return loss
 
-    @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Loss and accuracy on the validation split, exact over the whole split on every rank."""
-        # The unwrapped model: DDP's forward would broadcast buffers, and ranks' shards may differ
-        # in length by one batch, so a collective inside this loop could pair up wrongly.
-        self.model.eval()
-        sums = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)  # loss, correct, count
-        for inputs, targets in self.val_loader:
-            inputs = inputs.to(self.ctx.device, non_blocking=True)
-            targets = targets.to(self.ctx.device, non_blocking=True)
-            with self._autocast():
-                logits = self.model(inputs)
-            sums[0] += F.cross_entropy(logits.float(), targets, reduction="sum")
-            sums[1] += (logits.argmax(dim=-1) == targets).sum()
-            sums[2] += targets.shape[0]
-        dist.all_reduce(sums)  # every rank reaches this exactly once per evaluation
-        self.model.train()
-        loss_sum, correct, count = sums.tolist()
-        if count == 0:
-            return {}
-        metrics = {"eval/loss": loss_sum / count, "eval/accuracy": correct / count}
-        for logger in self.loggers:
-            logger.log({"step": self.step, "epoch": epoch_of(self.step, self.steps_per_epoch), **metrics})
+        metrics = evaluate(self.model, self.val_loader, self.ctx.device, self._autocast)
+        if metrics:
+            for logger in self.loggers:
+                logger.log({"step": self.step, "epoch": epoch_of(self.step, self.steps_per_epoch), **metrics})
         return metrics
 
     def _finish(self, final_eval: dict[str, float], wall_s: float) -> dict[str, Any]:
