@@ -46,8 +46,9 @@ MODELS = {
 }
 DEFAULT_MODELS = ("mlp-25M", "cnn")
 # manual's default flattens gradients into all_reduces of up to 25 MiB; coalesce_mb=0 is the
-# textbook one call per gradient, as the hand-written loop does.
-STRATEGIES = ("none", "manual:coalesce_mb=0", "manual", "ddp")
+# textbook one call per gradient, as the hand-written loop does. ddp:time_buckets=true adds the
+# timing hook behind ddp's communication metrics.
+STRATEGIES = ("none", "manual:coalesce_mb=0", "manual", "ddp", "ddp:time_buckets=true")
 
 
 class HandWritten:
@@ -128,13 +129,18 @@ class Framework:
         return statistics.median(times)
 
     def comm(self, skip_rows: int) -> tuple[float, float, float]:
-        """Median communication and exposed seconds, and bytes, per step over this rank's rows after warm-up."""
+        """Median communication and exposed seconds, and bytes, per step over this rank's rows after warm-up.
+
+        Times are 0 when nothing timed them (ddp without sync.time_buckets): bytes are always counted.
+        """
         rows = [json.loads(line) for line in self.jsonl.read_text().splitlines()][skip_rows:]
-        rows = [row for row in rows if "time/comm_s" in row]
+        rows = [row for row in rows if "comm/bytes_per_step" in row]
         if not rows:
             return 0.0, 0.0, 0.0
-        return (statistics.median(r["time/comm_s"] for r in rows),
-                statistics.median(r["time/comm_exposed_s"] for r in rows), rows[-1]["comm/bytes_per_step"])  # fmt: skip
+        timed = [row for row in rows if "time/comm_s" in row]
+        seconds = statistics.median(r["time/comm_s"] for r in timed) if timed else 0.0
+        exposed = statistics.median(r["time/comm_exposed_s"] for r in timed) if timed else 0.0
+        return seconds, exposed, rows[-1]["comm/bytes_per_step"]
 
 
 def timed(run: object, steps: int, device: torch.device) -> float:
@@ -167,8 +173,8 @@ class Result:
         efficiency = self.floor_s / self.alone_s if self.alone_s else None
         return {"model": self.model, "sync": self.strategy, "framework_ms": fw * 1e3, "loop_ms": hw * 1e3,
                 "ratio": statistics.median(ratios), "ratios": ratios, "mb_per_step": self.bytes_per_step / 2**20,
-                "comm_in_step_ms": self.comm_s * 1e3 if self.bytes_per_step else None,
-                "exposed_ms": self.exposed_s * 1e3 if self.bytes_per_step else None,
+                "comm_in_step_ms": self.comm_s * 1e3 if self.comm_s else None,
+                "exposed_ms": self.exposed_s * 1e3 if self.comm_s else None,
                 "sync_alone_ms": self.alone_s * 1e3 if self.alone_s else None,
                 "floor_ms": self.floor_s * 1e3 if self.floor_s else None, "sync_efficiency": efficiency}  # fmt: skip
 
@@ -211,8 +217,8 @@ def format_table(rows: list[dict[str, object]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per round and implementation")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per round and implementation")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"of: {', '.join(MODELS)}")
     parser.add_argument("--strategies", default=",".join(STRATEGIES))

@@ -22,5 +22,5 @@ def test_overhead_benchmark_quick_run(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "framework / hand-written" in proc.stdout
     rows = json.loads(out.read_text())
-    assert [row["sync"] for row in rows] == ["none", "manual:coalesce_mb=0", "manual", "ddp"]
+    assert [row["sync"] for row in rows] == ["none", "manual:coalesce_mb=0", "manual", "ddp", "ddp:time_buckets=true"]
     assert all(row["framework_ms"] > 0 and row["loop_ms"] > 0 and row["ratio"] > 0 for row in rows)

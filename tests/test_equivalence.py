@@ -66,8 +66,8 @@ def single_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.
         # ~1 KB buckets: many all_reduces per step, reordered after DDP's first-iteration rebuild.
         ["sync=ddp", "sync.bucket_cap_mb=0.001", "data.batch_size=8"],
         ["sync=ddp", "sync.gradient_as_bucket_view=true", "sync.static_graph=true", "data.batch_size=8"],
-        # DDP's C++ all-reduce instead of the timing hook.
-        ["sync=ddp", "sync.time_buckets=false", "data.batch_size=8"],
+        # The timing hook's all-reduce instead of DDP's C++ one.
+        ["sync=ddp", "sync.time_buckets=true", "data.batch_size=8"],
         # Accumulation: 2 micro-batches of 4 per rank; ddp must not communicate on the first.
         ["sync=ddp", "data.batch_size=4", "trainer.grad_accum_steps=2"],
         ["sync=manual", "data.batch_size=4", "trainer.grad_accum_steps=2"],
@@ -75,7 +75,7 @@ def single_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.
         ["sync=manual", "sync.coalesce_mb=0", "data.batch_size=8"],
         ["sync=manual", "sync.coalesce_mb=0.001", "data.batch_size=8"],
     ],
-    ids=["manual", "ddp", "ddp-tiny-buckets", "ddp-bucket-view-static", "ddp-cpp-allreduce", "ddp-accum", "manual-accum",
+    ids=["manual", "ddp", "ddp-tiny-buckets", "ddp-bucket-view-static", "ddp-timing-hook", "ddp-accum", "manual-accum",
          "manual-per-tensor", "manual-small-groups"],
 )
 def test_two_ranks_equal_one_process_with_twice_the_batch(

@@ -73,7 +73,8 @@ def param_bytes(rank: int, world_size: int) -> int:
 @pytest.mark.parametrize("sync", ["manual", "ddp"])
 def test_rows_account_for_communication_and_phases_add_up(tmp_path: Path, sync: str) -> None:
     run_dir = tmp_path / "run"
-    overrides = [f"sync={sync}", "model.hidden_sizes=[32,32]", "trainer.max_steps=6", "trainer.log_every_n_steps=3"]
+    overrides = [f"sync={sync}", "model.hidden_sizes=[32,32]", "trainer.max_steps=6", "trainer.log_every_n_steps=3",
+                 *(["sync.time_buckets=true"] if sync == "ddp" else [])]  # fmt: skip
     run_on_ranks(fit, 2, tmp_path / "job", overrides, str(run_dir))
     expected = param_bytes(0, 1)
     train = [r for r in rows(run_dir) if "train/loss" in r]
@@ -101,3 +102,10 @@ def test_profile_flag_leaves_a_trace_per_rank(tmp_path: Path) -> None:
     traces = sorted(p.name.split(".")[0] for p in (tmp_path / "run" / "profiler").glob("*.pt.trace.json"))
     assert traces == ["rank0", "rank1"]
     assert '"traceEvents"' in next((tmp_path / "run" / "profiler").glob("rank0.*")).read_text()[:2000]
+
+
+def test_ddp_without_bucket_timing_reports_bytes_only(tmp_path: Path) -> None:
+    overrides = ["sync=ddp", "model.hidden_sizes=[32,32]", "trainer.max_steps=3", "trainer.log_every_n_steps=3"]
+    run_on_ranks(fit, 2, tmp_path / "job", overrides, str(tmp_path / "run"))
+    (row,) = [r for r in rows(tmp_path / "run") if "train/loss" in r]
+    assert row["comm/bytes_per_step"] == param_bytes(0, 1) and "time/comm_s" not in row

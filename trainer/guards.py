@@ -56,7 +56,7 @@ def check_replicas(model: nn.Module, step: int) -> None:
     Per-tensor sums in float64 change when any element changes by even one ulp (short of an
     exact cancellation), at the cost of one pass over the parameters and a tiny all_gather.
     """
-    sums = torch.stack([p.detach().double().sum() for p in model.parameters()])
+    sums = torch.stack([p.detach().sum(dtype=torch.float64) for p in model.parameters()])  # no float64 copy
     gathered = [torch.empty_like(sums) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, sums)
     differ = [rank for rank, other in enumerate(gathered) if not torch.equal(other, gathered[0])]

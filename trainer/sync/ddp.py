@@ -65,7 +65,7 @@ class DDPSync(SyncStrategy):
         static_graph: bool = False,
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
-        time_buckets: bool = True,
+        time_buckets: bool = False,
     ) -> None:
         check(is_number(bucket_cap_mb) and bucket_cap_mb > 0, "sync.bucket_cap_mb", bucket_cap_mb,
               "must be a number > 0 (MiB per gradient bucket; DDP's default is 25)")
