@@ -65,7 +65,7 @@ def format_report(summary: dict[str, Any]) -> str:
         f"  train/loss {_fmt(summary['train/loss'], '.4f')}   train/accuracy {_fmt(summary['train/accuracy'], '.3f')}"
         f"   eval/loss {_fmt(summary.get('eval/loss'), '.4f')}   eval/accuracy {_fmt(summary.get('eval/accuracy'), '.3f')}",
         f"  throughput {summary['throughput/global_samples_per_s']:.0f} samples/s (all ranks)",
-        f"  run dir  {summary['run_dir']}   (summary.json, checkpoints/last.pt, metrics/rank*.jsonl, train_rank*.log)",
+        f"  run dir  {summary['run_dir']}   (summary.json, checkpoints/, metrics/rank*.jsonl, train_rank*.log)",
     ]
     offline = [(r["rank"], loc) for r in summary["ranks"] for loc in r.get("outputs", []) if "offline-run-" in loc]
     for rank, location in offline:

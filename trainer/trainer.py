@@ -254,7 +254,7 @@ class Trainer:
         }  # fmt: skip
         if not self._train_rows and self.ctx.is_main_process:
             # Once per job, after the first logged step: DDP has rebuilt its buckets by then.
-            log.info("sync: %s", self.sync.describe())
+            log.info("sync: %s", " ".join(f"{key}={value}" for key, value in self.sync.describe().items()))
         if self.ctx.device.type == "cuda":
             row["memory/cuda_max_allocated_mb"] = torch.cuda.max_memory_allocated(self.ctx.device) / 2**20
         for logger in self.loggers:
