@@ -45,7 +45,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         parts = build_parts(cfg, settings)  # every constructor runs here, before any collective
         check_output_dir(conf.run_dir(), bytes_needed(parts.model, settings.keep_checkpoints))  # full disk: fail now
         launch = dist.read_launch_env()  # read here, not at import: submitit tasks unpickle main()
-        device = dist.resolve_device(settings.device, launch.local_rank)
+        device = dist.resolve_device(settings.device, launch)
         prefix = dist.group_key_prefix(launch, conf.job_num())  # a fresh prefix per multirun job
         ctx = dist.init_process_group(launch, dist.job_store(launch), device, settings.collective_timeout_s, prefix)
         try:

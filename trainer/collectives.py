@@ -232,9 +232,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     env = ddist.read_launch_env()
     try:
-        device = ddist.resolve_device(args.device, env.local_rank)
-    except ConfigError:  # the only one left after argparse's choices: CUDA asked for but absent
-        print(f"error: --device={args.device}, but CUDA is not available here: use auto or cpu", file=sys.stderr)
+        device = ddist.resolve_device(args.device, env)
+    except ConfigError as err:  # the only one left after argparse's choices: too few GPUs for --device=cuda
+        print(f"error: --device={args.device}: {err}", file=sys.stderr)
         return 2
     prefix = f"ddplab-collectives/{env.run_id}/attempt-{env.restart_count}/"
     ctx = ddist.init_process_group(env, ddist.job_store(env), device, timeout_s=args.timeout_s, key_prefix=prefix)

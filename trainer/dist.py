@@ -10,6 +10,7 @@ collectives included.
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import os
 import socket
 from collections.abc import Mapping
@@ -20,6 +21,8 @@ import torch
 import torch.distributed as dist
 
 from trainer.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 # How long a worker waits for the store and for rank 0's run stamp before Hydra has composed the
 # config (the configured collective timeout is not known yet at that point).
@@ -37,6 +40,7 @@ class LaunchEnv:
     run_id: str
     restart_count: int
     launcher: str  # "torchrun", "submitit" or "none" (plain python)
+    local_world_size: int = 1  # ranks on this node: how many GPUs the job wants here
 
     @property
     def launched(self) -> bool:
@@ -75,6 +79,7 @@ def read_launch_env(environ: Mapping[str, str] = os.environ) -> LaunchEnv:
             run_id=environ.get("TORCHELASTIC_RUN_ID", "none"),
             restart_count=int(environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
             launcher="torchrun",
+            local_world_size=int(environ.get("LOCAL_WORLD_SIZE", "1")),
         )
     if environ.get("SUBMITIT_EXECUTOR"):
         import submitit
@@ -87,6 +92,7 @@ def read_launch_env(environ: Mapping[str, str] = os.environ) -> LaunchEnv:
             run_id=str(job.job_id),
             restart_count=0,
             launcher="submitit",
+            local_world_size=max(1, job.num_tasks // max(1, job.num_nodes)),
         )
     return LaunchEnv(rank=0, local_rank=0, world_size=1, run_id="local", restart_count=0, launcher="none")
 
@@ -129,19 +135,53 @@ def agree_on_run_stamp(store: dist.Store, env: LaunchEnv) -> str:
     return store.get(_STAMP_KEY).decode()
 
 
-def resolve_device(requested: str, local_rank: int) -> torch.device:
-    """`auto` means CUDA when present, else CPU; each rank takes the GPU of its local rank."""
-    if requested == "auto":
-        requested = "cuda" if torch.cuda.is_available() else "cpu"
+@dataclass(frozen=True)
+class DeviceChoice:
+    """Where this node's ranks run, and why when it is not what `auto` would hope for."""
+
+    type: str  # "cpu" or "cuda"
+    warning: str | None = None
+
+
+def choose_device(requested: str, ranks_per_node: int, gpus_visible: int) -> DeviceChoice:
+    """trainer.device as a pure function of the counts: one GPU per local rank, or CPU for all.
+
+    `auto` takes CUDA only when every rank on the node can have a GPU of its own (nccl refuses two
+    ranks on one device, and `cuda:<local rank>` must exist); otherwise the whole job runs on CPU
+    with gloo and says why. `cuda` with too few GPUs is an error, not a quiet fallback.
+    """
     if requested == "cpu":
-        return torch.device("cpu")
+        return DeviceChoice("cpu")
+    if requested == "auto":
+        if gpus_visible == 0 or ranks_per_node <= gpus_visible:
+            return DeviceChoice("cuda" if gpus_visible else "cpu")
+        return DeviceChoice(
+            "cpu",
+            f"trainer.device=auto runs on CPU with gloo: {ranks_per_node} ranks on this node but "
+            f"{gpus_visible} GPU(s) visible (one GPU per rank is needed for CUDA); use "
+            f"--nproc_per_node={gpus_visible} for CUDA, or trainer.device=cpu to silence this",
+        )
     if requested == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError("trainer.device=cuda but CUDA is not available here; use trainer.device=auto or cpu")
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        return device
+        if ranks_per_node > gpus_visible:
+            raise ConfigError(
+                f"trainer.device=cuda needs one GPU per rank: {ranks_per_node} rank(s) on this node but "
+                f"{gpus_visible} GPU(s) visible; use --nproc_per_node<={gpus_visible}"
+                f"{'' if gpus_visible else ' on a machine with CUDA'}, or trainer.device=auto or cpu"
+            )
+        return DeviceChoice("cuda")
     raise ConfigError(f"trainer.device={requested!r} is not one of: auto, cpu, cuda")
+
+
+def resolve_device(requested: str, env: LaunchEnv) -> torch.device:
+    """This rank's device from trainer.device and the node's GPU count; rank 0 says so when auto falls back."""
+    choice = choose_device(requested, env.local_world_size, torch.cuda.device_count())
+    if choice.warning and env.is_main_process:
+        log.warning("%s", choice.warning)
+    if choice.type == "cpu":
+        return torch.device("cpu")
+    device = torch.device("cuda", env.local_rank)
+    torch.cuda.set_device(device)
+    return device
 
 
 def init_process_group(
