@@ -11,7 +11,10 @@ from typing import Any
 
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
+from data.tensor_loader import TensorLoader, in_memory_tensors
 from trainer.errors import ConfigError
+
+Loader = DataLoader | TensorLoader
 
 
 def fetch(dataset_class: type, root: str, name: str, offline_hint: str) -> None:
@@ -79,7 +82,7 @@ class DataModule(ABC):
 
     def train_loader(
         self, rank: int, world_size: int, seed: int, pin_memory: bool = False
-    ) -> DataLoader:
+    ) -> Loader:
         """Shuffled, drop-last loader over this rank's share of the train set.
 
         Invariant: every rank draws from one permutation (seeded by seed + epoch; the trainer
@@ -100,7 +103,7 @@ class DataModule(ABC):
         )
         return self._loader(train, sampler=sampler, drop_last=True, pin_memory=pin_memory)
 
-    def val_loader(self, rank: int, world_size: int, pin_memory: bool = False) -> DataLoader:
+    def val_loader(self, rank: int, world_size: int, pin_memory: bool = False) -> Loader:
         """In-order loader over this rank's strided shard of the val set.
 
         Invariant: the shards range(rank, len(val), world_size) are disjoint and cover the val set
@@ -121,7 +124,11 @@ class DataModule(ABC):
         sampler: DistributedSampler | None,
         drop_last: bool,
         pin_memory: bool,
-    ) -> DataLoader:
+    ) -> Loader:
+        # Samples already in tensors (synthetic, fake): a gather per batch, in this process.
+        tensors = in_memory_tensors(dataset) if self.num_workers == 0 else None
+        if tensors is not None:
+            return TensorLoader(tensors, self.batch_size, sampler, drop_last, pin_memory)
         return DataLoader(
             dataset,
             batch_size=self.batch_size,

@@ -13,6 +13,7 @@ from data.cifar10 import Cifar10Data
 from data.fake import FakeImageData
 from data.mnist import MnistData
 from data.synthetic import SyntheticData
+from data.tensor_loader import TensorLoader
 from trainer.errors import ConfigError
 
 
@@ -97,6 +98,28 @@ def test_val_shards_are_disjoint_in_order_and_cover_the_val_set_exactly():
 
 
 # --- synthetic and fake ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("data", [SyntheticData(batch_size=8, num_samples=64, num_val_samples=20),
+                                  FakeImageData(batch_size=4, num_samples=16, num_val_samples=6, image_shape=[1, 4, 4])])
+def test_in_memory_data_is_served_whole_batches_equal_to_per_sample_loading(data):
+    # The same samples in the same order as DataLoader's per-sample path (index, then stack),
+    # so equivalence and bit-identical resume hold; but fetched with one gather per tensor.
+    train, val = data.build_datasets()
+    loader = data.train_loader(1, 2, seed=3)
+    assert isinstance(loader, TensorLoader) and loader.batch_size == data.batch_size
+    reference = torch.utils.data.DataLoader(train, batch_size=data.batch_size, sampler=loader.sampler, drop_last=True)
+    for epoch in (0, 1):
+        loader.sampler.set_epoch(epoch)
+        ours, theirs = list(loader), list(reference)
+        assert len(ours) == len(theirs) > 0
+        for (x, y), (x_ref, y_ref) in zip(ours, theirs):
+            assert torch.equal(x, x_ref) and torch.equal(y, y_ref) and y.dtype == y_ref.dtype == torch.int64
+    val_batches = list(data.val_loader(1, 2))  # in order, the last batch partial
+    val_ref = list(torch.utils.data.DataLoader(torch.utils.data.Subset(val, range(1, len(val), 2)),
+                                               batch_size=data.batch_size))  # fmt: skip
+    assert len(val_batches) == len(val_ref) == len(data.val_loader(1, 2)) and len(val_batches[-1][0]) < data.batch_size
+    assert all(torch.equal(a, b) for batch, ref in zip(val_batches, val_ref) for a, b in zip(batch, ref))
 
 
 def test_synthetic_is_deterministic_and_uses_several_classes():
