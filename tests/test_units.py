@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from tests.dist_helpers import run_on_ranks
+from trainer.dist import choose_device
 from trainer.errors import ConfigError
+from trainer.metrics import Window
 from trainer.schedule import WarmupCosine, warmup_cosine
 from trainer.settings import TrainSettings
 from trainer.steps import (
@@ -79,6 +81,50 @@ def test_step_timer_averages_every_step_and_phases_add_up() -> None:
     assert timer.collect() is None  # collected steps are not counted twice
 
 
+@pytest.mark.parametrize(
+    ("requested", "ranks", "gpus", "device", "warns"),
+    [
+        ("auto", 2, 0, "cpu", False),  # no GPU: CPU, nothing to explain
+        ("auto", 1, 1, "cuda", False),
+        ("auto", 2, 2, "cuda", False),
+        ("auto", 2, 8, "cuda", False),  # fewer ranks than GPUs: each rank still gets its own
+        ("auto", 2, 1, "cpu", True),  # the one-GPU workstation: CPU for every rank, and why
+        ("auto", 8, 4, "cpu", True),
+        ("cpu", 4, 8, "cpu", False),
+        ("cuda", 2, 2, "cuda", False),
+    ],
+)
+def test_device_choice_is_a_function_of_the_counts(requested: str, ranks: int, gpus: int, device: str,
+                                                   warns: bool) -> None:  # fmt: skip
+    choice = choose_device(requested, ranks_per_node=ranks, gpus_visible=gpus)
+    assert choice.type == device and (choice.warning is not None) == warns
+    if warns:  # one line naming both counts
+        assert f"{ranks} ranks on this node" in choice.warning and f"{gpus} GPU(s) visible" in choice.warning
+        assert "\n" not in choice.warning
+
+
+@pytest.mark.parametrize(("ranks", "gpus"), [(2, 1), (1, 0), (8, 4)])
+def test_device_cuda_with_too_few_gpus_names_both_numbers(ranks: int, gpus: int) -> None:
+    with pytest.raises(ConfigError, match=rf"trainer.device=cuda .*{ranks} rank\(s\) on this node but {gpus} GPU"):
+        choose_device("cuda", ranks_per_node=ranks, gpus_visible=gpus)
+    with pytest.raises(ConfigError, match="trainer.device='tpu' is not one of: auto, cpu, cuda"):
+        choose_device("tpu", ranks_per_node=1, gpus_visible=1)
+
+
+def test_window_sums_and_finds_the_first_nonfinite_step() -> None:
+    window = Window(torch.device("cpu"))
+    logits = torch.tensor([[2.0, 0.0], [0.0, 1.0], [3.0, 0.0]])  # predicts 0, 1, 0
+    window.add(torch.tensor(0.5), logits, torch.tensor([0, 1, 1]), step=1)
+    window.add(torch.tensor(0.25), logits, torch.tensor([0, 0, 0]), step=2)
+    assert window.totals() == (0.75, 4, -1) and window.samples == 6
+    window.add(torch.tensor(float("inf")), logits, torch.tensor([0, 1, 0]), step=3)
+    window.add(torch.tensor(float("nan")), logits, torch.tensor([0, 1, 0]), step=4)
+    loss_sum, correct, first_bad = window.totals()
+    assert math.isnan(loss_sum) and correct == 10 and first_bad == 3
+    window.reset()
+    assert window.totals() == (0.0, 0, -1)
+
+
 def test_summary_helpers() -> None:
     rows = [{"time/step_s": s, "throughput/samples_per_s": 10.0 * s, "memory/rss_mb": 100 * s, "comm/busbw_GBps": s,
              "train/loss": 1.0} for s in (1.0, 3.0, 2.0)]  # fmt: skip
@@ -123,11 +169,15 @@ def test_comm_metrics_arithmetic() -> None:
     # Two collectives in flight 0-4 s and 2-6 s: busy 6 s; the last left at 2 s and came back at 6 s.
     assert busy_time([(0.0, 4.0), (2.0, 6.0), (7.0, 8.0)]) == 7.0
     assert exposed_time([(0.0, 4.0), (2.0, 6.0)]) == 4.0
-    counts = CommCounters(bytes=4_000_000_000, collectives=4, seconds=8.0, exposed_seconds=2.0, timed=True)
+    counts = CommCounters(bytes=4_000_000_000, collectives=4, seconds=8.0, exposed_seconds=2.0, timed_steps=2)
     m = comm_metrics(counts, steps=2, sync_phase_s=0.0, in_sync_phase=False, world_size=2)
     assert m["comm/bytes_per_step"] == 2e9 and m["comm/collectives_per_step"] == 2
     assert m["time/comm_s"] == 4.0 and m["time/comm_exposed_s"] == 1.0 and m["comm/overlap_fraction"] == 0.75
     assert m["comm/busbw_GBps"] == pytest.approx(0.5)  # 2e9 B / 4 s x 2(2-1)/2
+    # One sampled step of a 10-step window (DDP's runtime stats): its times are the row's, bytes per step as ever.
+    sampled = CommCounters(bytes=10_000, collectives=0, seconds=0.004, exposed_seconds=0.001, timed_steps=1)
+    m = comm_metrics(sampled, steps=10, sync_phase_s=0.0, in_sync_phase=False, world_size=2)
+    assert m["comm/bytes_per_step"] == 1000 and m["time/comm_s"] == 0.004 and m["comm/overlap_fraction"] == 0.75
     manual = comm_metrics(CommCounters(bytes=100, collectives=1), 1, sync_phase_s=0.5, in_sync_phase=True, world_size=4)
     assert manual["time/comm_s"] == manual["time/comm_exposed_s"] == 0.5 and manual["comm/overlap_fraction"] == 0.0
     untimed = comm_metrics(CommCounters(bytes=100, collectives=1), 1, sync_phase_s=0.5, in_sync_phase=False, world_size=2)

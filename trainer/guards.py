@@ -17,30 +17,25 @@ class ReplicaMismatch(RuntimeError):
     """Ranks that should hold identical parameters do not."""
 
 
-class NonFiniteWatch:
-    """Notes on the device the first step whose loss was not finite; read back only when asked.
+def raise_if_nonfinite(first_bad_step: int, device: torch.device) -> None:
+    """Raise naming the first non-finite loss on any rank (first_bad_step -1: none on this rank).
 
-    Observing costs two tiny device ops per micro-batch and no host sync; the check happens at
-    logged steps, before checkpoints and at the end, where the loop synchronises anyway.
+    Every rank must call this at the same point: it all-gathers each rank's first bad step, so that
+    all of them stop together with the same message. It is called at logged steps, before
+    checkpoints and at the end, where the loop synchronises anyway; alone, it needs no collective.
     """
-
-    def __init__(self, device: torch.device) -> None:
-        self.first = torch.full((), -1, dtype=torch.int64, device=device)
-
-    def observe(self, loss: torch.Tensor, step: int) -> None:
-        bad = ~torch.isfinite(loss.detach())
-        self.first = torch.where(bad & (self.first < 0), step, self.first)
-
-    def raise_if_seen(self) -> None:
-        """Every rank must call this at the same point: it all-gathers each rank's first bad step."""
-        seen = [torch.empty_like(self.first) for _ in range(dist.get_world_size())]
-        dist.all_gather(seen, self.first)
-        bad = {rank: int(step) for rank, step in enumerate(seen) if step >= 0}
-        if bad:
-            first = min(bad.values())
-            ranks = ", ".join(str(r) for r, s in sorted(bad.items()) if s == first)
-            raise NonFiniteError(f"non-finite loss at step {first} on rank(s) {ranks}; "
-                                 "trainer.on_nonfinite=skip would skip such optimizer steps instead")  # fmt: skip
+    seen = [first_bad_step]
+    if dist.get_world_size() > 1:
+        mine = torch.tensor(first_bad_step, dtype=torch.int64, device=device)
+        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, mine)
+        seen = [int(step) for step in torch.stack(gathered).tolist()]
+    bad = {rank: step for rank, step in enumerate(seen) if step >= 0}
+    if bad:
+        first = min(bad.values())
+        ranks = ", ".join(str(r) for r, s in sorted(bad.items()) if s == first)
+        raise NonFiniteError(f"non-finite loss at step {first} on rank(s) {ranks}; "
+                             "trainer.on_nonfinite=skip would skip such optimizer steps instead")  # fmt: skip
 
 
 def grads_finite(params: Iterable[nn.Parameter]) -> bool:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -11,31 +12,53 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader
 
 
 class Window:
-    """Running sums between two logged steps, kept on the device so unlogged steps never sync."""
+    """What the steps between two logged rows produced, kept on the device so unlogged steps never sync.
+
+    add() only keeps references (the detached loss, the predicted classes, the targets): one
+    kernel per micro-batch (argmax) on the step path. The sums, the accuracy and the first
+    non-finite loss are computed from them once per row, where the host synchronises anyway.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.reset()
 
     def reset(self) -> None:
-        self.loss_sum = torch.zeros((), device=self.device)
-        self.correct = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._losses: list[torch.Tensor] = []
+        self._loss_steps: list[int] = []  # the optimizer step (1-based) each loss belongs to
+        self._predictions: list[torch.Tensor] = []
+        self._targets: list[torch.Tensor] = []
         self.samples = 0
         self.steps = 0
         self.started = time.perf_counter()
 
-    def add(self, loss: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> None:
-        self.loss_sum += loss.detach().float()
-        self.correct += (logits.detach().argmax(dim=-1) == targets).sum()
+    def add(self, loss: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, step: int) -> None:
+        self._losses.append(loss.detach())
+        self._loss_steps.append(step)
+        self._predictions.append(logits.detach().argmax(dim=-1))
+        self._targets.append(targets)
         self.samples += targets.shape[0]
+
+    def totals(self) -> tuple[float, int, int]:
+        """(sum of the micro-batches' losses, correct predictions, first step whose loss was not
+        finite or -1): one host sync, a handful of kernels per row."""
+        if not self._losses:
+            return 0.0, 0, -1
+        losses = torch.stack(self._losses).float()
+        correct = (torch.cat(self._predictions) == torch.cat(self._targets)).sum()
+        loss_sum, count = torch.stack([losses.sum().double(), correct.double()]).tolist()
+        first_bad = -1
+        if not math.isfinite(loss_sum):  # rare: only now look for the step (a finite sum can't hide one)
+            finite = torch.isfinite(losses).tolist()
+            first_bad = next((step for step, ok in zip(self._loss_steps, finite) if not ok), -1)
+        return loss_sum, int(count), first_bad
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: DataLoader, device: torch.device,
+def evaluate(model: nn.Module, loader: Iterable[Any], device: torch.device,
              autocast: Callable[[], AbstractContextManager[Any]]) -> dict[str, float]:  # fmt: skip
     """eval/loss and eval/accuracy over every rank's shard, summed across ranks: the same on all.
 

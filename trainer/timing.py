@@ -3,6 +3,10 @@
 On CPU every op has finished when Python moves on, so a monotonic clock is exact. On CUDA kernels
 run asynchronously: we record CUDA events at phase boundaries on every step and read them back
 only at a logged step, after the one host sync that step makes anyway (reading the loss).
+
+The events are created once and reused from one logged row to the next, and recorded on a stream
+fetched once: creating an event or asking for the current stream costs microseconds of host time
+(a device query each), which a GPU step of a few milliseconds would otherwise pay six times.
 """
 
 from __future__ import annotations
@@ -19,15 +23,22 @@ class StepTimer:
 
     def __init__(self, device: torch.device) -> None:
         self._cuda = device.type == "cuda"
+        # The trainer runs the whole step on the stream that is current when it starts.
+        self._stream = torch.cuda.current_stream(device) if self._cuda else None
+        self._events: list[torch.cuda.Event] = []  # the pool, reused after every collect()
+        self._used = 0
         self._marks: list[tuple[str, object]] = []
         self._steps: list[list[tuple[str, object]]] = []
 
     def _now(self) -> object:
-        if self._cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
+        if not self._cuda:
+            return time.perf_counter()
+        if self._used == len(self._events):  # only while the first window fills the pool
+            self._events.append(torch.cuda.Event(enable_timing=True))
+        event = self._events[self._used]
+        self._used += 1
+        event.record(self._stream)
+        return event
 
     def start(self) -> None:
         self._marks = [("start", self._now())]
@@ -50,6 +61,7 @@ class StepTimer:
             for (_, begin), (phase, end) in zip(marks, marks[1:]):
                 totals[phase] += self._elapsed(begin, end)
             totals["step"] += self._elapsed(marks[0][1], marks[-1][1])
+        self._used = 0  # called between steps: every recorded event has been read, the pool is free
         return {phase: seconds / len(steps) for phase, seconds in totals.items()}
 
     def _elapsed(self, begin: object, end: object) -> float:

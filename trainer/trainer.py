@@ -35,7 +35,7 @@ from data.base import DataModule
 from trainer import resume
 from trainer.dist import DistContext, hostname
 from trainer.exits import Terminated, step_boundary
-from trainer.guards import NonFiniteWatch, check_replicas, grads_finite
+from trainer.guards import check_replicas, grads_finite, raise_if_nonfinite
 from trainer.logger.base import MetricLogger
 from trainer.metrics import Window, evaluate
 from trainer.profiling import StepProfiler
@@ -102,7 +102,6 @@ class Trainer:
         self._train_samples = 0
         self._train_seconds = 0.0
         self._process = psutil.Process()
-        self._nonfinite = NonFiniteWatch(ctx.device)
         self._skipped_steps = 0
         resume.resume_if_any(self)  # trainer.resume: the state of a checkpoint, if there is one
 
@@ -171,8 +170,9 @@ class Trainer:
         """What happens between steps: every periodic event, each on every rank at the same step."""
         s = self.settings
         if is_due(self.step, s.log_every_n_steps, self.total_steps):
-            self._check_finite()
-            loss = self._log_train(self._window)
+            totals = self._window.totals()  # the one host sync of a logged step
+            self._check_finite(totals[2])
+            loss = self._log_train(self._window, totals)
             if bar is not None:
                 bar.set_postfix(loss=f"{loss:.4f}")
         if s.check_replicas_every_n_steps and self.sync.keeps_replicas_equal:
@@ -185,9 +185,12 @@ class Trainer:
             self.save_checkpoint()
             self._window.started = time.perf_counter()  # nor is writing checkpoints
 
-    def _check_finite(self) -> None:
+    def _check_finite(self, first_bad_step: int | None = None) -> None:
+        """on_nonfinite=raise: stop every rank if any saw a non-finite loss since the last row."""
         if self.settings.on_nonfinite == "raise":
-            self._nonfinite.raise_if_seen()
+            if first_bad_step is None:  # between rows (a checkpoint): look at the window so far
+                first_bad_step = self._window.totals()[2]
+            raise_if_nonfinite(first_bad_step, self.ctx.device)
 
     def save_checkpoint(self) -> None:
         """checkpoints/step-<step>.pt and last.pt (rank 0), after checking the state is worth keeping."""
@@ -211,8 +214,7 @@ class Trainer:
                     loss = F.cross_entropy(logits, targets) / k
                 if self.settings.fault.poisons_loss(self.ctx.rank, self.step + 1, self.ctx.attempt):
                     loss = loss * float("nan")
-                window.add(loss, logits, targets)
-                self._nonfinite.observe(loss, self.step + 1)
+                window.add(loss, logits, targets, self.step + 1)
                 self._timer.mark("forward")
                 loss.backward()
                 self._timer.mark("backward")
@@ -232,9 +234,9 @@ class Trainer:
         window.steps += 1
         self._timer.stop()
 
-    def _log_train(self, window: Window) -> float:
-        loss = window.loss_sum.item() / window.steps  # the one host sync of a logged step
-        correct = window.correct.item()
+    def _log_train(self, window: Window, totals: tuple[float, int, int]) -> float:
+        loss_sum, correct, _ = totals
+        loss = loss_sum / window.steps
         phases = self._timer.collect() or {}  # mean of every step since the previous row
         elapsed = time.perf_counter() - window.started
         self._train_samples += window.samples
@@ -249,7 +251,7 @@ class Trainer:
             "throughput/samples_per_s": window.samples / elapsed,
             "memory/rss_mb": self._process.memory_info().rss / 2**20,
             **({"train/skipped_steps": self._skipped_steps} if self._skipped_steps else {}),
-            **comm_metrics(self.sync.comm.take(), window.steps, phases.get("sync", 0.0),
+            **comm_metrics(self.sync.take_comm(), window.steps, phases.get("sync", 0.0),
                            self.sync.comm_in_sync_phase, self.ctx.world_size),
         }  # fmt: skip
         if not self._train_rows and self.ctx.is_main_process:
