@@ -104,8 +104,20 @@ def test_profile_flag_leaves_a_trace_per_rank(tmp_path: Path) -> None:
     assert '"traceEvents"' in next((tmp_path / "run" / "profiler").glob("rank0.*")).read_text()[:2000]
 
 
-def test_ddp_without_bucket_timing_reports_bytes_only(tmp_path: Path) -> None:
-    overrides = ["sync=ddp", "model.hidden_sizes=[32,32]", "trainer.max_steps=3", "trainer.log_every_n_steps=3"]
-    run_on_ranks(fit, 2, tmp_path / "job", overrides, str(tmp_path / "run"))
-    (row,) = [r for r in rows(tmp_path / "run") if "train/loss" in r]
-    assert row["comm/bytes_per_step"] == param_bytes(0, 1) and "time/comm_s" not in row
+@pytest.mark.parametrize(("every", "timed_rows"), [(None, [12, 24]), (100, [12])])
+def test_ddp_rows_carry_ddps_own_sampled_timing(tmp_path: Path, every: int | None, timed_rows: list[int]) -> None:
+    # DDP's runtime statistics time each of the first 10 steps, then one in sync.time_every_n_steps (by default
+    # the logging interval, so each row's own step). A row only carries a sample taken in its own window: with
+    # 1 step in 100, the row at 24 has none (its newest sample is step 10's, already reported at 12).
+    overrides = ["sync=ddp", "model.hidden_sizes=[32,32]", "trainer.max_steps=24", "trainer.log_every_n_steps=12",
+                 *([f"sync.time_every_n_steps={every}"] if every else [])]  # fmt: skip
+    (result, _) = run_on_ranks(fit, 2, tmp_path / "job", overrides, str(tmp_path / "run"))
+    train = [r for r in rows(tmp_path / "run") if "train/loss" in r]
+    assert [r["step"] for r in train if "time/comm_s" in r] == timed_rows
+    for row in train:
+        assert row["comm/bytes_per_step"] == param_bytes(0, 1)
+        assert row["comm/collectives_per_step"] == result["summary"]["sync"]["num_buckets"]
+    for row in (r for r in train if "time/comm_s" in r):
+        assert 0 < row["time/comm_exposed_s"] <= row["time/comm_s"] < row["time/step_s"] * 12
+        assert row["comm/busbw_GBps"] > 0 and 0.0 <= row["comm/overlap_fraction"] <= 1.0
+    assert result["summary"]["sync"]["comm_timing"] == f"DDP runtime stats, 1 step in {every or 12}"

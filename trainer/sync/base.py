@@ -23,7 +23,7 @@ class SyncStrategy(ABC):
     """How the replicas' gradients become one averaged gradient.
 
     Besides the four methods, a strategy counts what it sends in `self.comm`, which the trainer
-    reads at logged steps. `comm_in_sync_phase` says that all its communication happens inside
+    reads at logged steps through take_comm(). `comm_in_sync_phase` says that all its communication happens inside
     after_backward, so the trainer's timing of that phase is its communication time.
     `keeps_replicas_equal` says every rank holds the same parameters after each step.
     """
@@ -44,6 +44,10 @@ class SyncStrategy(ABC):
 
     def after_backward(self, model: nn.Module) -> None:
         """Runs after the last micro-batch's backward, before optimizer.step()."""
+
+    def take_comm(self) -> CommCounters:
+        """What was sent (and, if measured, how long it took) since the last call: at logged rows."""
+        return self.comm.take()
 
     def describe(self) -> dict[str, Any]:
         """What the strategy does, for logs and summaries."""

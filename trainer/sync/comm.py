@@ -8,18 +8,22 @@ from dataclasses import dataclass
 
 @dataclass
 class CommCounters:
-    """Cumulative since the last take(): bytes all-reduced, calls, and (when measured) wall time."""
+    """Cumulative since the last take(): bytes all-reduced, calls, and (when measured) wall time.
+
+    `seconds` and `exposed_seconds` cover `timed_steps` steps: every step when a hook times each
+    bucket, or one sampled step per row when DDP's runtime statistics time it.
+    """
 
     bytes: int = 0
     collectives: int = 0
     seconds: float = 0.0  # wall time with at least one collective in flight
     exposed_seconds: float = 0.0  # the part of it not hidden under backward computation
-    timed: bool = False  # whether seconds/exposed_seconds were measured
+    timed_steps: int = 0  # how many steps seconds/exposed_seconds were measured over (0: untimed)
 
     def take(self) -> CommCounters:
         """The counts so far; the counters start again from zero."""
-        taken = CommCounters(self.bytes, self.collectives, self.seconds, self.exposed_seconds, self.timed)
-        self.bytes, self.collectives, self.seconds, self.exposed_seconds = 0, 0, 0.0, 0.0
+        taken = CommCounters(self.bytes, self.collectives, self.seconds, self.exposed_seconds, self.timed_steps)
+        self.bytes, self.collectives, self.seconds, self.exposed_seconds, self.timed_steps = 0, 0, 0.0, 0.0, 0
         return taken
 
 
@@ -51,15 +55,16 @@ def comm_metrics(counts: CommCounters, steps: int, sync_phase_s: float, in_sync_
 
     `in_sync_phase`: the strategy communicates only inside after_backward (manual), so the timed
     sync phase is its communication time, all of it exposed. Otherwise the strategy's own timing
-    is used if it has one (ddp on CPU), and time is left out when nothing measured it.
+    is used if it has one (ddp), averaged over the steps it timed, and time is left out when
+    nothing measured it in this row's window.
     """
     if counts.bytes == 0 or steps == 0:
         return {}
     metrics = {"comm/bytes_per_step": counts.bytes / steps, "comm/collectives_per_step": counts.collectives / steps}
     if in_sync_phase:
         seconds, exposed = sync_phase_s, sync_phase_s
-    elif counts.timed:
-        seconds, exposed = counts.seconds / steps, counts.exposed_seconds / steps
+    elif counts.timed_steps:
+        seconds, exposed = counts.seconds / counts.timed_steps, counts.exposed_seconds / counts.timed_steps
     else:
         return metrics
     metrics["time/comm_s"] = seconds
