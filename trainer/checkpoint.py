@@ -33,7 +33,7 @@ NOT_TRAINING = ("logger", "run_name", "trainer.log_every_n_steps", "trainer.eval
                 "trainer.progress_bar", "trainer.profile", "trainer.collective_timeout_s", "trainer.fault",
                 "trainer.resume", "trainer.checkpoint_every_n_steps", "trainer.keep_checkpoints",
                 "trainer.checkpoint_on_sigterm", "trainer.check_replicas_every_n_steps", "trainer.device",
-                "data.num_workers", "sync.time_buckets")  # fmt: skip
+                "data.num_workers", "sync.time_buckets", "sync.time_every_n_steps")  # fmt: skip
 
 
 class CheckpointError(ConfigError):
