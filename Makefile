@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 NPROC ?= 2
 ARGS ?=
 
-.PHONY: train test test-fast setup clean
+.PHONY: train test test-fast gpu-check setup clean
 
 setup: $(VENV)/.installed
 
@@ -28,6 +28,11 @@ test: setup
 # Everything but the end-to-end torchrun tests, for a quick loop while editing.
 test-fast: setup
 	$(BIN)/pytest -m "not slow"
+
+# On a machine with NVIDIA GPUs: the GPU tests, a 200-step demo on nccl, the collective and overhead
+# benchmarks on CUDA, then one summary table; logs in gpu-check/. Exits 2 where there is no CUDA.
+gpu-check: setup
+	$(BIN)/python benchmarks/gpu_check.py
 
 clean:
 	rm -rf outputs multirun .pytest_cache

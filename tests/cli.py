@@ -13,6 +13,9 @@ from tests.compose import REPO
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 TRAIN = str(REPO / "train.py")
+# For tests of the CPU path (gloo, CPU tensors, CPU-only timing): with the default trainer.device=auto
+# a machine with enough GPUs would run them on nccl instead.
+CPU = "trainer.device=cpu"
 
 
 def env() -> dict[str, str]:

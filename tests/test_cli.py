@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.cli import jsonl, output, python_train, torchrun, train_rows
+from tests.cli import CPU, jsonl, output, python_train, torchrun, train_rows
 from tests.compose import compose_config
 from trainer.build import build_parts, instantiate
 from trainer.wandb_offline import find_runs
@@ -25,7 +25,7 @@ QUICK = ["trainer.progress_bar=false", "data.num_samples=1024", "data.num_val_sa
 def test_torchrun_ddp_leaves_the_documented_files_and_wandb_runs(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = torchrun(
-        ["sync=ddp", "sync.bucket_cap_mb=5", "trainer.max_steps=20", "trainer.log_every_n_steps=5",
+        [CPU, "sync=ddp", "sync.bucket_cap_mb=5", "trainer.max_steps=20", "trainer.log_every_n_steps=5",
          "trainer.eval_every_n_steps=10", f"hydra.run.dir={run_dir}", *QUICK],
         cwd=tmp_path,
     )  # fmt: skip

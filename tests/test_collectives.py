@@ -143,7 +143,8 @@ def _run_cli(cmd: list[str], out: Path) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.slow
 def test_cli_under_torchrun_writes_every_op_at_every_size(tmp_path: Path) -> None:
-    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "trainer.collectives", "--max-bytes", "65536"]
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "trainer.collectives", "--device", "cpu",
+           "--max-bytes", "65536"]  # fmt: skip
     proc = _run_cli(cmd, tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((tmp_path / "collectives.json").read_text())

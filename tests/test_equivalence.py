@@ -25,21 +25,24 @@ COMMON = [
 ]
 
 
-def train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dict[str, torch.Tensor]:
-    """The real build path of train.py, on the process group the helper started."""
+def train(
+    rank: int, world_size: int, overrides: list[str], run_dir: str, device: str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """The real build path of train.py, on the process group the helper started (gloo, whatever the device)."""
     cfg = compose_config(COMMON + overrides)
     settings = instantiate(cfg.trainer)
     parts = build_parts(cfg, settings)
-    ctx = DistContext(rank, rank, world_size, torch.device("cpu"), "gloo")
+    ctx = DistContext(rank, rank, world_size, torch.device(device), "gloo")
     prepare_data(parts.data, ctx)
     trainer = build_trainer(parts, settings, ctx, [], Path(run_dir), {})
     trainer.fit()
     assert trainer.step == 6 and trainer.epoch == 1
-    return {name: t.detach().clone() for name, t in trainer.model.state_dict().items()}
+    return {name: t.detach().cpu().clone() for name, t in trainer.model.state_dict().items()}
 
 
-def trained(tmp_path: Path, name: str, world_size: int, overrides: list[str]) -> list[dict[str, torch.Tensor]]:
-    return run_on_ranks(train, world_size, tmp_path / name, overrides, str(tmp_path / name / "run"))
+def trained(tmp_path: Path, name: str, world_size: int, overrides: list[str],
+            device: str = "cpu") -> list[dict[str, torch.Tensor]]:  # fmt: skip
+    return run_on_ranks(train, world_size, tmp_path / name, overrides, str(tmp_path / name / "run"), device)
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.cli import env, output, torchrun, torchrun_cmd, train_rows
+from tests.cli import CPU, env, output, torchrun, torchrun_cmd, train_rows
 from tests.compose import REPO
 from trainer.wandb_offline import find_runs
 
@@ -31,7 +31,7 @@ BAD_INPUTS = {
 def test_bad_input_fails_fast_on_every_rank_with_a_clear_message(tmp_path: Path, case: str) -> None:
     overrides, expected = BAD_INPUTS[case]
     started = time.monotonic()
-    proc = torchrun([*overrides, "logger=none", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout_s=120)
+    proc = torchrun([*overrides, CPU, "logger=none", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout_s=120)
     elapsed = time.monotonic() - started
     text = output(proc)
     assert proc.returncode != 0, text
@@ -41,6 +41,20 @@ def test_bad_input_fails_fast_on_every_rank_with_a_clear_message(tmp_path: Path,
     assert text.count("Traceback (most recent call last)") <= 1, text
     assert 'train.py", line' not in text and str(REPO / "trainer") not in text and "hydra/_internal" not in text
     assert elapsed < 60, f"took {elapsed:.0f}s"
+
+
+def test_device_cuda_without_a_gpu_per_rank_fails_fast_naming_both_numbers(tmp_path: Path) -> None:
+    # No GPU visible (on any machine): each of the 2 ranks stops at start-up with exit code 2.
+    started = time.monotonic()
+    proc = subprocess.run(torchrun_cmd(["trainer.device=cuda", "logger=none", f"hydra.run.dir={tmp_path / 'run'}"]),
+                          cwd=tmp_path, env={**env(), "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    text = output(proc)
+    assert proc.returncode != 0, text
+    message = "trainer.device=cuda needs one GPU per rank: 2 rank(s) on this node but 0 GPU(s) visible"
+    assert text.count(message) >= 2 and "trainer.device=auto or cpu" in text, text
+    assert "exitcode:2" in text.replace(" ", ""), text
+    assert time.monotonic() - started < 60
 
 
 def wait_for_rows(path: Path, count: int, proc: subprocess.Popen[str], timeout_s: float = 120) -> None:
@@ -67,7 +81,7 @@ def workers(launcher: subprocess.Popen[str]) -> dict[int, psutil.Process]:
 
 def start_long_job(tmp_path: Path) -> tuple[subprocess.Popen[str], Path]:
     run_dir = tmp_path / "run"
-    args = ["trainer.max_steps=1000000", "trainer.log_every_n_steps=5", "trainer.eval_every_n_steps=0",
+    args = [CPU, "trainer.max_steps=1000000", "trainer.log_every_n_steps=5", "trainer.eval_every_n_steps=0",
             "trainer.progress_bar=false", f"hydra.run.dir={run_dir}"]  # fmt: skip
     launcher = subprocess.Popen(torchrun_cmd(args), cwd=tmp_path, env=env(), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)  # fmt: skip

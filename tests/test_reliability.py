@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.cli import TORCHRUN, TRAIN, env, jsonl, output, torchrun, train_rows
+from tests.cli import CPU, TORCHRUN, TRAIN, env, jsonl, output, torchrun, train_rows
 from tests.compose import compose_config
 from tests.dist_helpers import run_on_ranks
 from trainer.build import build_parts, build_trainer, instantiate, prepare_data
@@ -160,9 +160,9 @@ SLOW_BASE = [*BASE, "trainer.max_steps=30", "trainer.checkpoint_every_n_steps=10
 
 @pytest.mark.slow
 def test_crash_then_elastic_restart_ends_bit_identical(tmp_path: Path) -> None:
-    straight = torchrun([*SLOW_BASE, f"hydra.run.dir={tmp_path / 'straight'}"], cwd=tmp_path)
+    straight = torchrun([*SLOW_BASE, CPU, f"hydra.run.dir={tmp_path / 'straight'}"], cwd=tmp_path)
     assert straight.returncode == 0, output(straight)
-    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1", TRAIN, *SLOW_BASE,
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1", TRAIN, *SLOW_BASE, CPU,
            "trainer.fault.rank=1", "trainer.fault.at_step=15", f"hydra.run.dir={tmp_path / 'crashed'}"]  # fmt: skip
     crashed = subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
     text = output(crashed)
@@ -177,7 +177,7 @@ def test_crash_then_elastic_restart_ends_bit_identical(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_a_hanging_rank_fails_the_job_within_the_timeout(tmp_path: Path) -> None:
     started = time.monotonic()
-    proc = torchrun([*BASE, "trainer.max_steps=100", "trainer.collective_timeout_s=5", "trainer.fault.kind=hang",
+    proc = torchrun([*BASE, CPU, "trainer.max_steps=100", "trainer.collective_timeout_s=5", "trainer.fault.kind=hang",
                      "trainer.fault.rank=1", "trainer.fault.at_step=5", f"hydra.run.dir={tmp_path / 'run'}"],
                     cwd=tmp_path, timeout_s=120)  # fmt: skip
     elapsed = time.monotonic() - started
@@ -193,7 +193,7 @@ def test_a_hanging_rank_fails_the_job_within_the_timeout(tmp_path: Path) -> None
 @pytest.mark.slow
 def test_a_rank_receiving_sigterm_stops_the_job_and_nothing_logged_is_lost(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    proc = torchrun([*BASE, "logger=wandb", "trainer.max_steps=100", "trainer.fault.kind=sigterm",
+    proc = torchrun([*BASE, CPU, "logger=wandb", "trainer.max_steps=100", "trainer.fault.kind=sigterm",
                      "trainer.fault.rank=0", "trainer.fault.at_step=7", f"hydra.run.dir={run_dir}"], cwd=tmp_path)  # fmt: skip
     assert proc.returncode != 0, output(proc)
     for rank in (0, 1):
@@ -207,7 +207,8 @@ def test_a_rank_receiving_sigterm_stops_the_job_and_nothing_logged_is_lost(tmp_p
 
 @pytest.mark.slow
 def test_sigterm_checkpoint_then_resume_continues_step_count_and_schedule(tmp_path: Path) -> None:
-    args = [*BASE, "trainer.max_steps=400", "trainer.checkpoint_on_sigterm=true", f"hydra.run.dir={tmp_path / 'run'}"]
+    args = [*BASE, CPU, "trainer.max_steps=400", "trainer.checkpoint_on_sigterm=true",
+            f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
     launcher = subprocess.Popen([TORCHRUN, "--standalone", "--nproc_per_node=2", TRAIN, *args], cwd=tmp_path,
                                 env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     metrics = tmp_path / "run" / "metrics" / "rank0.jsonl"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli import TRAIN, env, output, torchrun, train_rows
+from tests.cli import CPU, TRAIN, env, output, torchrun, train_rows
 from tests.compose import REPO
 from trainer.wandb_offline import find_runs
 
@@ -53,7 +53,7 @@ def groups(job: Path) -> set[str]:
 
 
 def test_route1_multirun_inside_torchrun(tmp_path: Path) -> None:
-    proc = torchrun(["-m", "sync=ddp", "sync.bucket_cap_mb=1,5", *QUICK], cwd=tmp_path)
+    proc = torchrun(["-m", CPU, "sync=ddp", "sync.bucket_cap_mb=1,5", *QUICK], cwd=tmp_path)
     assert proc.returncode == 0, output(proc)
     sweep = sweep_dir(tmp_path)
     first = assert_job_complete(sweep / "0", wandb=True)
@@ -68,7 +68,7 @@ def test_route1_multirun_inside_torchrun(tmp_path: Path) -> None:
 
 def test_route1_a_job_failing_on_one_rank_stops_the_sweep(tmp_path: Path) -> None:
     started = time.monotonic()
-    proc = torchrun(["-m", *FAIL_FIRST_JOB_ON_RANK_1, "logger=none", *QUICK], cwd=tmp_path)
+    proc = torchrun(["-m", CPU, *FAIL_FIRST_JOB_ON_RANK_1, "logger=none", *QUICK], cwd=tmp_path)
     assert proc.returncode != 0, output(proc)
     assert time.monotonic() - started < 60
     assert "injected fault" in output(proc)
@@ -78,7 +78,7 @@ def test_route1_a_job_failing_on_one_rank_stops_the_sweep(tmp_path: Path) -> Non
 
 
 def test_route2_torchrun_launcher_runs_each_job_as_its_own_group(tmp_path: Path) -> None:
-    proc = python_train(["-m", "hydra/launcher=torchrun", "hydra.launcher.nproc_per_node=2", "sync=ddp",
+    proc = python_train(["-m", "hydra/launcher=torchrun", "hydra.launcher.nproc_per_node=2", CPU, "sync=ddp",
                          "sync.bucket_cap_mb=1,5", *QUICK], cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, output(proc)
     sweep = sweep_dir(tmp_path)
@@ -88,7 +88,8 @@ def test_route2_torchrun_launcher_runs_each_job_as_its_own_group(tmp_path: Path)
 
 
 def test_route2_isolates_a_failing_job_and_exits_nonzero(tmp_path: Path) -> None:
-    proc = python_train(["-m", "hydra/launcher=torchrun", *FAIL_FIRST_JOB_ON_RANK_1, "logger=none", *QUICK], cwd=tmp_path)
+    proc = python_train(["-m", "hydra/launcher=torchrun", CPU, *FAIL_FIRST_JOB_ON_RANK_1, "logger=none", *QUICK],
+                        cwd=tmp_path)  # fmt: skip
     text = output(proc)
     assert proc.returncode != 0, text
     assert "job 0 (" in text and "failed: rank 1 exited with code 1" in text and "InjectedFault" in text
@@ -106,7 +107,7 @@ def free_port() -> int:
 def test_two_nodes_on_loopback_form_one_job(tmp_path: Path) -> None:
     """Two torchrun invocations, 2 processes each, meeting through c10d rendezvous: world size 4."""
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--nnodes=2", "--nproc_per_node=2", "--rdzv-backend=c10d",
-           f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=two-nodes", TRAIN, *QUICK]  # fmt: skip
+           f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=two-nodes", TRAIN, CPU, *QUICK]  # fmt: skip
     nodes = [subprocess.Popen(cmd, cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for _ in range(2)]  # fmt: skip
     outs = [node.communicate(timeout=300)[0] for node in nodes]
@@ -124,7 +125,7 @@ def test_two_nodes_on_loopback_form_one_job(tmp_path: Path) -> None:
 
 
 def test_submitit_local_runs_each_job_as_two_tasks(tmp_path: Path) -> None:
-    proc = python_train(["-m", "hydra/launcher=local", "hydra.launcher.tasks_per_node=2", "sync=ddp",
+    proc = python_train(["-m", "hydra/launcher=local", "hydra.launcher.tasks_per_node=2", CPU, "sync=ddp",
                          "sync.bucket_cap_mb=1,5", "logger=none", *QUICK], cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, output(proc)
     sweep = sweep_dir(tmp_path)

@@ -1,0 +1,215 @@
+"""The GPU check: one command that shows ddplab working on this machine's GPUs, with a summary.
+
+    make gpu-check                                    # = .venv/bin/python benchmarks/gpu_check.py
+    python benchmarks/gpu_check.py --out gpu-check    # every check's log and outputs land in --out
+    python benchmarks/gpu_check.py --only demo,collectives
+
+Each check is a subprocess with a timeout, on every visible GPU:
+  tests        pytest -m gpu (nccl end to end, bf16, CUDA phase timing, resume, equivalence, device choice)
+  demo         torchrun --nproc_per_node=<GPUs> train.py trainer.max_steps=200 trainer.device=cuda logger=none
+  fallback     with one GPU only: 2 ranks and trainer.device=auto run on CPU with gloo, rank 0 warning once
+  collectives  torchrun -m trainer.collectives --device cuda, 4 KiB to 16 MiB on nccl
+  overhead     benchmarks/overhead.py --device cuda on mlp-tiny, mlp-25M and cnn (world size 1)
+Then one table: each check, pass or FAIL, seconds, key numbers (also in <out>/summary.txt). About
+4 minutes on one H200. Exit code: 0 when every check passed, 1 when any failed, 2 without CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")  # the venv's, next to its python
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
+CHECKS = ("tests", "demo", "fallback", "collectives", "overhead")
+PYTEST_FINAL = re.compile(r"^=*\s*\d+ (passed|failed|skipped|deselected|error).* in [\d.]+s")
+
+
+@dataclass
+class Check:
+    name: str
+    cmd: list[str]
+    timeout_s: float
+    numbers: Callable[[Path], str]  # this check's key numbers from its log and outputs, after exit 0
+
+
+@dataclass
+class Outcome:
+    name: str
+    passed: bool
+    status: str
+    seconds: float
+    numbers: str
+
+
+def summary(run_dir: Path) -> dict[str, Any]:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def tests_numbers(log: Path) -> str:
+    """pytest's last line, e.g. "12 passed, 3 skipped, 140 deselected in 95.21s"."""
+    final = [line for line in log.read_text().splitlines() if PYTEST_FINAL.match(line)]
+    return final[-1].strip("= ")
+
+
+def demo_numbers(run_dir: Path) -> str:
+    s = summary(run_dir)
+    if s["backend"] != "nccl":
+        raise ValueError(f"the demo ran on {s['backend']}/{s['device']}, not nccl")
+    return (f"{s['world_size']} rank(s) nccl: {s['steps']} steps, train/loss {s['train/loss']:.4f}, eval/accuracy "
+            f"{s['eval/accuracy']:.3f}, {s['throughput/global_samples_per_s']:.0f} samples/s")  # fmt: skip
+
+
+def fallback_numbers(run_dir: Path, log: Path) -> str:
+    s = summary(run_dir)
+    warnings = [line for line in log.read_text().splitlines() if "GPU" in line and line.startswith("[rank")]
+    if (s["backend"], s["device"]) != ("gloo", "cpu") or len(warnings) != 1 or not warnings[0].startswith("[rank0]"):
+        raise ValueError(f"expected gloo on cpu and one warning from rank 0, got {s['backend']}/{s['device']}, "
+                         f"{len(warnings)} warning line(s)")  # fmt: skip
+    rate = s["throughput/global_samples_per_s"]
+    return f"{s['world_size']} ranks gloo on cpu, {rate:.0f} samples/s; rank 0 warned once: {warnings[0][8:90]}..."
+
+
+def collectives_numbers(out: Path) -> str:
+    report = json.loads((out / "collectives.json").read_text())
+    largest = max(r["size_bytes"] for r in report["results"])
+    (r,) = [r for r in report["results"] if r["op"] == "all_reduce" and r["size_bytes"] == largest]
+    size = f"all_reduce {largest / 2**20:g} MiB {r['seconds'] * 1e6:.1f} us"
+    if report["world_size"] == 1:
+        return f"{size}, algbw {r['algbw_GBps']:.1f} GB/s; world size 1: no link used, busbw 0"
+    return f"{size}, busbw {r['busbw_GBps']:.1f} GB/s on {report['world_size']} ranks"
+
+
+def overhead_cell(row: dict[str, Any]) -> str:
+    extra = f" ({row['extra_us']:+.0f} us)" if row.get("extra_us") is not None else ""
+    return f"{row['sync']} {row['ratio']:.3f}{extra}"
+
+
+def overhead_numbers(path: Path) -> str:
+    rows = json.loads(path.read_text())
+    models = dict.fromkeys(row["model"] for row in rows)
+    lines = [f"{model}: " + ", ".join(overhead_cell(r) for r in rows if r["model"] == model) for model in models]
+    return "framework / hand-written time per step (extra per step):\n" + "\n".join(lines)
+
+
+def train_cmd(nproc: int, *overrides: str) -> list[str]:
+    return [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", str(REPO / "train.py"), "logger=none",
+            "trainer.progress_bar=false", *overrides]  # fmt: skip
+
+
+def plan(out: Path, gpus: int) -> list[Check]:
+    """The checks for this machine's GPU count; each writes only under out/<name>/ and out/<name>.log."""
+    demo, fallback, coll, overhead = out / "demo", out / "fallback", out / "collectives", out / "overhead"
+    checks = [
+        Check("tests", [sys.executable, "-m", "pytest", "-m", "gpu", "-q"], 300, tests_numbers),
+        Check("demo", train_cmd(gpus, "trainer.device=cuda", "trainer.max_steps=200", f"hydra.run.dir={demo}"), 180,
+              lambda _: demo_numbers(demo)),
+        # More ranks than GPUs: trainer.device=auto must fall back to CPU, not crash on cuda:1.
+        Check("fallback", train_cmd(2, "trainer.device=auto", "trainer.max_steps=100", f"hydra.run.dir={fallback}"),
+              180, lambda log: fallback_numbers(fallback, log)),
+        Check("collectives", [TORCHRUN, "--standalone", f"--nproc_per_node={gpus}", "-m", "trainer.collectives",
+                              "--device", "cuda", "--max-bytes", str(16 * 2**20), "--iters", "10", "--out", str(coll)],
+              180, lambda _: collectives_numbers(coll)),
+        Check("overhead", [TORCHRUN, "--standalone", "--nproc_per_node=1", str(REPO / "benchmarks" / "overhead.py"),
+                           "--device", "cuda", "--models", "mlp-tiny,mlp-25M,cnn", "--steps", "30",
+                           "--json", str(overhead / "overhead.json")],
+              360, lambda _: overhead_numbers(overhead / "overhead.json")),
+    ]  # fmt: skip
+    return [check for check in checks if check.name != "fallback" or gpus == 1]
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the check's whole process group (torchrun and its workers), SIGKILL if it lingers."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def run(check: Check, out: Path) -> Outcome:
+    shutil.rmtree(out / check.name, ignore_errors=True)  # no stale outputs from an earlier run can pass
+    (out / check.name).mkdir(parents=True)
+    log = out / f"{check.name}.log"
+    started = time.monotonic()
+    with log.open("w") as sink:
+        sink.write("$ " + " ".join(check.cmd) + "\n")
+        sink.flush()
+        # A session of its own, so a timeout stops every process the check started.
+        proc = subprocess.Popen(check.cmd, cwd=REPO, env=ENV, stdout=sink, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+        try:
+            code: int | None = proc.wait(timeout=check.timeout_s)
+        except subprocess.TimeoutExpired:
+            stop(proc)
+            code = None
+    seconds = time.monotonic() - started
+    if code != 0:
+        status = f"FAIL (timeout {check.timeout_s:.0f} s)" if code is None else f"FAIL (exit {code})"
+        return Outcome(check.name, False, status, seconds, f"see {log}")
+    try:
+        return Outcome(check.name, True, "pass", seconds, check.numbers(log))
+    except (OSError, KeyError, ValueError, IndexError) as err:
+        return Outcome(check.name, False, "FAIL (output)", seconds, f"{type(err).__name__}: {err}; see {log}")
+
+
+def format_table(outcomes: list[Outcome], header: str) -> str:
+    lines = [header, f"{'check':<12} {'result':<20} {'seconds':>8}  key numbers"]
+    for o in outcomes:
+        first, *rest = o.numbers.splitlines() or [""]
+        lines.append(f"{o.name:<12} {o.status:<20} {o.seconds:>8.1f}  {first}")
+        lines.extend(" " * 44 + line for line in rest)
+    failed = [o.name for o in outcomes if not o.passed]
+    lines.append(f"FAILED: {', '.join(failed)}" if failed else f"all {len(outcomes)} checks passed")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("gpu-check"), help="logs and outputs (default: gpu-check/)")
+    parser.add_argument("--only", default=",".join(CHECKS), help=f"a comma-separated subset of: {', '.join(CHECKS)}")
+    args = parser.parse_args(argv)
+    only = args.only.split(",")
+    if unknown := sorted(set(only) - set(CHECKS)):
+        parser.error(f"unknown check(s) {', '.join(unknown)}; choose from {', '.join(CHECKS)}")
+    if not torch.cuda.is_available():
+        build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        print(f"gpu-check: no CUDA device is visible here (torch {torch.__version__}, {build}; "
+              f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}). Run it on a machine with "
+              "an NVIDIA GPU and driver; `make test` checks everything else on CPU.", file=sys.stderr)  # fmt: skip
+        return 2
+    gpus, out = torch.cuda.device_count(), args.out.resolve()
+    header = (f"gpu-check: {gpus} x {torch.cuda.get_device_name(0)} (torch {torch.__version__}, "
+              f"CUDA {torch.version.cuda}); logs in {out}")  # fmt: skip
+    print(header, flush=True)
+    checks = [check for check in plan(out, gpus) if check.name in only]
+    outcomes = []
+    for i, check in enumerate(checks, 1):
+        print(f"[{i}/{len(checks)}] {check.name}: {' '.join(check.cmd)}", flush=True)
+        outcomes.append(outcome := run(check, out))
+        print(f"[{i}/{len(checks)}] {check.name}: {outcome.status} in {outcome.seconds:.1f} s", flush=True)
+    table = format_table(outcomes, header)
+    (out / "summary.txt").write_text(table + "\n")
+    print("\n" + table)
+    return 0 if all(o.passed for o in outcomes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
