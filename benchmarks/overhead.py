@@ -1,12 +1,16 @@
 """Overhead benchmark: ddplab's trainer against a minimal hand-written loop, side by side.
 
-    torchrun --nproc_per_node=2 benchmarks/overhead.py            # the README's table (~5 min on 2 cores)
+    torchrun --nproc_per_node=2 benchmarks/overhead.py            # the README's table (~6 min on 2 cores)
     torchrun --nproc_per_node=2 benchmarks/overhead.py --quick    # a smoke run
+    torchrun --nproc_per_node=1 benchmarks/overhead.py --device cuda   # one GPU (make gpu-check runs this)
 
-For each model (an MLP of ~25 M parameters, where communication is heavy, and the cnn, where
-compute is) and each strategy (none, manual, ddp), both implementations train the same model on
-the same data with the same per-rank batch and optimizer. The hand-written loop is what a PyTorch
-DDP tutorial writes: plain torch, no logging. Rounds interleave the two (framework first, then
+For each model (an MLP of ~25 M parameters, where communication is heavy; the cnn, where
+compute is; a tiny MLP whose sub-millisecond step shows any per-step bookkeeping) and each
+strategy (none, manual, ddp), both implementations train the same model on the same data with the
+same per-rank batch and optimizer. The hand-written loop is what a PyTorch DDP tutorial writes,
+plain torch and no logging, except that it gathers each batch from the in-memory tensors with one
+index, as the framework's loader does: the ratio then measures the framework's bookkeeping, not
+two ways of loading data. Rounds interleave the two (framework first, then
 the loop first, ...); each round times a fixed number of steps after a barrier, and a job's time
 is its slowest rank's. Reported: medians over rounds, the ratio framework / loop, and the
 framework's communication time per step against the floor of one all_reduce of the same bytes
@@ -28,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import BatchSampler, DistributedSampler, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
@@ -41,14 +45,15 @@ from trainer.logger.jsonl import JsonlLogger  # noqa: E402
 MODELS = {
     "mlp-25M": ["model=mlp", "model.hidden_sizes=[3584,3584,3584]", "data=synthetic", "data.batch_size=64"],
     "cnn": ["model=cnn", "data=fake", "data.batch_size=64", "data.num_samples=4096"],
-    # Not in the default run: a step of well under a millisecond, where per-step bookkeeping shows.
+    # A step of well under a millisecond, where per-step bookkeeping shows.
     "mlp-tiny": ["model=mlp", "model.hidden_sizes=[64]", "data=synthetic", "data.batch_size=64"],
 }
-DEFAULT_MODELS = ("mlp-25M", "cnn")
+DEFAULT_MODELS = ("mlp-25M", "cnn", "mlp-tiny")
 # manual's default flattens gradients into all_reduces of up to 25 MiB; coalesce_mb=0 is the
-# textbook one call per gradient, as the hand-written loop does. ddp:time_buckets=true adds the
-# timing hook behind ddp's communication metrics.
+# textbook one call per gradient, as the hand-written loop does. ddp:time_buckets=true (CPU only)
+# times every bucket through a Python hook instead of DDP's sampled runtime statistics.
 STRATEGIES = ("none", "manual:coalesce_mb=0", "manual", "ddp", "ddp:time_buckets=true")
+CUDA_STRATEGIES = ("none", "manual:coalesce_mb=0", "manual", "ddp")
 
 
 class HandWritten:
@@ -58,8 +63,10 @@ class HandWritten:
         cfg = compose_config(overrides)
         parts = build_parts(cfg, instantiate(cfg.trainer))  # the same model and dataset objects
         train, _ = parts.data.build_datasets()
+        assert isinstance(train, TensorDataset), "the benchmark's datasets are in memory"
+        self.tensors = train.tensors
         self.sampler = DistributedSampler(train, ctx.world_size, ctx.rank, shuffle=True, seed=0, drop_last=True)
-        self.loader = DataLoader(train, batch_size=parts.data.batch_size, sampler=self.sampler, drop_last=True)
+        self.loader = BatchSampler(self.sampler, batch_size=parts.data.batch_size, drop_last=True)
         strategy = strategy.split(":")[0]  # the tutorial loop has no knobs: manual is one call per gradient
         self.device, self.world_size, self.manual = ctx.device, ctx.world_size, strategy == "manual"
         model = parts.model.to(ctx.device)
@@ -75,14 +82,16 @@ class HandWritten:
     def run(self, steps: int) -> None:
         for _ in range(steps):
             try:
-                inputs, targets = next(self.batches)
+                indices = next(self.batches)
             except StopIteration:
                 self.epoch += 1
                 self.sampler.set_epoch(self.epoch)
                 self.batches = iter(self.loader)
-                inputs, targets = next(self.batches)
+                indices = next(self.batches)
+            index = torch.as_tensor(indices)
+            inputs, targets = (t[index].to(self.device, non_blocking=True) for t in self.tensors)
             self.optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(self.model(inputs.to(self.device)), targets.to(self.device))
+            loss = F.cross_entropy(self.model(inputs), targets)
             loss.backward()
             if self.manual:
                 for param in self.model.parameters():
@@ -125,7 +134,7 @@ class Framework:
             trainer.sync.after_backward(trainer.train_model)
             times.append(time.perf_counter() - started)
         trainer.optimizer.zero_grad(set_to_none=True)
-        trainer.sync.comm.take()  # not training: keep it out of the counters
+        trainer.sync.take_comm()  # not training: keep it out of the counters
         return statistics.median(times)
 
     def comm(self, skip_rows: int) -> tuple[float, float, float]:
@@ -171,8 +180,9 @@ class Result:
         fw, hw = statistics.median(self.framework_s), statistics.median(self.loop_s)
         ratios = [f / h for f, h in zip(self.framework_s, self.loop_s, strict=True)]
         efficiency = self.floor_s / self.alone_s if self.alone_s else None
+        extra_us = statistics.median(f - h for f, h in zip(self.framework_s, self.loop_s, strict=True)) * 1e6
         return {"model": self.model, "sync": self.strategy, "framework_ms": fw * 1e3, "loop_ms": hw * 1e3,
-                "ratio": statistics.median(ratios), "ratios": ratios, "mb_per_step": self.bytes_per_step / 2**20,
+                "ratio": statistics.median(ratios), "ratios": ratios, "extra_us": extra_us, "mb_per_step": self.bytes_per_step / 2**20,
                 "comm_in_step_ms": self.comm_s * 1e3 if self.comm_s else None,
                 "exposed_ms": self.exposed_s * 1e3 if self.comm_s else None,
                 "sync_alone_ms": self.alone_s * 1e3 if self.alone_s else None,
@@ -204,11 +214,12 @@ def format_table(rows: list[dict[str, object]]) -> str:
     def cell(value: object, spec: str) -> str:
         return "-" if value is None else format(value, spec)
 
-    lines = ["| model | sync | framework ms/step | hand-written ms/step | framework / hand-written | MB/step "
-             "| comm in step ms | exposed ms | sync alone ms | floor ms | floor / sync alone |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| model | sync | framework ms/step | hand-written ms/step | framework / hand-written | extra µs/step "
+             "| MB/step | comm in step ms | exposed ms | sync alone ms | floor ms | floor / sync alone |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
-        lines.append(f"| {r['model']} | {r['sync']} | {r['framework_ms']:.1f} | {r['loop_ms']:.1f} | {r['ratio']:.3f} "
+        lines.append(f"| {r['model']} | {r['sync']} | {r['framework_ms']:.2f} | {r['loop_ms']:.2f} | {r['ratio']:.3f} "
+                     f"| {r['extra_us']:.0f} "
                      f"| {r['mb_per_step']:.1f} | {cell(r['comm_in_step_ms'], '.1f')} | {cell(r['exposed_ms'], '.1f')} "
                      f"| {cell(r['sync_alone_ms'], '.1f')} "
                      f"| {cell(r['floor_ms'], '.1f')} | {cell(r['sync_efficiency'], '.2f')} |")  # fmt: skip
@@ -221,14 +232,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="timed steps per round and implementation")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"of: {', '.join(MODELS)}")
-    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--strategies", help=f"default: {','.join(STRATEGIES)} (on CUDA without time_buckets)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="as trainer.device")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--quick", action="store_true", help="2 rounds of 3 steps on the cnn only")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.steps, args.warmup, args.models = 2, 3, 2, "cnn"
     env = ddist.read_launch_env()
-    device = ddist.resolve_device("auto", env.local_rank)
+    device = ddist.resolve_device(args.device, env)
+    args.strategies = args.strategies or ",".join(CUDA_STRATEGIES if device.type == "cuda" else STRATEGIES)
     ctx = ddist.init_process_group(env, ddist.job_store(env), device, 600, "ddplab/overhead/")
     try:
         with tempfile.TemporaryDirectory() as tmp:
