@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 NPROC ?= 2
 ARGS ?=
 
-.PHONY: train test test-fast gpu-check setup clean
+.PHONY: train test test-fast lint format gpu-check setup clean
 
 setup: $(VENV)/.installed
 
@@ -21,9 +21,20 @@ $(VENV)/.installed: pyproject.toml
 train: setup
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) train.py $(ARGS)
 
-# The whole suite, slow end-to-end tests included: this is what CI runs (.ci/run).
-test: setup
+# The whole suite, slow end-to-end tests included, after the linters: this is what CI runs (.ci/run).
+test: lint
 	$(BIN)/pytest
+
+# The house rules (pyproject.toml): ruff's lint and format check, then mypy over the packages.
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+# Rewrites the code the way `make lint` wants it.
+format: setup
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
 
 # Everything but the end-to-end torchrun tests, for a quick loop while editing.
 test-fast: setup

@@ -71,16 +71,20 @@ def demo_numbers(run_dir: Path) -> str:
     s = summary(run_dir)
     if s["backend"] != "nccl":
         raise ValueError(f"the demo ran on {s['backend']}/{s['device']}, not nccl")
-    return (f"{s['world_size']} rank(s) nccl: {s['steps']} steps, train/loss {s['train/loss']:.4f}, eval/accuracy "
-            f"{s['eval/accuracy']:.3f}, {s['throughput/global_samples_per_s']:.0f} samples/s")  # fmt: skip
+    return (
+        f"{s['world_size']} rank(s) nccl: {s['steps']} steps, train/loss {s['train/loss']:.4f}, eval/accuracy "
+        f"{s['eval/accuracy']:.3f}, {s['throughput/global_samples_per_s']:.0f} samples/s"
+    )
 
 
 def fallback_numbers(run_dir: Path, log: Path) -> str:
     s = summary(run_dir)
     warnings = [line for line in log.read_text().splitlines() if "GPU" in line and line.startswith("[rank")]
     if (s["backend"], s["device"]) != ("gloo", "cpu") or len(warnings) != 1 or not warnings[0].startswith("[rank0]"):
-        raise ValueError(f"expected gloo on cpu and one warning from rank 0, got {s['backend']}/{s['device']}, "
-                         f"{len(warnings)} warning line(s)")  # fmt: skip
+        raise ValueError(
+            f"expected gloo on cpu and one warning from rank 0, got {s['backend']}/{s['device']}, "
+            f"{len(warnings)} warning line(s)"
+        )
     rate = s["throughput/global_samples_per_s"]
     return f"{s['world_size']} ranks gloo on cpu, {rate:.0f} samples/s; rank 0 warned once: {warnings[0][8:90]}..."
 
@@ -108,8 +112,15 @@ def overhead_numbers(path: Path) -> str:
 
 
 def train_cmd(nproc: int, *overrides: str) -> list[str]:
-    return [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", str(REPO / "train.py"), "logger=none",
-            "trainer.progress_bar=false", *overrides]  # fmt: skip
+    return [
+        TORCHRUN,
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(REPO / "train.py"),
+        "logger=none",
+        "trainer.progress_bar=false",
+        *overrides,
+    ]
 
 
 def plan(out: Path, gpus: int) -> list[Check]:
@@ -117,19 +128,59 @@ def plan(out: Path, gpus: int) -> list[Check]:
     demo, fallback, coll, overhead = out / "demo", out / "fallback", out / "collectives", out / "overhead"
     checks = [
         Check("tests", [sys.executable, "-m", "pytest", "-m", "gpu", "-q"], 300, tests_numbers),
-        Check("demo", train_cmd(gpus, "trainer.device=cuda", "trainer.max_steps=200", f"hydra.run.dir={demo}"), 180,
-              lambda _: demo_numbers(demo)),
+        Check(
+            "demo",
+            train_cmd(gpus, "trainer.device=cuda", "trainer.max_steps=200", f"hydra.run.dir={demo}"),
+            180,
+            lambda _: demo_numbers(demo),
+        ),
         # More ranks than GPUs: trainer.device=auto must fall back to CPU, not crash on cuda:1.
-        Check("fallback", train_cmd(2, "trainer.device=auto", "trainer.max_steps=100", f"hydra.run.dir={fallback}"),
-              180, lambda log: fallback_numbers(fallback, log)),
-        Check("collectives", [TORCHRUN, "--standalone", f"--nproc_per_node={gpus}", "-m", "trainer.collectives",
-                              "--device", "cuda", "--max-bytes", str(16 * 2**20), "--iters", "10", "--out", str(coll)],
-              180, lambda _: collectives_numbers(coll)),
-        Check("overhead", [TORCHRUN, "--standalone", "--nproc_per_node=1", str(REPO / "benchmarks" / "overhead.py"),
-                           "--device", "cuda", "--models", "mlp-tiny,mlp-25M,cnn", "--steps", "30",
-                           "--json", str(overhead / "overhead.json")],
-              360, lambda _: overhead_numbers(overhead / "overhead.json")),
-    ]  # fmt: skip
+        Check(
+            "fallback",
+            train_cmd(2, "trainer.device=auto", "trainer.max_steps=100", f"hydra.run.dir={fallback}"),
+            180,
+            lambda log: fallback_numbers(fallback, log),
+        ),
+        Check(
+            "collectives",
+            [
+                TORCHRUN,
+                "--standalone",
+                f"--nproc_per_node={gpus}",
+                "-m",
+                "trainer.collectives",
+                "--device",
+                "cuda",
+                "--max-bytes",
+                str(16 * 2**20),
+                "--iters",
+                "10",
+                "--out",
+                str(coll),
+            ],
+            180,
+            lambda _: collectives_numbers(coll),
+        ),
+        Check(
+            "overhead",
+            [
+                TORCHRUN,
+                "--standalone",
+                "--nproc_per_node=1",
+                str(REPO / "benchmarks" / "overhead.py"),
+                "--device",
+                "cuda",
+                "--models",
+                "mlp-tiny,mlp-25M,cnn",
+                "--steps",
+                "30",
+                "--json",
+                str(overhead / "overhead.json"),
+            ],
+            360,
+            lambda _: overhead_numbers(overhead / "overhead.json"),
+        ),
+    ]
     return [check for check in checks if check.name != "fallback" or gpus == 1]
 
 
@@ -153,8 +204,9 @@ def run(check: Check, out: Path) -> Outcome:
         sink.write("$ " + " ".join(check.cmd) + "\n")
         sink.flush()
         # A session of its own, so a timeout stops every process the check started.
-        proc = subprocess.Popen(check.cmd, cwd=REPO, env=ENV, stdout=sink, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            check.cmd, cwd=REPO, env=ENV, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             code: int | None = proc.wait(timeout=check.timeout_s)
         except subprocess.TimeoutExpired:
@@ -191,13 +243,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown check(s) {', '.join(unknown)}; choose from {', '.join(CHECKS)}")
     if not torch.cuda.is_available():
         build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
-        print(f"gpu-check: no CUDA device is visible here (torch {torch.__version__}, {build}; "
-              f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}). Run it on a machine with "
-              "an NVIDIA GPU and driver; `make test` checks everything else on CPU.", file=sys.stderr)  # fmt: skip
+        print(
+            f"gpu-check: no CUDA device is visible here (torch {torch.__version__}, {build}; "
+            f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}). Run it on a machine with "
+            "an NVIDIA GPU and driver; `make test` checks everything else on CPU.",
+            file=sys.stderr,
+        )
         return 2
     gpus, out = torch.cuda.device_count(), args.out.resolve()
-    header = (f"gpu-check: {gpus} x {torch.cuda.get_device_name(0)} (torch {torch.__version__}, "
-              f"CUDA {torch.version.cuda}); logs in {out}")  # fmt: skip
+    header = (
+        f"gpu-check: {gpus} x {torch.cuda.get_device_name(0)} (torch {torch.__version__}, "
+        f"CUDA {torch.version.cuda}); logs in {out}"
+    )
     print(header, flush=True)
     checks = [check for check in plan(out, gpus) if check.name in only]
     outcomes = []

@@ -106,8 +106,16 @@ class Framework:
     def __init__(self, overrides: list[str], strategy: str, ctx: ddist.DistContext, out: Path) -> None:
         name, *knobs = strategy.split(":")  # e.g. "manual:coalesce_mb=25" -> sync=manual sync.coalesce_mb=25
         sync = [f"sync={name}", *(f"sync.{knob}" for knob in knobs)]
-        cfg = compose_config([*overrides, *sync, "logger=none", "trainer.max_steps=1000000000",
-                              "trainer.eval_every_n_steps=0", "trainer.progress_bar=false"])  # fmt: skip
+        cfg = compose_config(
+            [
+                *overrides,
+                *sync,
+                "logger=none",
+                "trainer.max_steps=1000000000",
+                "trainer.eval_every_n_steps=0",
+                "trainer.progress_bar=false",
+            ]
+        )
         settings = instantiate(cfg.trainer)
         parts = build_parts(cfg, settings)
         prepare_data(parts.data, ctx)
@@ -181,12 +189,21 @@ class Result:
         ratios = [f / h for f, h in zip(self.framework_s, self.loop_s, strict=True)]
         efficiency = self.floor_s / self.alone_s if self.alone_s else None
         extra_us = statistics.median(f - h for f, h in zip(self.framework_s, self.loop_s, strict=True)) * 1e6
-        return {"model": self.model, "sync": self.strategy, "framework_ms": fw * 1e3, "loop_ms": hw * 1e3,
-                "ratio": statistics.median(ratios), "ratios": ratios, "extra_us": extra_us, "mb_per_step": self.bytes_per_step / 2**20,
-                "comm_in_step_ms": self.comm_s * 1e3 if self.comm_s else None,
-                "exposed_ms": self.exposed_s * 1e3 if self.comm_s else None,
-                "sync_alone_ms": self.alone_s * 1e3 if self.alone_s else None,
-                "floor_ms": self.floor_s * 1e3 if self.floor_s else None, "sync_efficiency": efficiency}  # fmt: skip
+        return {
+            "model": self.model,
+            "sync": self.strategy,
+            "framework_ms": fw * 1e3,
+            "loop_ms": hw * 1e3,
+            "ratio": statistics.median(ratios),
+            "ratios": ratios,
+            "extra_us": extra_us,
+            "mb_per_step": self.bytes_per_step / 2**20,
+            "comm_in_step_ms": self.comm_s * 1e3 if self.comm_s else None,
+            "exposed_ms": self.exposed_s * 1e3 if self.comm_s else None,
+            "sync_alone_ms": self.alone_s * 1e3 if self.alone_s else None,
+            "floor_ms": self.floor_s * 1e3 if self.floor_s else None,
+            "sync_efficiency": efficiency,
+        }
 
 
 def bench(model: str, strategy: str, args: argparse.Namespace, ctx: ddist.DistContext, out: Path) -> Result:
@@ -214,15 +231,19 @@ def format_table(rows: list[dict[str, object]]) -> str:
     def cell(value: object, spec: str) -> str:
         return "-" if value is None else format(value, spec)
 
-    lines = ["| model | sync | framework ms/step | hand-written ms/step | framework / hand-written | extra µs/step "
-             "| MB/step | comm in step ms | exposed ms | sync alone ms | floor ms | floor / sync alone |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| model | sync | framework ms/step | hand-written ms/step | framework / hand-written | extra µs/step "
+        "| MB/step | comm in step ms | exposed ms | sync alone ms | floor ms | floor / sync alone |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['sync']} | {r['framework_ms']:.2f} | {r['loop_ms']:.2f} | {r['ratio']:.3f} "
-                     f"| {r['extra_us']:.0f} "
-                     f"| {r['mb_per_step']:.1f} | {cell(r['comm_in_step_ms'], '.1f')} | {cell(r['exposed_ms'], '.1f')} "
-                     f"| {cell(r['sync_alone_ms'], '.1f')} "
-                     f"| {cell(r['floor_ms'], '.1f')} | {cell(r['sync_efficiency'], '.2f')} |")  # fmt: skip
+        lines.append(
+            f"| {r['model']} | {r['sync']} | {r['framework_ms']:.2f} | {r['loop_ms']:.2f} | {r['ratio']:.3f} "
+            f"| {r['extra_us']:.0f} "
+            f"| {r['mb_per_step']:.1f} | {cell(r['comm_in_step_ms'], '.1f')} | {cell(r['exposed_ms'], '.1f')} "
+            f"| {cell(r['sync_alone_ms'], '.1f')} "
+            f"| {cell(r['floor_ms'], '.1f')} | {cell(r['sync_efficiency'], '.2f')} |"
+        )
     return "\n".join(lines)
 
 
@@ -245,11 +266,16 @@ def main() -> None:
     ctx = ddist.init_process_group(env, ddist.job_store(env), device, 600, "ddplab/overhead/")
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            results = [bench(m, s, args, ctx, Path(tmp)).row()
-                       for m in args.models.split(",") for s in args.strategies.split(",")]  # fmt: skip
+            results = [
+                bench(m, s, args, ctx, Path(tmp)).row()
+                for m in args.models.split(",")
+                for s in args.strategies.split(",")
+            ]
         if ctx.is_main_process:
-            print(f"{ctx.world_size} ranks, {ctx.backend} on {ctx.device}, {args.rounds} rounds x {args.steps} steps, "
-                  "medians over rounds; the job's time per step is its slowest rank's")  # fmt: skip
+            print(
+                f"{ctx.world_size} ranks, {ctx.backend} on {ctx.device}, {args.rounds} rounds x {args.steps} steps, "
+                "medians over rounds; the job's time per step is its slowest rank's"
+            )
             print(format_table(results))
             if args.json:
                 args.json.write_text(json.dumps(results, indent=2) + "\n")

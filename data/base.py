@@ -6,13 +6,12 @@ single-process one, so they live here once and subclasses only say where the sam
 
 import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Sized
 from typing import Any
 
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
 from data.tensor_loader import TensorLoader, in_memory_tensors
-from trainer.errors import ConfigError
 
 Loader = DataLoader | TensorLoader
 
@@ -22,10 +21,16 @@ def fetch(dataset_class: type, root: str, name: str, offline_hint: str) -> None:
     try:
         dataset_class(root, train=True, download=True)
     except (RuntimeError, OSError) as error:
-        raise ConfigError(
+        raise ValueError(
             f"data.download=true could not fetch {name} into data.root={root}: {error}; "
             f"without a network, {offline_hint} and set data.download=false"
         ) from error
+
+
+def _size(dataset: Dataset) -> int:
+    """len() of a map-style dataset (torch's Dataset type does not promise one; ours all have it)."""
+    assert isinstance(dataset, Sized), f"{type(dataset).__name__} has no length"
+    return len(dataset)
 
 
 class ResumableSampler(DistributedSampler):
@@ -56,14 +61,12 @@ class DataModule(ABC):
 
     def __init__(self, batch_size: int, num_workers: int = 0) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-            raise ConfigError(
-                f"data.batch_size={batch_size} is invalid: must be an integer > 0 "
-                "(the per-rank batch size)"
+            raise ValueError(
+                f"data.batch_size={batch_size} is invalid: must be an integer > 0 (the per-rank batch size)"
             )
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-            raise ConfigError(
-                f"data.num_workers={num_workers} is invalid: must be an integer >= 0 "
-                "(0 loads in the training process)"
+            raise ValueError(
+                f"data.num_workers={num_workers} is invalid: must be an integer >= 0 (0 loads in the training process)"
             )
         self.batch_size = batch_size  # per rank: the global batch is world_size × batch_size
         self.num_workers = num_workers
@@ -78,11 +81,9 @@ class DataModule(ABC):
 
     @abstractmethod
     def build_datasets(self) -> tuple[Dataset, Dataset]:
-        """Return (train, val); raise ConfigError when files they need are missing."""
+        """Return (train, val); raise ValueError when files they need are missing."""
 
-    def train_loader(
-        self, rank: int, world_size: int, seed: int, pin_memory: bool = False
-    ) -> Loader:
+    def train_loader(self, rank: int, world_size: int, seed: int, pin_memory: bool = False) -> Loader:
         """Shuffled, drop-last loader over this rank's share of the train set.
 
         Invariant: every rank draws from one permutation (seeded by seed + epoch; the trainer
@@ -91,16 +92,14 @@ class DataModule(ABC):
         k-th batch of size world_size × batch_size that a single process would draw.
         """
         train, _ = self._built()
-        if len(train) < world_size * self.batch_size:
-            raise ConfigError(
+        if _size(train) < world_size * self.batch_size:
+            raise ValueError(
                 f"data.batch_size={self.batch_size} is too large for world size {world_size}: "
-                f"the train set has {len(train)} samples, fewer than world_size × batch_size = "
+                f"the train set has {_size(train)} samples, fewer than world_size × batch_size = "
                 f"{world_size * self.batch_size}, so every rank would get zero batches per epoch; "
-                f"use data.batch_size <= {len(train) // world_size} or fewer ranks"
+                f"use data.batch_size <= {_size(train) // world_size} or fewer ranks"
             )
-        sampler = ResumableSampler(
-            train, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True
-        )
+        sampler = ResumableSampler(train, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
         return self._loader(train, sampler=sampler, drop_last=True, pin_memory=pin_memory)
 
     def val_loader(self, rank: int, world_size: int, pin_memory: bool = False) -> Loader:
@@ -110,7 +109,7 @@ class DataModule(ABC):
         with no padding or duplicates, so all-reduced sums and counts give exact metrics.
         """
         _, val = self._built()
-        shard = Subset(val, range(rank, len(val), world_size))
+        shard = Subset(val, range(rank, _size(val), world_size))
         return self._loader(shard, sampler=None, drop_last=False, pin_memory=pin_memory)
 
     def _built(self) -> tuple[Dataset, Dataset]:

@@ -1,4 +1,4 @@
-"""CIFAR-10 through torchvision, with ConfigErrors for missing or corrupt batch files.
+"""CIFAR-10 through torchvision, with ValueErrors for missing or corrupt batch files.
 
 Why the verify_md5 switch: torchvision's CIFAR10 checks the md5 of every batch file (and of
 batches.meta) each time it is constructed, which guards against a truncated download but makes
@@ -13,7 +13,6 @@ from torchvision import datasets, transforms
 from torchvision.datasets.utils import check_integrity
 
 from data.base import DataModule, fetch
-from trainer.errors import ConfigError
 
 BATCH_DIR = datasets.CIFAR10.base_folder  # "cifar-10-batches-py"
 # (file, md5) for every file torchvision reads: the batches are checked on construction,
@@ -63,7 +62,7 @@ class Cifar10Data(DataModule):
         folder = os.path.join(self.root, BATCH_DIR)
         missing = [f for f in FILES if not os.path.isfile(os.path.join(folder, f))]
         if missing:
-            raise ConfigError(
+            raise ValueError(
                 f"data.root={self.root} has no usable CIFAR-10: missing {', '.join(missing)} in "
                 f"{folder}/ (expects {', '.join(FILES)}); set data.download=true where a network "
                 f"exists, or extract cifar-10-python.tar.gz into {self.root}"
@@ -78,7 +77,7 @@ class Cifar10Data(DataModule):
         except RuntimeError as error:
             if not self.verify_md5:
                 raise
-            raise ConfigError(
+            raise ValueError(
                 f"data.root={self.root} has corrupt CIFAR-10 files: md5 mismatch for "
                 f"{', '.join(self._md5_mismatches(folder))} in {folder}/; re-download them "
                 "(delete the folder and set data.download=true), or set data.verify_md5=false "

@@ -17,7 +17,6 @@ from torch.utils.data import Dataset, TensorDataset
 from torchvision import datasets, transforms
 
 from data.base import DataModule
-from trainer.errors import ConfigError
 
 
 class FakeImageData(DataModule):
@@ -35,12 +34,11 @@ class FakeImageData(DataModule):
         super().__init__(batch_size, num_workers)
         shape = tuple(int(s) for s in image_shape)  # may arrive as an omegaconf ListConfig
         if len(shape) != 3 or shape[0] not in (1, 3) or min(shape) < 1:
-            raise ConfigError(
-                f"data.image_shape={list(shape)} is invalid: must be [C, H, W] with C 1 or 3 "
-                "and H, W >= 1"
+            raise ValueError(
+                f"data.image_shape={list(shape)} is invalid: must be [C, H, W] with C 1 or 3 and H, W >= 1"
             )
         if num_samples < 1 or num_val_samples < 1 or num_classes < 2:
-            raise ConfigError(
+            raise ValueError(
                 f"data.num_samples={num_samples}, data.num_val_samples={num_val_samples}, "
                 f"data.num_classes={num_classes}: sample counts must be >= 1 and classes >= 2"
             )

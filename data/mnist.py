@@ -1,4 +1,4 @@
-"""MNIST through torchvision, with a ConfigError instead of a RuntimeError when files are missing.
+"""MNIST through torchvision, with a ValueError instead of a RuntimeError when files are missing.
 
 Why check the files ourselves: torchvision only says "Dataset not found"; the user needs the
 absolute path it looked in and the exact file names. The check mirrors torchvision 0.29's
@@ -12,7 +12,6 @@ from torch.utils.data import Dataset
 from torchvision import datasets, transforms
 
 from data.base import DataModule, fetch
-from trainer.errors import ConfigError
 
 RAW_FILES = (
     "train-images-idx3-ubyte",
@@ -31,9 +30,7 @@ class MnistData(DataModule):
     input_shape = (1, 28, 28)
     num_classes = 10
 
-    def __init__(
-        self, root: str, batch_size: int, download: bool = False, num_workers: int = 0
-    ) -> None:
+    def __init__(self, root: str, batch_size: int, download: bool = False, num_workers: int = 0) -> None:
         super().__init__(batch_size, num_workers)
         self.root = os.path.abspath(os.path.expanduser(root))
         self.download = download
@@ -57,7 +54,7 @@ class MnistData(DataModule):
             return
         missing = [f for f in RAW_FILES if not os.path.isfile(os.path.join(raw, f))]
         if missing:
-            raise ConfigError(
+            raise ValueError(
                 f"data.root={self.root} has no usable MNIST: missing {', '.join(missing)} in "
                 f"{raw}/; set data.download=true where a network exists, or copy the four "
                 f"uncompressed idx files ({', '.join(RAW_FILES)}) into {raw}/"

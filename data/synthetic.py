@@ -10,7 +10,6 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from data.base import DataModule
-from trainer.errors import ConfigError
 
 
 class SyntheticData(DataModule):
@@ -34,7 +33,7 @@ class SyntheticData(DataModule):
             ("num_classes", num_classes, 2),
         ):
             if value < least:
-                raise ConfigError(f"data.{key}={value} is invalid: must be an integer >= {least}")
+                raise ValueError(f"data.{key}={value} is invalid: must be an integer >= {least}")
         self.num_samples = num_samples
         self.num_val_samples = num_val_samples
         self.input_shape = (input_dim,)

@@ -8,8 +8,7 @@ tensor builds the same batch, in the same order, with the same values.
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterator, Sized
+from collections.abc import Callable, Iterator, Sized
 
 import torch
 from torch.utils.data import Dataset, Sampler, Subset, TensorDataset
@@ -55,10 +54,19 @@ class TensorLoader:
         return whole + (1 if rest and not self.drop_last else 0)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
-        order = iter(self.sampler) if self.sampler is not None else iter(range(len(self.tensors[0])))
-        while indices := list(itertools.islice(order, self.batch_size)):
-            if len(indices) < self.batch_size and self.drop_last:
-                return
-            index = torch.as_tensor(indices, dtype=torch.int64)
-            batch = tuple(tensor[index] for tensor in self.tensors)
+        if self.sampler is None:  # in order: each batch is a slice, no index at all
+            return self._serve(self._num_samples(), lambda start, stop: slice(start, stop))
+        # The epoch's order, drawn from the sampler once and turned into one tensor: each batch is
+        # then a slice of it, not a list of Python ints converted again every step. (A resumed
+        # sampler yields fewer indices than its len(): count what it yields.)
+        order = torch.as_tensor(list(self.sampler), dtype=torch.int64)
+        return self._serve(len(order), lambda start, stop: order[start:stop])
+
+    def _serve(
+        self, num_samples: int, index: Callable[[int, int], slice | torch.Tensor]
+    ) -> Iterator[tuple[torch.Tensor, ...]]:
+        end = num_samples - num_samples % self.batch_size if self.drop_last else num_samples
+        for start in range(0, end, self.batch_size):
+            rows = index(start, min(start + self.batch_size, end))
+            batch = tuple(tensor[rows] for tensor in self.tensors)
             yield tuple(t.pin_memory() for t in batch) if self.pin_memory else batch

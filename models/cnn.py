@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from models.image_input import image_shape
-from trainer.errors import ConfigError
 
 
 class CNN(nn.Module):
@@ -28,12 +27,10 @@ class CNN(nn.Module):
         in_channels, height, width = image_shape("cnn", input_shape)
         widths = [int(c) for c in channels]
         if not widths or any(c <= 0 for c in widths):
-            raise ConfigError(
-                f"model.channels={widths} is invalid: must be a non-empty list of integers > 0"
-            )
+            raise ValueError(f"model.channels={widths} is invalid: must be a non-empty list of integers > 0")
         # Each stage halves H and W (floor): the image must survive every pooling with >= 1 pixel.
         if min(height, width) < 2 ** len(widths):
-            raise ConfigError(
+            raise ValueError(
                 f"model.channels={widths} has {len(widths)} pooling stages, which need images of "
                 f"at least {2 ** len(widths)}x{2 ** len(widths)}, but the data gives "
                 f"{height}x{width}; use fewer entries in model.channels"

@@ -11,20 +11,16 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from trainer.errors import ConfigError
-
 
 class MLP(nn.Module):
     """Fully connected classifier for samples of any shape (they are flattened)."""
 
-    def __init__(
-        self, hidden_sizes: Sequence[int], input_shape: Sequence[int], num_classes: int
-    ) -> None:
+    def __init__(self, hidden_sizes: Sequence[int], input_shape: Sequence[int], num_classes: int) -> None:
         super().__init__()
         # hidden_sizes may be an omegaconf ListConfig when built by instantiate: copy to ints.
         sizes = [int(h) for h in hidden_sizes]
         if any(h <= 0 for h in sizes):
-            raise ConfigError(
+            raise ValueError(
                 f"model.hidden_sizes={sizes} is invalid: every entry must be an integer > 0 "
                 "(an empty list gives a linear classifier)"
             )

@@ -13,9 +13,7 @@ from torch import nn
 from models.image_input import image_shape
 
 
-def resnet18(
-    input_shape: Sequence[int], num_classes: int, small_input_stem: bool = True
-) -> nn.Module:
+def resnet18(input_shape: Sequence[int], num_classes: int, small_input_stem: bool = True) -> nn.Module:
     """Build ResNet-18 for images of input_shape (C, H, W) with a fresh num_classes head."""
     in_channels = image_shape("resnet18", input_shape)[0]
     model = torchvision.models.resnet18(weights=None, num_classes=num_classes)
@@ -28,9 +26,7 @@ def resnet18(
 
 
 def _stem_conv(in_channels: int, kernel_size: int, stride: int) -> nn.Conv2d:
-    conv = nn.Conv2d(
-        in_channels, 64, kernel_size, stride=stride, padding=kernel_size // 2, bias=False
-    )
+    conv = nn.Conv2d(in_channels, 64, kernel_size, stride=stride, padding=kernel_size // 2, bias=False)
     # The init torchvision gives its own convs, so a replaced stem starts like the original.
     nn.init.kaiming_normal_(conv.weight, mode="fan_out", nonlinearity="relu")
     return conv

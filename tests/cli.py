@@ -28,11 +28,15 @@ def torchrun_cmd(args: list[str], nproc: int = 2) -> list[str]:
 
 
 def torchrun(args: list[str], cwd: Path, nproc: int = 2, timeout_s: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(torchrun_cmd(args, nproc), cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout_s)
+    return subprocess.run(
+        torchrun_cmd(args, nproc), cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout_s
+    )
 
 
 def python_train(args: list[str], cwd: Path, timeout_s: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, TRAIN, *args], cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout_s)
+    return subprocess.run(
+        [sys.executable, TRAIN, *args], cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout_s
+    )
 
 
 def output(proc: subprocess.CompletedProcess[str]) -> str:

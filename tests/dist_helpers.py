@@ -26,7 +26,9 @@ def _run_rank(fn: Callable[..., Any], rank: int, world_size: int, workdir: str, 
         dist.destroy_process_group()
 
 
-def run_on_ranks(fn: Callable[..., Any], world_size: int, workdir: Path, *args: Any, timeout_s: float = 180) -> list[Any]:
+def run_on_ranks(
+    fn: Callable[..., Any], world_size: int, workdir: Path, *args: Any, timeout_s: float = 180
+) -> list[Any]:
     """fn(rank, world_size, *args) on every rank; returns the results in rank order. fn must be importable."""
     workdir.mkdir(parents=True, exist_ok=False)  # a FileStore file must be new for every group
     ctx = mp.get_context("spawn")

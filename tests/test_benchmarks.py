@@ -16,8 +16,17 @@ pytestmark = pytest.mark.slow
 
 def test_overhead_benchmark_quick_run(tmp_path: Path) -> None:
     out = tmp_path / "overhead.json"
-    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", str(REPO / "benchmarks" / "overhead.py"), "--quick",
-           "--device", "cpu", "--json", str(out)]  # fmt: skip
+    cmd = [
+        TORCHRUN,
+        "--standalone",
+        "--nproc_per_node=2",
+        str(REPO / "benchmarks" / "overhead.py"),
+        "--quick",
+        "--device",
+        "cpu",
+        "--json",
+        str(out),
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "framework / hand-written" in proc.stdout

@@ -137,14 +137,30 @@ def test_measure_is_a_positive_time_agreed_by_every_rank(two_ranks: list[dict[st
 
 def _run_cli(cmd: list[str], out: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([*cmd, "--iters", "3", "--out", str(out)], check=False, cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=240)  # fmt: skip
+    return subprocess.run(
+        [*cmd, "--iters", "3", "--out", str(out)],
+        check=False,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
 
 
 @pytest.mark.slow
 def test_cli_under_torchrun_writes_every_op_at_every_size(tmp_path: Path) -> None:
-    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "trainer.collectives", "--device", "cpu",
-           "--max-bytes", "65536"]  # fmt: skip
+    cmd = [
+        TORCHRUN,
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "trainer.collectives",
+        "--device",
+        "cpu",
+        "--max-bytes",
+        "65536",
+    ]
     proc = _run_cli(cmd, tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((tmp_path / "collectives.json").read_text())

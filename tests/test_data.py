@@ -14,7 +14,6 @@ from data.fake import FakeImageData
 from data.mnist import MnistData
 from data.synthetic import SyntheticData
 from data.tensor_loader import TensorLoader
-from trainer.errors import ConfigError
 
 
 class IndexData(DataModule):
@@ -64,10 +63,7 @@ def test_order_depends_on_epoch_and_only_on_epoch():
 
 def test_ranks_kth_batches_together_are_the_single_process_kth_batch():
     seed, batch_size, world_size = 7, 4, 2
-    ranks = [
-        epoch_batches(IndexData(batch_size).train_loader(r, world_size, seed), epoch=2)
-        for r in range(world_size)
-    ]
+    ranks = [epoch_batches(IndexData(batch_size).train_loader(r, world_size, seed), epoch=2) for r in range(world_size)]
     single = epoch_batches(IndexData(batch_size * world_size).train_loader(0, 1, seed), epoch=2)
     assert len(single) == len(ranks[0]) == len(ranks[1]) == 6
     for k, batch in enumerate(single):
@@ -75,7 +71,7 @@ def test_ranks_kth_batches_together_are_the_single_process_kth_batch():
 
 
 def test_train_set_smaller_than_one_global_batch_is_a_config_error():
-    with pytest.raises(ConfigError) as caught:
+    with pytest.raises(ValueError) as caught:
         IndexData(batch_size=30).train_loader(0, 2, seed=0)
     message = str(caught.value)
     assert "data.batch_size=30" in message and "world size 2" in message and "50" in message
@@ -83,7 +79,7 @@ def test_train_set_smaller_than_one_global_batch_is_a_config_error():
 
 @pytest.mark.parametrize("batch_size", [0, -3, 2.5])
 def test_bad_batch_size_names_the_key(batch_size):
-    with pytest.raises(ConfigError, match=rf"data\.batch_size={batch_size} is invalid"):
+    with pytest.raises(ValueError, match=rf"data\.batch_size={batch_size} is invalid"):
         SyntheticData(batch_size=batch_size)
 
 
@@ -100,8 +96,13 @@ def test_val_shards_are_disjoint_in_order_and_cover_the_val_set_exactly():
 # --- synthetic and fake ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("data", [SyntheticData(batch_size=8, num_samples=64, num_val_samples=20),
-                                  FakeImageData(batch_size=4, num_samples=16, num_val_samples=6, image_shape=[1, 4, 4])])
+@pytest.mark.parametrize(
+    "data",
+    [
+        SyntheticData(batch_size=8, num_samples=64, num_val_samples=20),
+        FakeImageData(batch_size=4, num_samples=16, num_val_samples=6, image_shape=[1, 4, 4]),
+    ],
+)
 def test_in_memory_data_is_served_whole_batches_equal_to_per_sample_loading(data):
     # The same samples in the same order as DataLoader's per-sample path (index, then stack),
     # so equivalence and bit-identical resume hold; but fetched with one gather per tensor.
@@ -113,20 +114,27 @@ def test_in_memory_data_is_served_whole_batches_equal_to_per_sample_loading(data
         loader.sampler.set_epoch(epoch)
         ours, theirs = list(loader), list(reference)
         assert len(ours) == len(theirs) > 0
-        for (x, y), (x_ref, y_ref) in zip(ours, theirs):
+        for (x, y), (x_ref, y_ref) in zip(ours, theirs, strict=True):
             assert torch.equal(x, x_ref) and torch.equal(y, y_ref) and y.dtype == y_ref.dtype == torch.int64
     val_batches = list(data.val_loader(1, 2))  # in order, the last batch partial
-    val_ref = list(torch.utils.data.DataLoader(torch.utils.data.Subset(val, range(1, len(val), 2)),
-                                               batch_size=data.batch_size))  # fmt: skip
+    val_ref = list(
+        torch.utils.data.DataLoader(torch.utils.data.Subset(val, range(1, len(val), 2)), batch_size=data.batch_size)
+    )
     assert len(val_batches) == len(val_ref) == len(data.val_loader(1, 2)) and len(val_batches[-1][0]) < data.batch_size
-    assert all(torch.equal(a, b) for batch, ref in zip(val_batches, val_ref) for a, b in zip(batch, ref))
+    assert all(
+        torch.equal(a, b)
+        for batch, ref in zip(val_batches, val_ref, strict=True)
+        for a, b in zip(batch, ref, strict=True)
+    )
 
 
 def test_synthetic_is_deterministic_and_uses_several_classes():
-    make = lambda: SyntheticData(batch_size=8, num_samples=256, num_val_samples=64, seed=5)
+    def make() -> SyntheticData:
+        return SyntheticData(batch_size=8, num_samples=256, num_val_samples=64, seed=5)
+
     (train_a, val_a), (train_b, val_b) = make().build_datasets(), make().build_datasets()
     for a, b in [(train_a, train_b), (val_a, val_b)]:
-        assert all(torch.equal(x, y) for x, y in zip(a.tensors, b.tensors))
+        assert all(torch.equal(x, y) for x, y in zip(a.tensors, b.tensors, strict=True))
     inputs, labels = train_a.tensors
     assert inputs.shape == (256, 32) and inputs.dtype == torch.float32
     assert labels.dtype == torch.int64 and len(labels.unique()) > 5
@@ -180,7 +188,7 @@ def test_mnist_loads_through_torchvision(tmp_path):
 
 def test_mnist_missing_files_name_the_absolute_root(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ConfigError) as caught:
+    with pytest.raises(ValueError) as caught:
         MnistData(root="nowhere", batch_size=4).build_datasets()
     message = str(caught.value)
     assert str(tmp_path / "nowhere") in message and "data.download=true" in message
@@ -190,7 +198,7 @@ def test_mnist_missing_files_name_the_absolute_root(tmp_path, monkeypatch):
 def test_mnist_needs_the_test_files_too(tmp_path):
     write_mnist(tmp_path)
     os.remove(tmp_path / "MNIST" / "raw" / "t10k-labels-idx1-ubyte")
-    with pytest.raises(ConfigError, match="missing t10k-labels-idx1-ubyte"):
+    with pytest.raises(ValueError, match="missing t10k-labels-idx1-ubyte"):
         MnistData(root=str(tmp_path), batch_size=4).build_datasets()
 
 
@@ -210,8 +218,7 @@ def write_cifar10(root, per_batch: int = 4, num_test: int = 10) -> None:
             "labels": [i % 10 for i in range(n)],
         }
         (folder / name).write_bytes(pickle.dumps(batch))
-    meta = {"label_names": ["airplane", "automobile", "bird", "cat", "deer",
-                            "dog", "frog", "horse", "ship", "truck"]}
+    meta = {"label_names": ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]}
     (folder / "batches.meta").write_bytes(pickle.dumps(meta))
 
 
@@ -229,7 +236,7 @@ def test_cifar10_loads_small_files_without_md5(tmp_path):
 
 def test_cifar10_md5_mismatch_is_a_config_error(tmp_path):
     write_cifar10(tmp_path)
-    with pytest.raises(ConfigError) as caught:
+    with pytest.raises(ValueError) as caught:
         Cifar10Data(root=str(tmp_path), batch_size=4).build_datasets()
     message = str(caught.value)
     assert "md5" in message and "data.verify_md5=false" in message and "data_batch_1" in message
@@ -237,7 +244,7 @@ def test_cifar10_md5_mismatch_is_a_config_error(tmp_path):
 
 def test_cifar10_missing_files_name_the_absolute_root(tmp_path):
     root = tmp_path / "nowhere"
-    with pytest.raises(ConfigError) as caught:
+    with pytest.raises(ValueError) as caught:
         Cifar10Data(root=str(root), batch_size=4).build_datasets()
     message = str(caught.value)
     assert str(root) in message and "cifar-10-batches-py" in message

@@ -40,8 +40,9 @@ def train(
     return {name: t.detach().cpu().clone() for name, t in trainer.model.state_dict().items()}
 
 
-def trained(tmp_path: Path, name: str, world_size: int, overrides: list[str],
-            device: str = "cpu") -> list[dict[str, torch.Tensor]]:  # fmt: skip
+def trained(
+    tmp_path: Path, name: str, world_size: int, overrides: list[str], device: str = "cpu"
+) -> list[dict[str, torch.Tensor]]:
     return run_on_ranks(train, world_size, tmp_path / name, overrides, str(tmp_path / name / "run"), device)
 
 
@@ -78,8 +79,17 @@ def single_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.
         ["sync=manual", "sync.coalesce_mb=0", "data.batch_size=8"],
         ["sync=manual", "sync.coalesce_mb=0.001", "data.batch_size=8"],
     ],
-    ids=["manual", "ddp", "ddp-tiny-buckets", "ddp-bucket-view-static", "ddp-timing-hook", "ddp-accum", "manual-accum",
-         "manual-per-tensor", "manual-small-groups"],
+    ids=[
+        "manual",
+        "ddp",
+        "ddp-tiny-buckets",
+        "ddp-bucket-view-static",
+        "ddp-timing-hook",
+        "ddp-accum",
+        "manual-accum",
+        "manual-per-tensor",
+        "manual-small-groups",
+    ],
 )
 def test_two_ranks_equal_one_process_with_twice_the_batch(
     tmp_path: Path, single_process: dict[str, torch.Tensor], overrides: list[str]

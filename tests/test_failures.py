@@ -22,8 +22,14 @@ BAD_INPUTS = {
     "bucket-zero": (["sync.bucket_cap_mb=0"], ["sync.bucket_cap_mb=0 is invalid", "must be a number > 0"]),
     "batch-zero": (["data.batch_size=0"], ["data.batch_size=0 is invalid", "integer > 0"]),
     "negative-steps": (["trainer.max_steps=-1"], ["trainer.max_steps=-1 is invalid", "integer >= 0"]),
-    "misspelt-key": (["trainer.max_step=5"], ["trainer.max_step", "Did you mean trainer.max_steps?", "log_every_n_steps"]),
-    "missing-root": (["data=mnist", "data.root=/nonexistent/mnist"], ["data.root=/nonexistent/mnist", "data.download=true"]),
+    "misspelt-key": (
+        ["trainer.max_step=5"],
+        ["trainer.max_step", "Did you mean trainer.max_steps?", "log_every_n_steps"],
+    ),
+    "missing-root": (
+        ["data=mnist", "data.root=/nonexistent/mnist"],
+        ["data.root=/nonexistent/mnist", "data.download=true"],
+    ),
 }
 
 
@@ -46,9 +52,14 @@ def test_bad_input_fails_fast_on_every_rank_with_a_clear_message(tmp_path: Path,
 def test_device_cuda_without_a_gpu_per_rank_fails_fast_naming_both_numbers(tmp_path: Path) -> None:
     # No GPU visible (on any machine): each of the 2 ranks stops at start-up with exit code 2.
     started = time.monotonic()
-    proc = subprocess.run(torchrun_cmd(["trainer.device=cuda", "logger=none", f"hydra.run.dir={tmp_path / 'run'}"]),
-                          cwd=tmp_path, env={**env(), "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        torchrun_cmd(["trainer.device=cuda", "logger=none", f"hydra.run.dir={tmp_path / 'run'}"]),
+        cwd=tmp_path,
+        env={**env(), "CUDA_VISIBLE_DEVICES": ""},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     text = output(proc)
     assert proc.returncode != 0, text
     message = "trainer.device=cuda needs one GPU per rank: 2 rank(s) on this node but 0 GPU(s) visible"
@@ -81,10 +92,17 @@ def workers(launcher: subprocess.Popen[str]) -> dict[int, psutil.Process]:
 
 def start_long_job(tmp_path: Path) -> tuple[subprocess.Popen[str], Path]:
     run_dir = tmp_path / "run"
-    args = [CPU, "trainer.max_steps=1000000", "trainer.log_every_n_steps=5", "trainer.eval_every_n_steps=0",
-            "trainer.progress_bar=false", f"hydra.run.dir={run_dir}"]  # fmt: skip
-    launcher = subprocess.Popen(torchrun_cmd(args), cwd=tmp_path, env=env(), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    args = [
+        CPU,
+        "trainer.max_steps=1000000",
+        "trainer.log_every_n_steps=5",
+        "trainer.eval_every_n_steps=0",
+        "trainer.progress_bar=false",
+        f"hydra.run.dir={run_dir}",
+    ]
+    launcher = subprocess.Popen(
+        torchrun_cmd(args), cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     for rank in (0, 1):
         wait_for_rows(run_dir / "metrics" / f"rank{rank}.jsonl", 3, launcher)
     return launcher, run_dir

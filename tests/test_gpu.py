@@ -53,9 +53,19 @@ def assert_phases_add_up(row: dict[str, Any]) -> None:
 @pytest.mark.parametrize("sync", ["none", "manual", "ddp"])
 def test_nccl_end_to_end_at_world_size_one(tmp_path: Path, sync: str) -> None:
     run_dir = tmp_path / "run"
-    proc = torchrun([CUDA, f"sync={sync}", "trainer.max_steps=20", "trainer.log_every_n_steps=5",
-                     "trainer.eval_every_n_steps=10", f"hydra.run.dir={run_dir}", *QUICK],
-                    cwd=tmp_path, nproc=1)  # fmt: skip
+    proc = torchrun(
+        [
+            CUDA,
+            f"sync={sync}",
+            "trainer.max_steps=20",
+            "trainer.log_every_n_steps=5",
+            "trainer.eval_every_n_steps=10",
+            f"hydra.run.dir={run_dir}",
+            *QUICK,
+        ],
+        cwd=tmp_path,
+        nproc=1,
+    )
     assert proc.returncode == 0, output(proc)
     summary = summary_of(run_dir)
     assert (summary["backend"], summary["device"], summary["world_size"], summary["steps"]) == ("nccl", "cuda:0", 1, 20)
@@ -83,8 +93,19 @@ def test_nccl_end_to_end_at_world_size_one(tmp_path: Path, sync: str) -> None:
 @pytest.mark.slow
 def test_bf16_autocast_trains_on_cuda(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    proc = torchrun([CUDA, "trainer.precision=bf16", "sync=ddp", "trainer.max_steps=20", "trainer.log_every_n_steps=5",
-                     f"hydra.run.dir={run_dir}", *QUICK], cwd=tmp_path, nproc=1)  # fmt: skip
+    proc = torchrun(
+        [
+            CUDA,
+            "trainer.precision=bf16",
+            "sync=ddp",
+            "trainer.max_steps=20",
+            "trainer.log_every_n_steps=5",
+            f"hydra.run.dir={run_dir}",
+            *QUICK,
+        ],
+        cwd=tmp_path,
+        nproc=1,
+    )
     assert proc.returncode == 0, output(proc)
     losses = [row["train/loss"] for row in train_rows(run_dir / "metrics" / "rank0.jsonl")]
     assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
@@ -127,10 +148,23 @@ def test_step_timer_phases_tile_the_step_on_cuda_events() -> None:
 def test_resume_on_cuda_is_bit_identical(tmp_path: Path) -> None:
     """12 steps with checkpoints every 4 (8 steps per epoch); rewind to step 4, run again: the same final state."""
     run_dir = tmp_path / "run"
-    args = [CUDA, "sync=ddp", "model.hidden_sizes=[32,32]", "data.num_samples=256", "data.num_val_samples=64",
-            "data.batch_size=32", "trainer.log_every_n_steps=2", "schedule=warmup_cosine", "schedule.warmup_steps=5",
-            "trainer.max_steps=12", "trainer.checkpoint_every_n_steps=4", "trainer.keep_checkpoints=5",
-            "logger=none", "trainer.progress_bar=false", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    args = [
+        CUDA,
+        "sync=ddp",
+        "model.hidden_sizes=[32,32]",
+        "data.num_samples=256",
+        "data.num_val_samples=64",
+        "data.batch_size=32",
+        "trainer.log_every_n_steps=2",
+        "schedule=warmup_cosine",
+        "schedule.warmup_steps=5",
+        "trainer.max_steps=12",
+        "trainer.checkpoint_every_n_steps=4",
+        "trainer.keep_checkpoints=5",
+        "logger=none",
+        "trainer.progress_bar=false",
+        f"hydra.run.dir={run_dir}",
+    ]
     first = torchrun(args, cwd=tmp_path, nproc=1)
     assert first.returncode == 0, output(first)
     ckpt = run_dir / "checkpoints"
@@ -146,8 +180,10 @@ def test_resume_on_cuda_is_bit_identical(tmp_path: Path) -> None:
     final = torch.load(ckpt / "last.pt", weights_only=True)
     assert final["step"] == straight["step"] == 12
     assert bit_identical(final["model"], straight["model"])
-    assert all(bit_identical(final["optimizer"]["state"][i], straight["optimizer"]["state"][i])
-               for i in straight["optimizer"]["state"])  # fmt: skip
+    assert all(
+        bit_identical(final["optimizer"]["state"][i], straight["optimizer"]["state"][i])
+        for i in straight["optimizer"]["state"]
+    )
     rows = train_rows(run_dir / "metrics" / "rank0.jsonl")  # one file: the first run's rows, then the resumed ones
     end_of_first = [r["step"] for r in rows].index(12)
     before, after = rows[: end_of_first + 1], rows[end_of_first + 1 :]
@@ -182,8 +218,18 @@ def test_nccl_two_ranks_on_two_gpus(tmp_path: Path, sync: str) -> None:
     if gpu_count() < 2:
         pytest.skip(f"needs 2 GPUs, {gpu_count()} visible")
     run_dir = tmp_path / "run"
-    proc = torchrun([CUDA, f"sync={sync}", "trainer.max_steps=20", "trainer.log_every_n_steps=5",
-                     f"hydra.run.dir={run_dir}", *QUICK], cwd=tmp_path, nproc=2)  # fmt: skip
+    proc = torchrun(
+        [
+            CUDA,
+            f"sync={sync}",
+            "trainer.max_steps=20",
+            "trainer.log_every_n_steps=5",
+            f"hydra.run.dir={run_dir}",
+            *QUICK,
+        ],
+        cwd=tmp_path,
+        nproc=2,
+    )
     assert proc.returncode == 0, output(proc)
     summary = summary_of(run_dir)
     assert (summary["backend"], summary["device"], summary["world_size"]) == ("nccl", "cuda:0", 2)
@@ -199,8 +245,21 @@ def test_nccl_two_ranks_on_two_gpus(tmp_path: Path, sync: str) -> None:
 @pytest.mark.slow
 def test_collective_benchmark_on_nccl(tmp_path: Path) -> None:
     nproc = min(gpu_count(), 2)
-    cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "-m", "trainer.collectives", "--device", "cuda",
-           "--max-bytes", str(2**20), "--iters", "5", "--out", str(tmp_path)]  # fmt: skip
+    cmd = [
+        TORCHRUN,
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "trainer.collectives",
+        "--device",
+        "cuda",
+        "--max-bytes",
+        str(2**20),
+        "--iters",
+        "5",
+        "--out",
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, output(proc)
     assert "latency us" in proc.stdout and f"{nproc} rank(s), nccl on cuda:0" in proc.stdout
@@ -221,8 +280,11 @@ def test_auto_device_takes_one_gpu_per_rank_or_falls_back_to_cpu(tmp_path: Path)
     gpus = gpu_count()
     run_dir = tmp_path / "run"
     # trainer.device=auto, the default: nccl with one GPU per rank, else gloo on CPU with a warning.
-    proc = torchrun(["trainer.max_steps=4", "trainer.log_every_n_steps=2", f"hydra.run.dir={run_dir}", *QUICK],
-                    cwd=tmp_path, nproc=2)  # fmt: skip
+    proc = torchrun(
+        ["trainer.max_steps=4", "trainer.log_every_n_steps=2", f"hydra.run.dir={run_dir}", *QUICK],
+        cwd=tmp_path,
+        nproc=2,
+    )
     text = output(proc)
     assert proc.returncode == 0, text
     summary = summary_of(run_dir)
@@ -257,8 +319,14 @@ def test_gpu_check_without_cuda_says_so_and_exits_2(tmp_path: Path) -> None:
     """Runs anywhere: with no GPU visible, `make gpu-check` refuses at once instead of failing every check."""
     script = REPO / "benchmarks" / "gpu_check.py"
     environ = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "out")], cwd=tmp_path, env=environ,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(script), "--out", str(tmp_path / "out")],
+        cwd=tmp_path,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, output(proc)
     assert "no CUDA device" in proc.stderr, output(proc)
     assert not (tmp_path / "out").exists()  # nothing was started

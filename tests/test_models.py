@@ -8,7 +8,6 @@ from torch import nn
 from models.cnn import CNN
 from models.mlp import MLP
 from models.resnet18 import resnet18
-from trainer.errors import ConfigError
 
 
 @pytest.mark.parametrize(
@@ -41,7 +40,7 @@ def test_mlp_has_no_batch_statistics_or_randomness():
 
 
 def test_mlp_rejects_non_positive_hidden_size():
-    with pytest.raises(ConfigError, match=r"model\.hidden_sizes=\[16, 0\]"):
+    with pytest.raises(ValueError, match=r"model\.hidden_sizes=\[16, 0\]"):
         MLP([16, 0], input_shape=(32,), num_classes=10)
 
 
@@ -53,7 +52,7 @@ def test_mlp_rejects_non_positive_hidden_size():
     ],
 )
 def test_image_models_refuse_vector_inputs(name, build):
-    with pytest.raises(ConfigError) as caught:
+    with pytest.raises(ValueError) as caught:
         build()
     message = str(caught.value)
     assert f"model={name} needs image inputs (C, H, W)" in message
@@ -61,7 +60,7 @@ def test_image_models_refuse_vector_inputs(name, build):
 
 
 def test_cnn_refuses_images_too_small_for_its_pooling():
-    with pytest.raises(ConfigError, match=r"model\.channels"):
+    with pytest.raises(ValueError, match=r"model\.channels"):
         CNN([8, 8, 8, 8], input_shape=(1, 8, 8), num_classes=10)
 
 

@@ -25,9 +25,17 @@ from trainer.preflight import check_output_dir
 from trainer.wandb_offline import find_runs
 
 # 512 samples, 2 ranks x 32 = 8 steps per epoch: checkpoints at 4 and 12 are mid-epoch.
-BASE = ["logger=none", "trainer.progress_bar=false", "model.hidden_sizes=[32,32]", "data.num_samples=512",
-        "data.num_val_samples=64", "data.batch_size=32", "trainer.log_every_n_steps=2", "schedule=warmup_cosine",
-        "schedule.warmup_steps=5"]  # fmt: skip
+BASE = [
+    "logger=none",
+    "trainer.progress_bar=false",
+    "model.hidden_sizes=[32,32]",
+    "data.num_samples=512",
+    "data.num_val_samples=64",
+    "data.batch_size=32",
+    "trainer.log_every_n_steps=2",
+    "schedule=warmup_cosine",
+    "schedule.warmup_steps=5",
+]
 
 
 def fit(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dict:
@@ -59,8 +67,13 @@ def test_resume_from_a_mid_run_checkpoint_is_bit_identical(tmp_path: Path) -> No
     """Train 12 steps with checkpoints every 4; delete the end, resume from step 4; compare with 12 straight."""
     straight = run_on_ranks(fit, 2, tmp_path / "a", ["trainer.max_steps=12"], str(tmp_path / "straight"))
     run_dir = tmp_path / "resumed"
-    first = run_on_ranks(fit, 2, tmp_path / "b", ["trainer.max_steps=12", "trainer.checkpoint_every_n_steps=4",
-                                                  "trainer.keep_checkpoints=5"], str(run_dir))  # fmt: skip
+    first = run_on_ranks(
+        fit,
+        2,
+        tmp_path / "b",
+        ["trainer.max_steps=12", "trainer.checkpoint_every_n_steps=4", "trainer.keep_checkpoints=5"],
+        str(run_dir),
+    )
     assert same(first[0]["model"], straight[0]["model"])  # checkpointing changes nothing
     ckpt = run_dir / "checkpoints"
     assert [p.name for p in step_files(ckpt)] == ["step-12.pt", "step-8.pt", "step-4.pt"]
@@ -68,14 +81,19 @@ def test_resume_from_a_mid_run_checkpoint_is_bit_identical(tmp_path: Path) -> No
         (ckpt / name).unlink()
     (ckpt / "last.pt").unlink()
     os.link(ckpt / "step-4.pt", ckpt / "last.pt")
-    resumed = run_on_ranks(fit, 2, tmp_path / "c", ["trainer.max_steps=12", "trainer.checkpoint_every_n_steps=4",
-                                                    "trainer.keep_checkpoints=5"], str(run_dir))  # fmt: skip
+    resumed = run_on_ranks(
+        fit,
+        2,
+        tmp_path / "c",
+        ["trainer.max_steps=12", "trainer.checkpoint_every_n_steps=4", "trainer.keep_checkpoints=5"],
+        str(run_dir),
+    )
     assert resumed[0]["step"] == 12
     assert same(resumed[0]["model"], straight[0]["model"]) and same(resumed[1]["model"], straight[0]["model"])
     # The JSONL continues the step count and the LR schedule where the checkpoint left them.
     rows = train_rows(run_dir / "metrics" / "rank0.jsonl")
     straight_lr = {r["step"]: r["train/lr"] for r in train_rows(tmp_path / "straight" / "metrics" / "rank0.jsonl")}
-    after = [r for r in rows[rows.index(next(r for r in rows if r["step"] == 12)) + 1:]]
+    after = [r for r in rows[rows.index(next(r for r in rows if r["step"] == 12)) + 1 :]]
     assert [r["step"] for r in after] == [6, 8, 10, 12]
     assert all(r["train/lr"] == straight_lr[r["step"]] for r in after)
 
@@ -90,7 +108,9 @@ def test_resume_refuses_another_world_size_or_training_config(tmp_path: Path) ->
     # Logging knobs are not training config: changing them still resumes.
     fine = run_on_ranks(fit, 2, tmp_path / "d", ["trainer.max_steps=4", "trainer.log_every_n_steps=1"], run_dir)
     assert "error" not in fine[0]
-    fresh = run_on_ranks(fit, 2, tmp_path / "e", ["trainer.max_steps=4", "optim.lr=0.5", "trainer.resume=never"], run_dir)
+    fresh = run_on_ranks(
+        fit, 2, tmp_path / "e", ["trainer.max_steps=4", "optim.lr=0.5", "trainer.resume=never"], run_dir
+    )
     assert "error" not in fresh[0]
 
 
@@ -127,8 +147,13 @@ def test_keep_checkpoints_prunes_old_step_files(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("mode", "expect"), [("raise", "non-finite loss at step 3 on rank(s) 1"), ("skip", None)])
 def test_nonfinite_loss_raises_or_is_skipped_on_every_rank(tmp_path: Path, mode: str, expect: str | None) -> None:
-    overrides = ["trainer.max_steps=6", f"trainer.on_nonfinite={mode}", "trainer.fault.kind=nan_loss",
-                 "trainer.fault.rank=1", "trainer.fault.at_step=3"]  # fmt: skip
+    overrides = [
+        "trainer.max_steps=6",
+        f"trainer.on_nonfinite={mode}",
+        "trainer.fault.kind=nan_loss",
+        "trainer.fault.rank=1",
+        "trainer.fault.at_step=3",
+    ]
     results = run_on_ranks(fit, 2, tmp_path / "job", overrides, str(tmp_path / "run"))
     if expect:
         assert all(expect in r["error"] and "NonFiniteError" in r["error"] for r in results)
@@ -140,8 +165,13 @@ def test_nonfinite_loss_raises_or_is_skipped_on_every_rank(tmp_path: Path, mode:
 
 
 def test_replica_check_names_the_rank_that_drifted(tmp_path: Path) -> None:
-    overrides = ["trainer.max_steps=8", "trainer.check_replicas_every_n_steps=4", "trainer.fault.kind=perturb",
-                 "trainer.fault.rank=1", "trainer.fault.at_step=2"]  # fmt: skip
+    overrides = [
+        "trainer.max_steps=8",
+        "trainer.check_replicas_every_n_steps=4",
+        "trainer.fault.kind=perturb",
+        "trainer.fault.rank=1",
+        "trainer.fault.at_step=2",
+    ]
     results = run_on_ranks(fit, 2, tmp_path / "job", overrides, str(tmp_path / "run"))
     assert all("replica check at step 4: the parameters of rank(s) 1 differ" in r["error"] for r in results)
 
@@ -162,8 +192,18 @@ SLOW_BASE = [*BASE, "trainer.max_steps=30", "trainer.checkpoint_every_n_steps=10
 def test_crash_then_elastic_restart_ends_bit_identical(tmp_path: Path) -> None:
     straight = torchrun([*SLOW_BASE, CPU, f"hydra.run.dir={tmp_path / 'straight'}"], cwd=tmp_path)
     assert straight.returncode == 0, output(straight)
-    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1", TRAIN, *SLOW_BASE, CPU,
-           "trainer.fault.rank=1", "trainer.fault.at_step=15", f"hydra.run.dir={tmp_path / 'crashed'}"]  # fmt: skip
+    cmd = [
+        TORCHRUN,
+        "--standalone",
+        "--nproc_per_node=2",
+        "--max-restarts=1",
+        TRAIN,
+        *SLOW_BASE,
+        CPU,
+        "trainer.fault.rank=1",
+        "trainer.fault.at_step=15",
+        f"hydra.run.dir={tmp_path / 'crashed'}",
+    ]
     crashed = subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
     text = output(crashed)
     assert crashed.returncode == 0, text
@@ -177,9 +217,20 @@ def test_crash_then_elastic_restart_ends_bit_identical(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_a_hanging_rank_fails_the_job_within_the_timeout(tmp_path: Path) -> None:
     started = time.monotonic()
-    proc = torchrun([*BASE, CPU, "trainer.max_steps=100", "trainer.collective_timeout_s=5", "trainer.fault.kind=hang",
-                     "trainer.fault.rank=1", "trainer.fault.at_step=5", f"hydra.run.dir={tmp_path / 'run'}"],
-                    cwd=tmp_path, timeout_s=120)  # fmt: skip
+    proc = torchrun(
+        [
+            *BASE,
+            CPU,
+            "trainer.max_steps=100",
+            "trainer.collective_timeout_s=5",
+            "trainer.fault.kind=hang",
+            "trainer.fault.rank=1",
+            "trainer.fault.at_step=5",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        cwd=tmp_path,
+        timeout_s=120,
+    )
     elapsed = time.monotonic() - started
     text = output(proc)
     assert proc.returncode != 0, text
@@ -193,8 +244,19 @@ def test_a_hanging_rank_fails_the_job_within_the_timeout(tmp_path: Path) -> None
 @pytest.mark.slow
 def test_a_rank_receiving_sigterm_stops_the_job_and_nothing_logged_is_lost(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    proc = torchrun([*BASE, CPU, "logger=wandb", "trainer.max_steps=100", "trainer.fault.kind=sigterm",
-                     "trainer.fault.rank=0", "trainer.fault.at_step=7", f"hydra.run.dir={run_dir}"], cwd=tmp_path)  # fmt: skip
+    proc = torchrun(
+        [
+            *BASE,
+            CPU,
+            "logger=wandb",
+            "trainer.max_steps=100",
+            "trainer.fault.kind=sigterm",
+            "trainer.fault.rank=0",
+            "trainer.fault.at_step=7",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=tmp_path,
+    )
     assert proc.returncode != 0, output(proc)
     for rank in (0, 1):
         (run,) = [run for run in find_runs(run_dir) if run.name == f"rank-{rank}"]
@@ -207,10 +269,21 @@ def test_a_rank_receiving_sigterm_stops_the_job_and_nothing_logged_is_lost(tmp_p
 
 @pytest.mark.slow
 def test_sigterm_checkpoint_then_resume_continues_step_count_and_schedule(tmp_path: Path) -> None:
-    args = [*BASE, CPU, "trainer.max_steps=400", "trainer.checkpoint_on_sigterm=true",
-            f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
-    launcher = subprocess.Popen([TORCHRUN, "--standalone", "--nproc_per_node=2", TRAIN, *args], cwd=tmp_path,
-                                env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    args = [
+        *BASE,
+        CPU,
+        "trainer.max_steps=400",
+        "trainer.checkpoint_on_sigterm=true",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
+    launcher = subprocess.Popen(
+        [TORCHRUN, "--standalone", "--nproc_per_node=2", TRAIN, *args],
+        cwd=tmp_path,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     metrics = tmp_path / "run" / "metrics" / "rank0.jsonl"
     deadline = time.monotonic() + 120
     while not (metrics.exists() and len(train_rows(metrics)) >= 10) and time.monotonic() < deadline:

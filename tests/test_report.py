@@ -31,11 +31,21 @@ NONE = "trainer.sync.none.NoSync"
 
 def train_row(step: int, step_s: float, sync_s: float, samples_per_s: float, loss: float) -> dict[str, Any]:
     return {
-        "step": step, "epoch": 0, "train/loss": loss, "train/accuracy": 0.5, "train/lr": 0.1,
-        "time/step_s": step_s, "time/data_s": 0.0, "time/forward_s": 0.0, "time/backward_s": 0.0,
-        "time/sync_s": sync_s, "time/optimizer_s": 0.0, "throughput/samples_per_s": samples_per_s,
-        "memory/rss_mb": 700.0, "some/future_key": 123.0,  # unknown keys must be ignored
-    }  # fmt: skip
+        "step": step,
+        "epoch": 0,
+        "train/loss": loss,
+        "train/accuracy": 0.5,
+        "train/lr": 0.1,
+        "time/step_s": step_s,
+        "time/data_s": 0.0,
+        "time/forward_s": 0.0,
+        "time/backward_s": 0.0,
+        "time/sync_s": sync_s,
+        "time/optimizer_s": 0.0,
+        "throughput/samples_per_s": samples_per_s,
+        "memory/rss_mb": 700.0,
+        "some/future_key": 123.0,  # unknown keys must be ignored
+    }
 
 
 def eval_row(step: int, accuracy: float) -> dict[str, Any]:
@@ -76,24 +86,57 @@ def sweep(tmp_path: Path) -> Path:
     The values make medians differ from means and sum/sum differ from a mean of ratios.
     """
     root = tmp_path / "sweep"
-    write_job(root / "0", [
-        [train_row(10, 0.010, 0.001, 100, 2.5), train_row(20, 0.030, 0.003, 300, 2.2), eval_row(20, 0.5),
-         train_row(30, 0.012, 0.002, 230, 2.0), eval_row(30, 0.75)],
-        [train_row(10, 0.020, 0.002, 150, 2.4), train_row(20, 0.016, 0.002, 40, 1.5), eval_row(20, 0.5),
-         train_row(30, 0.030, 0.002, 250, 1.0), eval_row(30, 0.75)],
-    ], DDP, ["sync=ddp", "sync.bucket_cap_mb=1", "logger=none", "run_name=x-0"], 1)  # fmt: skip
-    write_job(root / "1", [
-        [train_row(10, 0.008, 0.0, 400, 1.2), train_row(20, 0.008, 0.0, 400, 1.1), eval_row(20, 0.8)],
-        [train_row(10, 0.010, 0.0, 300, 1.3), train_row(20, 0.010, 0.0, 300, 0.9), eval_row(20, 0.8)],
-        [train_row(10, 0.030, 0.0, 100, 1.3), train_row(20, 0.030, 0.0, 100, 1.0), eval_row(20, 0.8)],
-    ], DDP, ["sync=ddp", "sync.bucket_cap_mb=25", "logger=none", "run_name=x-1"], 25)  # fmt: skip
-    write_job(root / "2", [
-        [train_row(10, 0.040, 0.020, 50, 3.0), train_row(20, 0.050, 0.030, 70, 2.0), eval_row(20, 0.25)],
-        [train_row(10, 0.060, 0.030, 40, 1.0), train_row(20, 0.060, 0.030, 40, 1.0), eval_row(20, 0.25)],
-    ], MANUAL, ["sync=manual", "logger=none", "run_name=x-2"])  # fmt: skip
-    write_job(root / "3", [[train_row(10, 0.100, 0.0, 10, 5.0)], [train_row(10, 0.200, 0.0, 20, 6.0)]],
-              DDP, ["sync=ddp", "sync.bucket_cap_mb=5", "logger=none", "run_name=x-3"], 5,
-              complete=False, tail='{"step": 20, "train/lo')  # fmt: skip
+    write_job(
+        root / "0",
+        [
+            [
+                train_row(10, 0.010, 0.001, 100, 2.5),
+                train_row(20, 0.030, 0.003, 300, 2.2),
+                eval_row(20, 0.5),
+                train_row(30, 0.012, 0.002, 230, 2.0),
+                eval_row(30, 0.75),
+            ],
+            [
+                train_row(10, 0.020, 0.002, 150, 2.4),
+                train_row(20, 0.016, 0.002, 40, 1.5),
+                eval_row(20, 0.5),
+                train_row(30, 0.030, 0.002, 250, 1.0),
+                eval_row(30, 0.75),
+            ],
+        ],
+        DDP,
+        ["sync=ddp", "sync.bucket_cap_mb=1", "logger=none", "run_name=x-0"],
+        1,
+    )
+    write_job(
+        root / "1",
+        [
+            [train_row(10, 0.008, 0.0, 400, 1.2), train_row(20, 0.008, 0.0, 400, 1.1), eval_row(20, 0.8)],
+            [train_row(10, 0.010, 0.0, 300, 1.3), train_row(20, 0.010, 0.0, 300, 0.9), eval_row(20, 0.8)],
+            [train_row(10, 0.030, 0.0, 100, 1.3), train_row(20, 0.030, 0.0, 100, 1.0), eval_row(20, 0.8)],
+        ],
+        DDP,
+        ["sync=ddp", "sync.bucket_cap_mb=25", "logger=none", "run_name=x-1"],
+        25,
+    )
+    write_job(
+        root / "2",
+        [
+            [train_row(10, 0.040, 0.020, 50, 3.0), train_row(20, 0.050, 0.030, 70, 2.0), eval_row(20, 0.25)],
+            [train_row(10, 0.060, 0.030, 40, 1.0), train_row(20, 0.060, 0.030, 40, 1.0), eval_row(20, 0.25)],
+        ],
+        MANUAL,
+        ["sync=manual", "logger=none", "run_name=x-2"],
+    )
+    write_job(
+        root / "3",
+        [[train_row(10, 0.100, 0.0, 10, 5.0)], [train_row(10, 0.200, 0.0, 20, 6.0)]],
+        DDP,
+        ["sync=ddp", "sync.bucket_cap_mb=5", "logger=none", "run_name=x-3"],
+        5,
+        complete=False,
+        tail='{"step": 20, "train/lo',
+    )
     (root / "multirun.yaml").write_text("hydra: {}\n")
     return root
 
@@ -107,15 +150,63 @@ def sweep(tmp_path: Path) -> Path:
 SYNC_0 = 100 * (0.006 / 0.052 + 0.006 / 0.066) / 2
 SYNC_2 = 100 * (0.05 / 0.09 + 0.06 / 0.12) / 2
 EXPECTED_CELLS = {
-    "0": ["0", "ok", "sync=ddp sync.bucket_cap_mb=1", "ddp", "1", "16.00", "380", "10.3†", "1.5000", "0.750",
-          "r1 (20.00 ms)", "r0 (12.00 ms)"],
-    "1": ["1", "ok", "sync=ddp sync.bucket_cap_mb=25", "ddp", "25", "10.00", "800", "0.0†", "1.0000", "0.800",
-          "r2 (30.00 ms)", "r0 (8.00 ms)"],
-    "2": ["2", "ok", "sync=manual", "manual", "", "52.50", "100", "52.8", "1.5000", "0.250",
-          "r1 (60.00 ms)", "r0 (45.00 ms)"],
-    "3": ["3", "incomplete", "sync=ddp sync.bucket_cap_mb=5", "ddp", "5", "(150.00)", "(30)", "(0.0†)",
-          "(5.5000)", "", "(r1 (200.00 ms))", "(r0 (100.00 ms))"],
-}  # fmt: skip
+    "0": [
+        "0",
+        "ok",
+        "sync=ddp sync.bucket_cap_mb=1",
+        "ddp",
+        "1",
+        "16.00",
+        "380",
+        "10.3†",
+        "1.5000",
+        "0.750",
+        "r1 (20.00 ms)",
+        "r0 (12.00 ms)",
+    ],
+    "1": [
+        "1",
+        "ok",
+        "sync=ddp sync.bucket_cap_mb=25",
+        "ddp",
+        "25",
+        "10.00",
+        "800",
+        "0.0†",
+        "1.0000",
+        "0.800",
+        "r2 (30.00 ms)",
+        "r0 (8.00 ms)",
+    ],
+    "2": [
+        "2",
+        "ok",
+        "sync=manual",
+        "manual",
+        "",
+        "52.50",
+        "100",
+        "52.8",
+        "1.5000",
+        "0.250",
+        "r1 (60.00 ms)",
+        "r0 (45.00 ms)",
+    ],
+    "3": [
+        "3",
+        "incomplete",
+        "sync=ddp sync.bucket_cap_mb=5",
+        "ddp",
+        "5",
+        "(150.00)",
+        "(30)",
+        "(0.0†)",
+        "(5.5000)",
+        "",
+        "(r1 (200.00 ms))",
+        "(r0 (100.00 ms))",
+    ],
+}
 
 
 def markdown_rows(text: str) -> dict[str, list[str]]:
@@ -143,16 +234,28 @@ def test_table_markdown_and_csv_numbers(sweep: Path, tmp_path: Path, capsys: pyt
         "2": (52.5, 100.0, SYNC_2, 1.5, 0.25, 45.0, 60.0, None),
         "3": (150.0, 30.0, 0.0, 5.5, None, 100.0, 200.0, None),
     }
-    columns = ("step_ms", "samples_per_s", "sync_share_pct", "train_loss", "eval_accuracy", "rank0_step_ms",
-               "rank1_step_ms", "rank2_step_ms")  # fmt: skip
+    columns = (
+        "step_ms",
+        "samples_per_s",
+        "sync_share_pct",
+        "train_loss",
+        "eval_accuracy",
+        "rank0_step_ms",
+        "rank1_step_ms",
+        "rank2_step_ms",
+    )
     for job, values in expected.items():
-        for column, value in zip(columns, values):
+        for column, value in zip(columns, values, strict=True):
             got = records[job][column]
             assert (got == "") if value is None else (float(got) == pytest.approx(value)), (job, column, got)
     assert [records[j]["status"] for j in "0123"] == ["ok", "ok", "ok", "incomplete"]
     assert [records[j]["bucket_cap_mb"] for j in "0123"] == ["1.0", "25.0", "", "5.0"]
     assert [(records[j]["slowest_rank"], records[j]["fastest_rank"]) for j in "0123"] == [
-        ("1", "0"), ("2", "0"), ("1", "0"), ("1", "0")]
+        ("1", "0"),
+        ("2", "0"),
+        ("1", "0"),
+        ("1", "0"),
+    ]
     assert [records[j]["num_ranks"] for j in "0123"] == ["2", "3", "2", "2"]
 
 
@@ -247,15 +350,43 @@ def test_single_job_dir_and_missing_hydra(tmp_path: Path, capsys: pytest.Capture
     job = write_job(tmp_path / "single", ranks, DDP, overrides, 5)
     assert main([str(job)]) == 0
     line = capsys.readouterr().out.splitlines()[2]
-    assert line.split() == ["single", "ok", "sync=ddp", "sync.bucket_cap_mb=5", "logger=none", "ddp", "5",
-                            "15.00", "150", "0.0†", "2.0000", "r1", "(20.00", "ms)", "r0", "(10.00", "ms)"]  # fmt: skip
+    assert line.split() == [
+        "single",
+        "ok",
+        "sync=ddp",
+        "sync.bucket_cap_mb=5",
+        "logger=none",
+        "ddp",
+        "5",
+        "15.00",
+        "150",
+        "0.0†",
+        "2.0000",
+        "r1",
+        "(20.00",
+        "ms)",
+        "r0",
+        "(10.00",
+        "ms)",
+    ]
     assert (job / "report.csv").is_file() and (job / "report.png").is_file()
 
     bare = write_job(tmp_path / "bare", [[train_row(10, 0.010, 0.0, 100, 1.0)]], None, None, complete=False)
     assert main([str(bare)]) == 0
     assert capsys.readouterr().out.splitlines()[2].split() == [
-        "bare", "incomplete", "(10.00)", "(100)", "(0.0)", "(1.0000)", "(r0", "(10.00", "ms))", "(r0", "(10.00", "ms))",
-    ]  # fmt: skip
+        "bare",
+        "incomplete",
+        "(10.00)",
+        "(100)",
+        "(0.0)",
+        "(1.0000)",
+        "(r0",
+        "(10.00",
+        "ms))",
+        "(r0",
+        "(10.00",
+        "ms))",
+    ]
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -18,13 +18,20 @@ from trainer.wandb_offline import find_runs
 
 pytestmark = pytest.mark.slow
 
-QUICK = ["trainer.max_steps=6", "trainer.log_every_n_steps=3", "trainer.progress_bar=false",
-         "data.num_samples=1024", "data.num_val_samples=128"]  # fmt: skip
+QUICK = [
+    "trainer.max_steps=6",
+    "trainer.log_every_n_steps=3",
+    "trainer.progress_bar=false",
+    "data.num_samples=1024",
+    "data.num_val_samples=128",
+]
 FAIL_FIRST_JOB_ON_RANK_1 = ["trainer.fault.at_step=3,null", "trainer.fault.rank=1"]
 
 
 def python_train(args: list[str], cwd: Path, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, TRAIN, *args], cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout_s)
+    return subprocess.run(
+        [sys.executable, TRAIN, *args], cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout_s
+    )
 
 
 def sweep_dir(cwd: Path) -> Path:
@@ -61,7 +68,9 @@ def test_route1_multirun_inside_torchrun(tmp_path: Path) -> None:
     assert first["sync"]["bucket_cap_mb"] == 1.0 and second["sync"]["bucket_cap_mb"] == 5.0
     assert groups(sweep / "0") == {f"{sweep.name}-0"} and groups(sweep / "1") == {f"{sweep.name}-1"}
     assert proc.stdout.count("Launching 2 jobs") == 1  # Hydra's own messages from rank 0 only
-    report = subprocess.run([sys.executable, "-m", "trainer.report", str(sweep)], cwd=REPO, capture_output=True, text=True)
+    report = subprocess.run(
+        [sys.executable, "-m", "trainer.report", str(sweep)], cwd=REPO, capture_output=True, text=True
+    )
     assert report.returncode == 0, report.stderr
     assert "sync.bucket_cap_mb=1" in report.stdout and (sweep / "report.png").stat().st_size > 10_000
 
@@ -78,8 +87,18 @@ def test_route1_a_job_failing_on_one_rank_stops_the_sweep(tmp_path: Path) -> Non
 
 
 def test_route2_torchrun_launcher_runs_each_job_as_its_own_group(tmp_path: Path) -> None:
-    proc = python_train(["-m", "hydra/launcher=torchrun", "hydra.launcher.nproc_per_node=2", CPU, "sync=ddp",
-                         "sync.bucket_cap_mb=1,5", *QUICK], cwd=tmp_path)  # fmt: skip
+    proc = python_train(
+        [
+            "-m",
+            "hydra/launcher=torchrun",
+            "hydra.launcher.nproc_per_node=2",
+            CPU,
+            "sync=ddp",
+            "sync.bucket_cap_mb=1,5",
+            *QUICK,
+        ],
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, output(proc)
     sweep = sweep_dir(tmp_path)
     assert_job_complete(sweep / "0", wandb=True)
@@ -88,8 +107,9 @@ def test_route2_torchrun_launcher_runs_each_job_as_its_own_group(tmp_path: Path)
 
 
 def test_route2_isolates_a_failing_job_and_exits_nonzero(tmp_path: Path) -> None:
-    proc = python_train(["-m", "hydra/launcher=torchrun", CPU, *FAIL_FIRST_JOB_ON_RANK_1, "logger=none", *QUICK],
-                        cwd=tmp_path)  # fmt: skip
+    proc = python_train(
+        ["-m", "hydra/launcher=torchrun", CPU, *FAIL_FIRST_JOB_ON_RANK_1, "logger=none", *QUICK], cwd=tmp_path
+    )
     text = output(proc)
     assert proc.returncode != 0, text
     assert "job 0 (" in text and "failed: rank 1 exited with code 1" in text and "InjectedFault" in text
@@ -106,10 +126,21 @@ def free_port() -> int:
 
 def test_two_nodes_on_loopback_form_one_job(tmp_path: Path) -> None:
     """Two torchrun invocations, 2 processes each, meeting through c10d rendezvous: world size 4."""
-    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nnodes=2", "--nproc_per_node=2", "--rdzv-backend=c10d",
-           f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=two-nodes", TRAIN, CPU, *QUICK]  # fmt: skip
-    nodes = [subprocess.Popen(cmd, cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for _ in range(2)]  # fmt: skip
+    cmd = [
+        str(Path(sys.executable).parent / "torchrun"),
+        "--nnodes=2",
+        "--nproc_per_node=2",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        "--rdzv-id=two-nodes",
+        TRAIN,
+        CPU,
+        *QUICK,
+    ]
+    nodes = [
+        subprocess.Popen(cmd, cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for _ in range(2)
+    ]
     outs = [node.communicate(timeout=300)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outs
     (run_dir,) = (tmp_path / "outputs").iterdir()  # all four ranks agreed on one directory
@@ -125,8 +156,19 @@ def test_two_nodes_on_loopback_form_one_job(tmp_path: Path) -> None:
 
 
 def test_submitit_local_runs_each_job_as_two_tasks(tmp_path: Path) -> None:
-    proc = python_train(["-m", "hydra/launcher=local", "hydra.launcher.tasks_per_node=2", CPU, "sync=ddp",
-                         "sync.bucket_cap_mb=1,5", "logger=none", *QUICK], cwd=tmp_path)  # fmt: skip
+    proc = python_train(
+        [
+            "-m",
+            "hydra/launcher=local",
+            "hydra.launcher.tasks_per_node=2",
+            CPU,
+            "sync=ddp",
+            "sync.bucket_cap_mb=1,5",
+            "logger=none",
+            *QUICK,
+        ],
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, output(proc)
     sweep = sweep_dir(tmp_path)
     for job in ("0", "1"):

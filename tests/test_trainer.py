@@ -16,8 +16,9 @@ from trainer.logger.jsonl import JsonlLogger
 
 
 def fit(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dict:
-    cfg = compose_config(["logger=none", "trainer.progress_bar=false", "data.num_samples=256",
-                          "data.num_val_samples=32", *overrides])  # fmt: skip
+    cfg = compose_config(
+        ["logger=none", "trainer.progress_bar=false", "data.num_samples=256", "data.num_val_samples=32", *overrides]
+    )
     settings = instantiate(cfg.trainer)
     parts = build_parts(cfg, settings)
     initial = {k: v.clone() for k, v in parts.model.state_dict().items()}
@@ -50,7 +51,9 @@ def test_num_epochs_sets_the_length_and_rows_carry_their_epoch(tmp_path: Path) -
 
 
 def test_bf16_autocast_trains_on_cpu(tmp_path: Path) -> None:
-    (result,) = run_on_ranks(fit, 1, tmp_path / "job", ["trainer.precision=bf16", "trainer.max_steps=5"], str(tmp_path / "run"))
+    (result,) = run_on_ranks(
+        fit, 1, tmp_path / "job", ["trainer.precision=bf16", "trainer.max_steps=5"], str(tmp_path / "run")
+    )
     assert result["changed"]
     assert all(torch.isfinite(torch.tensor(r["train/loss"])) for r in rows(tmp_path / "run") if "train/loss" in r)
 
@@ -73,8 +76,13 @@ def param_bytes(rank: int, world_size: int) -> int:
 @pytest.mark.parametrize("sync", ["manual", "ddp"])
 def test_rows_account_for_communication_and_phases_add_up(tmp_path: Path, sync: str) -> None:
     run_dir = tmp_path / "run"
-    overrides = [f"sync={sync}", "model.hidden_sizes=[32,32]", "trainer.max_steps=6", "trainer.log_every_n_steps=3",
-                 *(["sync.time_buckets=true"] if sync == "ddp" else [])]  # fmt: skip
+    overrides = [
+        f"sync={sync}",
+        "model.hidden_sizes=[32,32]",
+        "trainer.max_steps=6",
+        "trainer.log_every_n_steps=3",
+        *(["sync.time_buckets=true"] if sync == "ddp" else []),
+    ]
     run_on_ranks(fit, 2, tmp_path / "job", overrides, str(run_dir))
     expected = param_bytes(0, 1)
     train = [r for r in rows(run_dir) if "train/loss" in r]
@@ -109,8 +117,13 @@ def test_ddp_rows_carry_ddps_own_sampled_timing(tmp_path: Path, every: int | Non
     # DDP's runtime statistics time each of the first 10 steps, then one in sync.time_every_n_steps (by default
     # the logging interval, so each row's own step). A row only carries a sample taken in its own window: with
     # 1 step in 100, the row at 24 has none (its newest sample is step 10's, already reported at 12).
-    overrides = ["sync=ddp", "model.hidden_sizes=[32,32]", "trainer.max_steps=24", "trainer.log_every_n_steps=12",
-                 *([f"sync.time_every_n_steps={every}"] if every else [])]  # fmt: skip
+    overrides = [
+        "sync=ddp",
+        "model.hidden_sizes=[32,32]",
+        "trainer.max_steps=24",
+        "trainer.log_every_n_steps=12",
+        *([f"sync.time_every_n_steps={every}"] if every else []),
+    ]
     (result, _) = run_on_ranks(fit, 2, tmp_path / "job", overrides, str(tmp_path / "run"))
     train = [r for r in rows(tmp_path / "run") if "train/loss" in r]
     assert [r["step"] for r in train if "time/comm_s" in r] == timed_rows

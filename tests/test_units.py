@@ -94,8 +94,9 @@ def test_step_timer_averages_every_step_and_phases_add_up() -> None:
         ("cuda", 2, 2, "cuda", False),
     ],
 )
-def test_device_choice_is_a_function_of_the_counts(requested: str, ranks: int, gpus: int, device: str,
-                                                   warns: bool) -> None:  # fmt: skip
+def test_device_choice_is_a_function_of_the_counts(
+    requested: str, ranks: int, gpus: int, device: str, warns: bool
+) -> None:
     choice = choose_device(requested, ranks_per_node=ranks, gpus_visible=gpus)
     assert choice.type == device and (choice.warning is not None) == warns
     if warns:  # one line naming both counts
@@ -126,18 +127,34 @@ def test_window_sums_and_finds_the_first_nonfinite_step() -> None:
 
 
 def test_summary_helpers() -> None:
-    rows = [{"time/step_s": s, "throughput/samples_per_s": 10.0 * s, "memory/rss_mb": 100 * s, "comm/busbw_GBps": s,
-             "train/loss": 1.0} for s in (1.0, 3.0, 2.0)]  # fmt: skip
+    rows = [
+        {
+            "time/step_s": s,
+            "throughput/samples_per_s": 10.0 * s,
+            "memory/rss_mb": 100 * s,
+            "comm/busbw_GBps": s,
+            "train/loss": 1.0,
+        }
+        for s in (1.0, 3.0, 2.0)
+    ]
     timing = rank_timing(rows)
     assert timing["median_time/step_s"] == 2.0 and timing["median_comm/busbw_GBps"] == 2.0
     assert timing["peak_memory/rss_mb"] == 300.0 and "median_train/loss" not in timing
     assert job_throughput([100.0, 150.0]) == 250.0
     summary = {
-        "sync": {"strategy": "ddp"}, "steps": 5, "epochs": 0.5, "world_size": 2, "backend": "gloo",
-        "device": "cpu", "global_batch_size": 16, "train/loss": 0.5, "train/accuracy": 0.9,
-        "throughput/global_samples_per_s": 250.0, "run_dir": "/r",
+        "sync": {"strategy": "ddp"},
+        "steps": 5,
+        "epochs": 0.5,
+        "world_size": 2,
+        "backend": "gloo",
+        "device": "cpu",
+        "global_batch_size": 16,
+        "train/loss": 0.5,
+        "train/accuracy": 0.9,
+        "throughput/global_samples_per_s": 250.0,
+        "run_dir": "/r",
         "ranks": [{"rank": 0, "outputs": ["/r/metrics/rank0.jsonl", "/r/wandb/offline-run-x"]}],
-    }  # fmt: skip
+    }
     report = format_report(summary)
     assert "W&B run rank-0: /r/wandb/offline-run-x" in report and "wandb sync /r/wandb/offline-run-*" in report
 
@@ -151,7 +168,9 @@ def _average(rank: int, world_size: int, cap_bytes: int) -> list[torch.Tensor]:
     return [*grads, torch.tensor(calls)]
 
 
-@pytest.mark.parametrize(("cap_bytes", "calls"), [(0, 3), (28, 2), (1 << 20, 1)], ids=["per-tensor", "two-groups", "one-group"])
+@pytest.mark.parametrize(
+    ("cap_bytes", "calls"), [(0, 3), (28, 2), (1 << 20, 1)], ids=["per-tensor", "two-groups", "one-group"]
+)
 def test_average_gradients_is_sum_over_world_size(tmp_path: Path, cap_bytes: int, calls: int) -> None:
     for *grads, made in run_on_ranks(_average, 2, tmp_path / "avg", cap_bytes):
         assert torch.equal(grads[0], torch.full((3,), 1.5))
@@ -180,7 +199,9 @@ def test_comm_metrics_arithmetic() -> None:
     assert m["comm/bytes_per_step"] == 1000 and m["time/comm_s"] == 0.004 and m["comm/overlap_fraction"] == 0.75
     manual = comm_metrics(CommCounters(bytes=100, collectives=1), 1, sync_phase_s=0.5, in_sync_phase=True, world_size=4)
     assert manual["time/comm_s"] == manual["time/comm_exposed_s"] == 0.5 and manual["comm/overlap_fraction"] == 0.0
-    untimed = comm_metrics(CommCounters(bytes=100, collectives=1), 1, sync_phase_s=0.5, in_sync_phase=False, world_size=2)
+    untimed = comm_metrics(
+        CommCounters(bytes=100, collectives=1), 1, sync_phase_s=0.5, in_sync_phase=False, world_size=2
+    )
     assert "time/comm_s" not in untimed and untimed["comm/bytes_per_step"] == 100
     assert comm_metrics(CommCounters(), 1, 0.5, True, 2) == {}
     assert counts.take().bytes == 4_000_000_000 and counts.bytes == 0

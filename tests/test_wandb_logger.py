@@ -31,7 +31,9 @@ logger.close()  # closing twice is harmless
 def test_offline_logger_never_touches_the_network(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}
     env["PYTHONPATH"] = str(REPO)
-    out = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path)], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, str(tmp_path)], env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert "NETWORK []" in out.stdout, out.stdout
     assert list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))

@@ -73,7 +73,10 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("wandb_offline")
     out = subprocess.run(
         [sys.executable, "-c", WRITER, str(tmp), json.dumps(LOSSES), json.dumps(CONFIG), BIG],
-        env=_env(tmp), capture_output=True, text=True, timeout=120,
+        env=_env(tmp),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "NETWORK" not in out.stderr, out.stderr[-3000:]
@@ -162,7 +165,11 @@ def test_tail_ok_keeps_what_was_flushed(runs, tmp_path) -> None:
 def test_cli_prints_runs(root: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "trainer.wandb_offline", str(root)],
-        env=_env(root), capture_output=True, text=True, timeout=60, cwd=ROOT,
+        env=_env(root),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr
     first, second = out.stdout.index("rank-0"), out.stdout.index("rank-1")

@@ -20,7 +20,7 @@ from torch.optim import Optimizer
 
 from data.base import DataModule
 from trainer.dist import DistContext, hostname
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, from_leaves
 from trainer.logger.base import MetricLogger
 from trainer.logger.jsonl import JsonlLogger
 from trainer.settings import TrainSettings
@@ -33,16 +33,20 @@ def instantiate(node: DictConfig, **runtime: Any) -> Any:
 
     Runtime kwargs (shapes, a run's config dict) are passed to the constructor untouched rather
     than merged into the config, where Hydra would try to instantiate any `_target_` inside them.
-    Hydra wraps constructor errors in InstantiationException; a ConfigError is let through
-    unwrapped, so a bad value reads as the constructor's own message, not a framework traceback.
+    Hydra wraps constructor errors in InstantiationException; a constructor's ValueError (the
+    leaves' way to reject a value, and ConfigError's base) is let through as a ConfigError, so a bad
+    value reads as the constructor's own message, not a framework traceback.
     """
     try:
-        if not runtime:
-            return hydra.utils.instantiate(node, _convert_="all")
-        return hydra.utils.instantiate(node, _partial_=True, _convert_="all")(**runtime)
+        with from_leaves():
+            if not runtime:
+                return hydra.utils.instantiate(node, _convert_="all")
+            return hydra.utils.instantiate(node, _partial_=True, _convert_="all")(**runtime)
     except InstantiationException as err:
-        if isinstance(err.__cause__, ConfigError):
-            raise err.__cause__ from None
+        if isinstance(err.__cause__, ValueError):
+            raise (
+                err.__cause__ if isinstance(err.__cause__, ConfigError) else ConfigError(str(err.__cause__))
+            ) from None
         raise
 
 
@@ -68,17 +72,23 @@ def run_info(ctx: DistContext) -> dict[str, Any]:
     }
 
 
-def add_loggers(loggers: list[MetricLogger], cfg: DictConfig, config: dict[str, Any], ctx: DistContext,
-                run_dir: Path, group: str) -> None:
+def add_loggers(
+    loggers: list[MetricLogger], cfg: DictConfig, config: dict[str, Any], ctx: DistContext, run_dir: Path, group: str
+) -> None:
     """Every rank: its JSONL file, then its own W&B run (or the null logger).
 
     Appends as it goes, so whatever was opened gets closed even if a later one fails to start.
     """
     loggers.append(JsonlLogger(run_dir / "metrics" / f"rank{ctx.rank}.jsonl"))
     loggers.append(
-        instantiate(cfg.logger, dir=str(run_dir), name=f"rank-{ctx.rank}", group=group,
-                    run_config={**config, "run": run_info(ctx)})
-    )  # fmt: skip
+        instantiate(
+            cfg.logger,
+            dir=str(run_dir),
+            name=f"rank-{ctx.rank}",
+            group=group,
+            run_config={**config, "run": run_info(ctx)},
+        )
+    )
 
 
 @dataclass
@@ -108,14 +118,22 @@ def build_parts(cfg: DictConfig, settings: TrainSettings) -> Parts:
 
 def prepare_data(data: DataModule, ctx: DistContext) -> None:
     """Download once (rank 0), then every rank opens the files: missing ones fail here, named."""
-    if ctx.is_main_process:
-        data.prepare()
+    with from_leaves():
+        if ctx.is_main_process:
+            data.prepare()
     dist.barrier()  # nobody reads the dataset before rank 0 has finished fetching it
-    data.setup()
+    with from_leaves():
+        data.setup()
 
 
-def build_trainer(parts: Parts, settings: TrainSettings, ctx: DistContext, loggers: list[MetricLogger],
-                  run_dir: Path, config: dict[str, Any]) -> Trainer:
+def build_trainer(
+    parts: Parts,
+    settings: TrainSettings,
+    ctx: DistContext,
+    loggers: list[MetricLogger],
+    run_dir: Path,
+    config: dict[str, Any],
+) -> Trainer:
     return Trainer(
         settings=settings,
         ctx=ctx,

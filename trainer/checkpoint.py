@@ -29,11 +29,25 @@ FORMAT = 1
 _STEP_FILE = re.compile(r"step-(\d+)\.pt$")
 # Keys that change what is logged or how the job is run, not the numbers training produces: a
 # checkpoint may be resumed with different values of these.
-NOT_TRAINING = ("logger", "run_name", "trainer.log_every_n_steps", "trainer.eval_every_n_steps",
-                "trainer.progress_bar", "trainer.profile", "trainer.collective_timeout_s", "trainer.fault",
-                "trainer.resume", "trainer.checkpoint_every_n_steps", "trainer.keep_checkpoints",
-                "trainer.checkpoint_on_sigterm", "trainer.check_replicas_every_n_steps", "trainer.device",
-                "data.num_workers", "sync.time_buckets", "sync.time_every_n_steps")  # fmt: skip
+NOT_TRAINING = (
+    "logger",
+    "run_name",
+    "trainer.log_every_n_steps",
+    "trainer.eval_every_n_steps",
+    "trainer.progress_bar",
+    "trainer.profile",
+    "trainer.collective_timeout_s",
+    "trainer.fault",
+    "trainer.resume",
+    "trainer.checkpoint_every_n_steps",
+    "trainer.keep_checkpoints",
+    "trainer.checkpoint_on_sigterm",
+    "trainer.check_replicas_every_n_steps",
+    "trainer.device",
+    "data.num_workers",
+    "sync.time_buckets",
+    "sync.time_every_n_steps",
+)
 
 
 class CheckpointError(ConfigError):
@@ -79,11 +93,17 @@ def _differences(saved: dict[str, Any], current: dict[str, Any], prefix: str) ->
 
 def rng_state(device: torch.device) -> dict[str, Any]:
     """This process's random generators, as plain data (numpy's state split into tensors/ints)."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    legacy: tuple[str, np.ndarray, int, int, float] = np.random.get_state(legacy=True)  # type: ignore[assignment]
+    kind, keys, pos, has_gauss, gauss = legacy
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)},  # fmt: skip
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(gauss),
+        },
         "python": random.getstate(),
     }
     if device.type == "cuda":
@@ -94,7 +114,9 @@ def rng_state(device: torch.device) -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
     n = state["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    np.random.set_state(
+        (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    )
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     if device.type == "cuda" and "cuda" in state:
@@ -133,7 +155,7 @@ def save_checkpoint(directory: Path, state: dict[str, Any], keep: int) -> Path:
     path = directory / f"step-{state['step']}.pt"
     _write_atomically(path, {"format": FORMAT, **state})
     _link_atomically(path, directory / "last.pt")
-    for old in step_files(directory)[max(keep, 1):]:
+    for old in step_files(directory)[max(keep, 1) :]:
         old.unlink(missing_ok=True)
     # Make the renames themselves durable before anyone relies on them.
     fd = os.open(directory, os.O_RDONLY)
@@ -149,8 +171,10 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        raise CheckpointError(f"refusing checkpoint {path}: it holds objects that are not plain data "
-                              f"(weights_only=True would have to run code to load it): {err}") from None  # fmt: skip
+        raise CheckpointError(
+            f"refusing checkpoint {path}: it holds objects that are not plain data "
+            f"(weights_only=True would have to run code to load it): {err}"
+        ) from None
     except (RuntimeError, EOFError, OSError, ValueError) as err:
         raise CheckpointError(f"checkpoint {path} is truncated or corrupt: {err}") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT or "model" not in state:
@@ -169,7 +193,9 @@ def find_resume_state(run_dir: Path, resume: str) -> tuple[Path, dict[str, Any]]
     if resume != "auto":
         path = Path(resume)
         if not path.is_file():
-            raise CheckpointError(f"trainer.resume={resume!r}: no such file (accepted: auto, never, or a checkpoint path)")
+            raise CheckpointError(
+                f"trainer.resume={resume!r}: no such file (accepted: auto, never, or a checkpoint path)"
+            )
         return path, load_checkpoint(path)
     directory = run_dir / "checkpoints"
     candidates = [directory / "last.pt", *step_files(directory)] if directory.is_dir() else []

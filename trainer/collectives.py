@@ -121,8 +121,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)  # kernels are asynchronous: the clock must wait for them
 
 
-def time_repeats(op: str, num_bytes: int, iters: int, warmup: int, device: torch.device,
-                 dtype: torch.dtype = torch.float32, repeats: int = REPEATS) -> list[float]:  # fmt: skip
+def time_repeats(
+    op: str,
+    num_bytes: int,
+    iters: int,
+    warmup: int,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    repeats: int = REPEATS,
+) -> list[float]:
     """Seconds per call in each timed repeat, the slowest rank's: a collective ends when its last rank does.
     Every rank of the group must call this with the same arguments, in the same order."""
     call = _make_call(op, num_bytes, device, dtype)
@@ -157,8 +164,16 @@ def run_sweep(sizes: Sequence[int], iters: int, warmup: int, device: torch.devic
             times = time_repeats(op, size, iters, warmup, device, dtype)
             seconds = statistics.median(times)
             algbw, busbw = bandwidths(op, size, seconds, world_size)
-            records.append({"op": op, "size_bytes": size, "seconds": seconds, "seconds_per_repeat": times,
-                            "algbw_GBps": algbw / 1e9, "busbw_GBps": busbw / 1e9})  # fmt: skip
+            records.append(
+                {
+                    "op": op,
+                    "size_bytes": size,
+                    "seconds": seconds,
+                    "seconds_per_repeat": times,
+                    "algbw_GBps": algbw / 1e9,
+                    "busbw_GBps": busbw / 1e9,
+                }
+            )
     return records
 
 
@@ -172,8 +187,10 @@ def format_bytes(num_bytes: int) -> str:
 def format_table(records: Sequence[Record]) -> str:
     lines = [f"{'op':<20} {'size':>10} {'latency us':>12} {'algbw GB/s':>11} {'busbw GB/s':>11}"]
     for r in records:
-        lines.append(f"{r['op']:<20} {format_bytes(r['size_bytes']):>10} {r['seconds'] * 1e6:>12.1f} "
-                     f"{r['algbw_GBps']:>11.3f} {r['busbw_GBps']:>11.3f}")  # fmt: skip
+        lines.append(
+            f"{r['op']:<20} {format_bytes(r['size_bytes']):>10} {r['seconds'] * 1e6:>12.1f} "
+            f"{r['algbw_GBps']:>11.3f} {r['busbw_GBps']:>11.3f}"
+        )
     return "\n".join(lines)
 
 
@@ -186,7 +203,7 @@ def plot(records: Sequence[Record], title: str) -> Figure:
     for i, op in enumerate(OPS):
         points = [(r["size_bytes"], r["busbw_GBps"]) for r in records if r["op"] == op and r["busbw_GBps"] > 0]
         if points:
-            ax.plot(*zip(*points), "o-", ms=4, color=f"C{i}", label=op)
+            ax.plot(*zip(*points, strict=True), "o-", ms=4, color=f"C{i}", label=op)
     if ax.lines:
         ax.set_yscale("log")
         ax.legend(fontsize=9)
@@ -202,8 +219,9 @@ def plot(records: Sequence[Record], title: str) -> Figure:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="torchrun --nproc_per_node=N -m trainer.collectives",
-                                     description=__doc__.splitlines()[0])  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="torchrun --nproc_per_node=N -m trainer.collectives", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--min-bytes", type=int, default=4096, help="smallest S; sizes double up to --max-bytes")
     parser.add_argument(
         "--max-bytes", type=int, default=DEFAULT_MAX_BYTES, help="largest S (~1 min to 64 MiB on 2 CPU ranks)"
@@ -216,8 +234,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout-s", type=float, default=300, help="a collective waiting longer fails the run")
     args = parser.parse_args(argv)
     if args.iters < 1 or args.warmup < 0 or args.min_bytes <= 0 or args.max_bytes < args.min_bytes:
-        parser.error("need --iters >= 1, --warmup >= 0 and 0 < --min-bytes <= --max-bytes, got "
-                     f"{args.iters}, {args.warmup}, {args.min_bytes}, {args.max_bytes}")  # fmt: skip
+        parser.error(
+            "need --iters >= 1, --warmup >= 0 and 0 < --min-bytes <= --max-bytes, got "
+            f"{args.iters}, {args.warmup}, {args.min_bytes}, {args.max_bytes}"
+        )
     return args
 
 
@@ -244,20 +264,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = args.out or Path("collectives") / dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
         if ctx.is_main_process:
             out.mkdir(parents=True, exist_ok=True)  # before the sweep: an unwritable --out fails at once
-            print(f"{ctx.world_size} rank(s), {ctx.backend} on {device}, {args.dtype}, {len(sizes)} sizes "
-                  f"{format_bytes(sizes[0])}..{format_bytes(sizes[-1])}, {args.warmup} warmup + {REPEATS} x "
-                  f"{args.iters} timed calls per op and size; " + ", ".join(f"{k}: {v}" for k, v in APIS.items()),
-                  flush=True)  # fmt: skip
+            print(
+                f"{ctx.world_size} rank(s), {ctx.backend} on {device}, {args.dtype}, {len(sizes)} sizes "
+                f"{format_bytes(sizes[0])}..{format_bytes(sizes[-1])}, {args.warmup} warmup + {REPEATS} x "
+                f"{args.iters} timed calls per op and size; " + ", ".join(f"{k}: {v}" for k, v in APIS.items()),
+                flush=True,
+            )
         records = run_sweep(sizes, args.iters, args.warmup, device, dtype)
         if ctx.is_main_process:
             print(format_table(records))
             if ctx.world_size == 1:
                 print("note: a single process measures no communication: every bus factor, so every busbw, is 0")
-            meta = {"world_size": ctx.world_size, "backend": ctx.backend, "device": str(device), "dtype": args.dtype,
-                    "torch_version": torch.__version__, "hostname": ddist.hostname(), "iters": args.iters,
-                    "warmup": args.warmup, "repeats": REPEATS, "apis": APIS,
-                    "units": "seconds: median per call; algbw_GBps = S / seconds, busbw_GBps = algbw x bus factor,"
-                             " in 1e9 B/s; S = size_bytes"}  # fmt: skip
+            meta = {
+                "world_size": ctx.world_size,
+                "backend": ctx.backend,
+                "device": str(device),
+                "dtype": args.dtype,
+                "torch_version": torch.__version__,
+                "hostname": ddist.hostname(),
+                "iters": args.iters,
+                "warmup": args.warmup,
+                "repeats": REPEATS,
+                "apis": APIS,
+                "units": "seconds: median per call; algbw_GBps = S / seconds, busbw_GBps = algbw x bus factor,"
+                " in 1e9 B/s; S = size_bytes",
+            }
             write_results(out, records, meta)
             print(f"wrote {out / 'collectives.json'}, {out / 'collectives.png'}")
         dist.barrier()  # every rank must reach this: nobody tears the group down while rank 0 writes

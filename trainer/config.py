@@ -115,7 +115,11 @@ def explain_overrides(overrides: list[str], config_dir: Path) -> None:
     except Exception:
         return  # a syntax error: Hydra's own message is the right one
     groups = {p.name for p in config_dir.iterdir() if p.is_dir()}
-    choices = [o.input_line for o in parsed if o.key_or_group in groups and not o.is_sweep_override()]
+    choices = [
+        o.input_line
+        for o in parsed
+        if o.key_or_group in groups and not o.is_sweep_override() and o.input_line is not None
+    ]
     plain = [o for o in parsed if not (o.is_add() or o.is_force_add() or o.is_delete())]
     keys = [o.key_or_group for o in plain if "." in o.key_or_group and not o.key_or_group.startswith("hydra.")]
     GlobalHydra.instance().clear()
@@ -129,7 +133,7 @@ def explain_overrides(overrides: list[str], config_dir: Path) -> None:
         parent = OmegaConf.select(cfg, parent_key, default=None)
         if not isinstance(parent, DictConfig) or leaf in parent:
             continue
-        accepted = sorted(str(k) for k in parent.keys() if not str(k).startswith("_"))
+        accepted = sorted(str(k) for k in parent if not str(k).startswith("_"))
         close = difflib.get_close_matches(leaf, accepted, n=1)
         hint = f" Did you mean {parent_key}.{close[0]}?" if close else ""
         listed = ", ".join(accepted) if accepted else "(none)"

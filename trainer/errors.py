@@ -2,7 +2,13 @@
 
 train.py turns a ConfigError into a short message and exit code 2 on every rank, instead of a
 traceback: the message itself must name the offending key, its value and what is accepted.
+
+The leaves (models/, data/) know nothing of training and raise plain ValueErrors with such
+messages; where the trainer calls into them, from_leaves() makes those ConfigErrors.
 """
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
 class ConfigError(ValueError):
@@ -21,3 +27,14 @@ def is_int(value: object) -> bool:
 
 def is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@contextmanager
+def from_leaves() -> Iterator[None]:
+    """Calls into models/ or data/ (constructors, file checks): their ValueErrors are bad input."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except ValueError as err:
+        raise ConfigError(str(err)) from err

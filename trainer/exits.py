@@ -45,24 +45,26 @@ def _raise_terminated(signum: int, frame: FrameType | None) -> None:
     raise Terminated(128 + (_pending or signum))
 
 
-@contextmanager
-def step_boundary() -> Iterator[None]:
+class StepBoundary:
     """A SIGTERM arriving inside waits for the step to end, then raises Terminated.
 
     Parameters, optimizer and schedule then all belong to the same step, so a checkpoint written
     on the way out is one an uninterrupted run also passes through. A step stuck in a collective
     still ends: the collective fails (peer gone) or times out (trainer.collective_timeout_s).
+    A class, not a generator context manager: it is entered every step, and costs a third as much.
     """
-    global _in_step, _pending
-    _in_step = True
-    try:
-        yield
-    finally:
+
+    def __enter__(self) -> None:
+        global _in_step
+        _in_step = True
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        global _in_step, _pending
         _in_step = False
-    if _pending is not None:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signum, _pending = _pending, None
-        raise Terminated(128 + signum)
+        if _pending is not None and kind is None:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signum, _pending = _pending, None
+            raise Terminated(128 + signum)
 
 
 @contextmanager

@@ -37,10 +37,18 @@ class Fault:
 
     def __post_init__(self) -> None:
         check(self.kind in KINDS, "trainer.fault.kind", self.kind, f"accepted: {', '.join(KINDS)}")
-        check(self.rank is None or (is_int(self.rank) and self.rank >= 0), "trainer.fault.rank", self.rank,
-              "must be a rank number >= 0, or null (off)")  # fmt: skip
-        check(self.at_step is None or (is_int(self.at_step) and self.at_step >= 1), "trainer.fault.at_step",
-              self.at_step, "must be a step number >= 1, or null (off)")  # fmt: skip
+        check(
+            self.rank is None or (is_int(self.rank) and self.rank >= 0),
+            "trainer.fault.rank",
+            self.rank,
+            "must be a rank number >= 0, or null (off)",
+        )
+        check(
+            self.at_step is None or (is_int(self.at_step) and self.at_step >= 1),
+            "trainer.fault.at_step",
+            self.at_step,
+            "must be a step number >= 1, or null (off)",
+        )
 
     def _due(self, rank: int, step: int, attempt: int) -> bool:
         return attempt == 0 and rank == self.rank and step == self.at_step
@@ -53,7 +61,9 @@ class Fault:
         """Called at the start of every step (1-based) on every rank."""
         if not self._due(rank, step, attempt) or self.kind == "nan_loss":
             return
-        log.warning("trainer.fault: %s on rank %d at step %d (a testing aid; first attempt only)", self.kind, rank, step)
+        log.warning(
+            "trainer.fault: %s on rank %d at step %d (a testing aid; first attempt only)", self.kind, rank, step
+        )
         if self.kind == "crash":
             raise InjectedFault(f"injected fault (trainer.fault.kind=crash) on rank {rank} at step {step}")
         if self.kind == "hang":

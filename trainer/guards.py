@@ -34,8 +34,10 @@ def raise_if_nonfinite(first_bad_step: int, device: torch.device) -> None:
     if bad:
         first = min(bad.values())
         ranks = ", ".join(str(r) for r, s in sorted(bad.items()) if s == first)
-        raise NonFiniteError(f"non-finite loss at step {first} on rank(s) {ranks}; "
-                             "trainer.on_nonfinite=skip would skip such optimizer steps instead")  # fmt: skip
+        raise NonFiniteError(
+            f"non-finite loss at step {first} on rank(s) {ranks}; "
+            "trainer.on_nonfinite=skip would skip such optimizer steps instead"
+        )
 
 
 def grads_finite(params: Iterable[nn.Parameter]) -> bool:
@@ -56,6 +58,8 @@ def check_replicas(model: nn.Module, step: int) -> None:
     dist.all_gather(gathered, sums)
     differ = [rank for rank, other in enumerate(gathered) if not torch.equal(other, gathered[0])]
     if differ:
-        raise ReplicaMismatch(f"replica check at step {step}: the parameters of rank(s) "
-                              f"{', '.join(map(str, differ))} differ from rank 0's; a strategy or a rank "
-                              "broke the promise that every rank holds the same model")  # fmt: skip
+        raise ReplicaMismatch(
+            f"replica check at step {step}: the parameters of rank(s) "
+            f"{', '.join(map(str, differ))} differ from rank 0's; a strategy or a rank "
+            "broke the promise that every rank holds the same model"
+        )

@@ -53,13 +53,14 @@ class Window:
         first_bad = -1
         if not math.isfinite(loss_sum):  # rare: only now look for the step (a finite sum can't hide one)
             finite = torch.isfinite(losses).tolist()
-            first_bad = next((step for step, ok in zip(self._loss_steps, finite) if not ok), -1)
+            first_bad = next((step for step, ok in zip(self._loss_steps, finite, strict=True) if not ok), -1)
         return loss_sum, int(count), first_bad
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: Iterable[Any], device: torch.device,
-             autocast: Callable[[], AbstractContextManager[Any]]) -> dict[str, float]:  # fmt: skip
+def evaluate(
+    model: nn.Module, loader: Iterable[Any], device: torch.device, autocast: Callable[[], AbstractContextManager[Any]]
+) -> dict[str, float]:
     """eval/loss and eval/accuracy over every rank's shard, summed across ranks: the same on all.
 
     Takes the unwrapped model: DDP's forward would broadcast buffers, and ranks' shards may differ

@@ -42,6 +42,8 @@ def check_output_dir(run_dir: Path, needed_bytes: int) -> None:
     probe.unlink()
     free = shutil.disk_usage(run_dir).free
     if free < needed_bytes:
-        raise ConfigError(f"hydra.run.dir={run_dir} has {free / 2**20:.0f} MiB free, but this run needs about "
-                          f"{needed_bytes / 2**20:.0f} MiB (checkpoints of the model x trainer.keep_checkpoints, "
-                          "and logs): free space or choose another hydra.run.dir")  # fmt: skip
+        raise ConfigError(
+            f"hydra.run.dir={run_dir} has {free / 2**20:.0f} MiB free, but this run needs about "
+            f"{needed_bytes / 2**20:.0f} MiB (checkpoints of the model x trainer.keep_checkpoints, "
+            "and logs): free space or choose another hydra.run.dir"
+        )

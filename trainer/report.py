@@ -105,8 +105,13 @@ def _read_summary(path: Path) -> dict[str, Any] | None:
 def load_job(path: Path) -> Job:
     files = sorted((path / "metrics").glob("rank*.jsonl"))
     rows = {int(f.stem[4:]): read_jsonl(f) for f in files if f.stem[4:].isdigit()}
-    return Job(path.name, _read_summary(path / "summary.json"), _read_yaml(path / ".hydra/config.yaml", {}),
-               [str(o) for o in _read_yaml(path / ".hydra/overrides.yaml", [])], dict(sorted(rows.items())))
+    return Job(
+        path.name,
+        _read_summary(path / "summary.json"),
+        _read_yaml(path / ".hydra/config.yaml", {}),
+        [str(o) for o in _read_yaml(path / ".hydra/overrides.yaml", [])],
+        dict(sorted(rows.items())),
+    )
 
 
 def find_jobs(root: Path) -> list[Job]:
@@ -159,15 +164,27 @@ def job_row(job: Job, overrides: Sequence[str]) -> JobRow:
     share = _mean([r.sync_share for r in ranks])
     evals = [row for row in job.rows[min(job.rows)] if "eval/accuracy" in row] if job.rows else []
     return JobRow(
-        job=job.name, status="incomplete" if job.summary is None else "ok", overrides=" ".join(overrides), sync=sync,
+        job=job.name,
+        status="incomplete" if job.summary is None else "ok",
+        overrides=" ".join(overrides),
+        sync=sync,
         model=str((job.config.get("model") or {}).get("_target_", "")).rpartition(".")[2],
         bucket_cap_mb=None if bucket is None else float(bucket),
-        ranks=ranks, step_ms=_median([r.step_ms for r in timed]), samples_per_s=sum(samples) if samples else None,
-        sync_share_pct=None if share is None else 100.0 * share, train_loss=_mean([r.train_loss for r in ranks]),
+        ranks=ranks,
+        step_ms=_median([r.step_ms for r in timed if r.step_ms is not None]),
+        samples_per_s=sum(samples) if samples else None,
+        sync_share_pct=None if share is None else 100.0 * share,
+        train_loss=_mean([r.train_loss for r in ranks]),
         eval_accuracy=evals[-1]["eval/accuracy"] if evals else None,
-        slowest=max(timed, key=lambda r: r.step_ms, default=None),
-        fastest=min(timed, key=lambda r: r.step_ms, default=None),
-    )  # fmt: skip
+        slowest=max(timed, key=_step_ms, default=None),
+        fastest=min(timed, key=_step_ms, default=None),
+    )
+
+
+def _step_ms(stats: RankStats) -> float:
+    """Sort key over ranks that have a step time (the caller filters the others out)."""
+    assert stats.step_ms is not None
+    return stats.step_ms
 
 
 def _key(override: str) -> str:
@@ -186,7 +203,7 @@ def differing_overrides(per_job: Sequence[Sequence[str]]) -> list[list[str]]:
 
 def build_rows(jobs: Sequence[Job]) -> list[JobRow]:
     shown = differing_overrides([job.overrides for job in jobs])
-    return [job_row(job, overrides) for job, overrides in zip(jobs, shown)]
+    return [job_row(job, overrides) for job, overrides in zip(jobs, shown, strict=True)]
 
 
 def _num(value: float | None, spec: str) -> str:
@@ -197,16 +214,34 @@ def _rank(r: RankStats | None) -> str:
     return "" if r is None else f"r{r.rank} ({r.step_ms:.2f} ms)"
 
 
-HEADERS = ("job", "status", "overrides", "sync", "bucket_mb", "step ms", "samples/s", "sync %",
-           "train loss", "eval acc", "slowest", "fastest")  # fmt: skip
+HEADERS = (
+    "job",
+    "status",
+    "overrides",
+    "sync",
+    "bucket_mb",
+    "step ms",
+    "samples/s",
+    "sync %",
+    "train loss",
+    "eval acc",
+    "slowest",
+    "fastest",
+)
 
 
 def table_cells(row: JobRow) -> list[str]:
     """Display strings; an incomplete job's numbers are wrapped in parentheses."""
     dagger = "†" if row.sync == "ddp" and row.sync_share_pct is not None else ""
-    numbers = [_num(row.step_ms, ".2f"), _num(row.samples_per_s, ".0f"), _num(row.sync_share_pct, ".1f") + dagger,
-               _num(row.train_loss, ".4f"), _num(row.eval_accuracy, ".3f"),
-               _rank(row.slowest), _rank(row.fastest)]  # fmt: skip
+    numbers = [
+        _num(row.step_ms, ".2f"),
+        _num(row.samples_per_s, ".0f"),
+        _num(row.sync_share_pct, ".1f") + dagger,
+        _num(row.train_loss, ".4f"),
+        _num(row.eval_accuracy, ".3f"),
+        _rank(row.slowest),
+        _rank(row.fastest),
+    ]
     if row.status != "ok":
         numbers = [f"({n})" if n else n for n in numbers]
     return [row.job, row.status, row.overrides, row.sync, _num(row.bucket_cap_mb, "g"), *numbers]
@@ -215,7 +250,7 @@ def table_cells(row: JobRow) -> list[str]:
 def format_table(rows: Sequence[JobRow]) -> str:
     cells = [list(HEADERS), *(table_cells(row) for row in rows)]
     widths = [max(len(line[i]) for line in cells) for i in range(len(HEADERS))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in cells)
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=False)).rstrip() for line in cells)
 
 
 def format_markdown(rows: Sequence[JobRow], title: str, image: str) -> str:
@@ -227,15 +262,27 @@ def format_markdown(rows: Sequence[JobRow], title: str, image: str) -> str:
 def csv_records(rows: Sequence[JobRow]) -> list[dict[str, Any]]:
     """Plain numbers (None when missing) plus every rank's median step time, for spreadsheets."""
     all_ranks = sorted({r.rank for row in rows for r in row.ranks})
-    return [{
-        "job": row.job, "status": row.status, "overrides": row.overrides, "sync": row.sync, "model": row.model,
-        "bucket_cap_mb": row.bucket_cap_mb, "num_ranks": len(row.ranks),
-        "step_ms": row.step_ms, "samples_per_s": row.samples_per_s, "sync_share_pct": row.sync_share_pct,
-        "train_loss": row.train_loss, "eval_accuracy": row.eval_accuracy,
-        "slowest_rank": row.slowest and row.slowest.rank, "fastest_rank": row.fastest and row.fastest.rank,
-        "min_logged_rows": min((r.timed_steps for r in row.ranks), default=0),
-        **{f"rank{k}_step_ms": next((r.step_ms for r in row.ranks if r.rank == k), None) for k in all_ranks},
-    } for row in rows]  # fmt: skip
+    return [
+        {
+            "job": row.job,
+            "status": row.status,
+            "overrides": row.overrides,
+            "sync": row.sync,
+            "model": row.model,
+            "bucket_cap_mb": row.bucket_cap_mb,
+            "num_ranks": len(row.ranks),
+            "step_ms": row.step_ms,
+            "samples_per_s": row.samples_per_s,
+            "sync_share_pct": row.sync_share_pct,
+            "train_loss": row.train_loss,
+            "eval_accuracy": row.eval_accuracy,
+            "slowest_rank": row.slowest and row.slowest.rank,
+            "fastest_rank": row.fastest and row.fastest.rank,
+            "min_logged_rows": min((r.timed_steps for r in row.ranks), default=0),
+            **{f"rank{k}_step_ms": next((r.step_ms for r in row.ranks if r.rank == k), None) for k in all_ranks},
+        }
+        for row in rows
+    ]
 
 
 def write_csv(rows: Sequence[JobRow], path: Path) -> None:
@@ -253,7 +300,7 @@ def _values(row: JobRow, field: str) -> list[float]:
 def plot(rows: Sequence[JobRow], title: str) -> Figure:
     """Step time and throughput against bucket size (log x), or per job if no job has a bucket size."""
     done = [r for r in rows if r.status == "ok" and r.step_ms is not None and r.samples_per_s is not None]
-    bucketed = sorted((r for r in done if r.bucket_cap_mb is not None), key=lambda r: r.bucket_cap_mb)
+    bucketed = sorted((r for r in done if r.bucket_cap_mb is not None), key=lambda r: r.bucket_cap_mb or 0.0)
     vary = [f for f in ("sync", "model") if len({getattr(r, f) for r in done}) > 1]
     series: dict[str, list[JobRow]] = {}
     for r in bucketed:
@@ -263,27 +310,39 @@ def plot(rows: Sequence[JobRow], title: str) -> Figure:
     FigureCanvasAgg(fig)  # Agg renders to files only, and without pyplot no figure stays alive globally
     axes = fig.subplots(1, 2)
     num_ranks = max((len(r.ranks) for r in done), default=1)
-    for ax, field, ylabel in zip(axes, ("step_ms", "samples_per_s"),
-                                 ("median step time (ms)", "global throughput (samples/s)")):  # fmt: skip
+    fields = ("step_ms", "samples_per_s"), ("median step time (ms)", "global throughput (samples/s)")
+    for ax, field, ylabel in zip(axes, *fields, strict=True):
         # Per-rank throughput goes on a right axis scaled 1/N: balanced ranks sit on the job's line.
         marks = ax if field == "step_ms" else ax.twinx()
         if bucketed:
-            for color, (label, members) in zip(colors, series.items()):
-                ax.plot([r.bucket_cap_mb for r in members], [getattr(r, field) for r in members], "o-",
-                        mfc="none", color=color, label=label)  # fmt: skip
-                marks.plot(*zip(*[(r.bucket_cap_mb, v) for r in members for v in _values(r, field)]), "x", color=color)
-            for color, r in zip(colors[len(series):], [r for r in done if r.bucket_cap_mb is None]):
+            for color, (label, members) in zip(colors, series.items(), strict=False):
+                ax.plot(
+                    [r.bucket_cap_mb for r in members],
+                    [getattr(r, field) for r in members],
+                    "o-",
+                    mfc="none",
+                    color=color,
+                    label=label,
+                )
+                marks.plot(
+                    *zip(*[(r.bucket_cap_mb, v) for r in members for v in _values(r, field)], strict=True),
+                    "x",
+                    color=color,
+                )
+            for color, r in zip(colors[len(series) :], [r for r in done if r.bucket_cap_mb is None], strict=False):
                 ax.axhline(getattr(r, field), ls="--", color=color, label=f"{r.sync} (job {r.job}, no buckets)")
                 if field == "step_ms":  # rank spread; on throughput the ranks sit at 1/N of the line
                     ax.axhspan(min(_values(r, field)), max(_values(r, field)), color=color, alpha=0.12)
             ax.set_xscale("log")
-            ticks = sorted({r.bucket_cap_mb for r in bucketed})
+            ticks = sorted({r.bucket_cap_mb for r in bucketed if r.bucket_cap_mb is not None})
             ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
             ax.xaxis.set_minor_formatter(NullFormatter())
             ax.set_xlabel("DDP bucket_cap_mb (MiB, log scale)")
         else:
             ax.bar(range(len(done)), [getattr(r, field) for r in done], color="C0", alpha=0.6, label="job")
-            marks.plot(*zip(*[(x, v) for x, r in enumerate(done) for v in _values(r, field)]), "x", color="black")
+            marks.plot(
+                *zip(*[(x, v) for x, r in enumerate(done) for v in _values(r, field)], strict=True), "x", color="black"
+            )
             labels = [f"job {r.job}\n" + r.overrides.replace(" ", "\n") for r in done]
             ax.set_xticks(range(len(done)), labels, fontsize=8)
             ax.set_xlabel("job (overrides)")

@@ -10,10 +10,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
 
 from trainer.checkpoint import (
     CheckpointError,
@@ -25,68 +30,90 @@ from trainer.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-
-if TYPE_CHECKING:
-    from trainer.trainer import Trainer
+from trainer.dist import DistContext
 
 log = logging.getLogger(__name__)
 
 
-def save(trainer: Trainer) -> None:
+@dataclass
+class TrainState:
+    """What training changes and a checkpoint must carry: the objects, and where in the data it is."""
+
+    model: nn.Module  # unwrapped: its state_dict keys are the plain model's
+    optimizer: Optimizer
+    scheduler: LRScheduler
+    step: int  # optimizer steps done
+    epoch: int  # the epoch the next step belongs to
+    batches_into_epoch: int  # micro-batches of that epoch already trained on
+
+
+def save(ctx: DistContext, directory: Path, keep: int, state: TrainState, config: dict[str, Any]) -> None:
     """Every rank: contribute its RNG state; rank 0 writes; all wait until the files are complete."""
-    rngs: list[Any] = [None] * trainer.ctx.world_size
-    dist.all_gather_object(rngs, rng_state(trainer.ctx.device))
-    if trainer.ctx.is_main_process:
-        batches_into_epoch = (trainer.step - trainer.epoch * trainer.steps_per_epoch) * trainer.settings.grad_accum_steps
-        state = {
-            "model": trainer.model.state_dict(),
-            "optimizer": trainer.optimizer.state_dict(),
-            "scheduler": trainer.scheduler.state_dict(),
-            "step": trainer.step,
-            "epoch": trainer.epoch,  # the epoch the next step belongs to
-            "batches_into_epoch": batches_into_epoch,  # micro-batches of it already trained on
+    rngs: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(rngs, rng_state(ctx.device))
+    if ctx.is_main_process:
+        checkpoint = {
+            "model": state.model.state_dict(),
+            "optimizer": state.optimizer.state_dict(),
+            "scheduler": state.scheduler.state_dict(),
+            "step": state.step,
+            "epoch": state.epoch,
+            "batches_into_epoch": state.batches_into_epoch,
             "rng": rngs,
-            "world_size": trainer.ctx.world_size,
-            "fingerprint": fingerprint(trainer.config),
-            "config": trainer.config,
+            "world_size": ctx.world_size,
+            "fingerprint": fingerprint(config),
+            "config": config,
         }
-        save_checkpoint(trainer.run_dir / "checkpoints", state, trainer.settings.keep_checkpoints)
+        save_checkpoint(directory, checkpoint, keep)
     dist.barrier()  # nobody reads (or resumes from) a checkpoint before rank 0 has finished it
 
 
-def stop_together(trainer: Trainer, wait_s: float = 3.0, max_extra_steps: int = 2) -> bool:
+def stop_together(
+    ctx: DistContext,
+    current_step: Callable[[], int],
+    save_now: Callable[[], None],
+    one_more_step: Callable[[], bool],
+    wait_s: float = 3.0,
+    max_extra_steps: int = 2,
+) -> bool:
     """On SIGTERM: checkpoint only once every rank has stopped at the same step; True if written.
 
     A lone rank entering the checkpoint's collectives while others train would hang them, and
     ranks told at the same moment can be one step apart (a rank blocked inside step n+1 waits for
     one that stopped after step n). So through the job's store: each stopping rank publishes its
-    step; rank 0 decides "save" when all agree, else "step": everyone runs one more step, which
-    unblocks a rank caught mid-step. A rank that never stops (only some were signalled) makes the
-    others give up after a few steps: the last periodic checkpoint stands.
+    step; rank 0 decides "save" when all agree, else "step": everyone runs one more step
+    (one_more_step(), False when training is over), which unblocks a rank caught mid-step. A rank
+    that never stops (only some were signalled) makes the others give up after a few steps: the
+    last periodic checkpoint stands.
     """
-    store, rank, world = trainer.ctx.store, trainer.ctx.rank, trainer.ctx.world_size
+    store, rank, world = ctx.store, ctx.rank, ctx.world_size
     if store is None:
         log.warning("no store to coordinate a checkpoint on SIGTERM: none written")
         return False
     for _ in range(max_extra_steps + 1):
-        step = trainer.step
+        step = current_step()
         store.set(f"ddplab/stop/rank-{rank}", str(step))
         if rank == 0:
-            agreed = _poll(lambda: all(_peek(store, f"ddplab/stop/rank-{r}") == str(step) for r in range(world)), wait_s)
+            agreed = _poll(partial(_all_at, store, world, str(step)), wait_s)
             store.set(f"ddplab/stop/decision-{step}", "save" if agreed else "step")
         # Others wait longer than rank 0 polls, so a decision is never missed for being late.
-        decision = _poll(lambda: _peek(store, f"ddplab/stop/decision-{step}"), 3 * wait_s)
+        decision = _poll(partial(_peek, store, f"ddplab/stop/decision-{step}"), 3 * wait_s)
         if decision == "save":
-            save(trainer)
-            if trainer.ctx.is_main_process:
+            save_now()
+            if ctx.is_main_process:
                 log.warning("checkpoint written at step %d on SIGTERM (trainer.checkpoint_on_sigterm)", step)
             return True
-        if trainer.step >= trainer.total_steps:
+        if not one_more_step():  # "step", or no decision: rank 0 may be blocked inside the next step
             break
-        trainer.run_iteration()  # "step", or no decision: rank 0 may be blocked inside the next step
-    log.warning("SIGTERM at step %d but the ranks did not stop together: no checkpoint; the last periodic "
-                "checkpoint stands", trainer.step)  # fmt: skip
+    log.warning(
+        "SIGTERM at step %d but the ranks did not stop together: no checkpoint; the last periodic checkpoint stands",
+        current_step(),
+    )
     return False
+
+
+def _all_at(store: dist.Store, world_size: int, step: str) -> bool:
+    return all(_peek(store, f"ddplab/stop/rank-{r}") == step for r in range(world_size))
 
 
 def _peek(store: dist.Store, key: str) -> str | None:
@@ -103,40 +130,49 @@ def _poll(condition: Callable[[], Any], timeout_s: float) -> Any:
         time.sleep(0.02)
 
 
-def resume_if_any(trainer: Trainer) -> None:
-    """trainer.resume: rank 0 picks the checkpoint; every rank loads that same file or stops."""
+def resume_if_any(ctx: DistContext, run_dir: Path, resume: str, state: TrainState, config: dict[str, Any]) -> bool:
+    """trainer.resume: rank 0 picks the checkpoint; every rank loads that same file into state, or stops."""
     choice: list[Any] = [None]
-    if trainer.ctx.is_main_process:
-        found = find_resume_state(trainer.run_dir, trainer.settings.resume)
+    if ctx.is_main_process:
+        found = find_resume_state(run_dir, resume)
         choice[0] = str(found[0]) if found else None
     dist.broadcast_object_list(choice, src=0)  # ranks must not disagree on whether to resume
     if choice[0] is None:
-        return
+        return False
     path = Path(choice[0])
     if not path.is_file():
-        raise CheckpointError(f"rank {trainer.ctx.rank} cannot see checkpoint {path} that rank 0 chose: "
-                              "put the run dir on a filesystem every node shares")  # fmt: skip
-    restore(trainer, path, load_checkpoint(path))
+        raise CheckpointError(
+            f"rank {ctx.rank} cannot see checkpoint {path} that rank 0 chose: "
+            "put the run dir on a filesystem every node shares"
+        )
+    restore(ctx, path, load_checkpoint(path), state, config)
+    return True
 
 
-def restore(trainer: Trainer, path: Path, state: dict[str, Any]) -> None:
-    """Refuse a checkpoint from another world size or training config; otherwise load everything."""
-    if state["world_size"] != trainer.ctx.world_size:
-        raise CheckpointError(f"checkpoint {path} was written by {state['world_size']} ranks, this job has "
-                              f"{trainer.ctx.world_size}: the data shards and batches would differ; resume with "
-                              "the same world size, or start fresh with trainer.resume=never")  # fmt: skip
-    if state["fingerprint"] != fingerprint(trainer.config):
-        diffs = "; ".join(config_differences(state["config"], trainer.config)) or "unknown keys"
-        raise CheckpointError(f"checkpoint {path} was written with a different training config ({diffs}); "
-                              "resume with the same config, or start fresh with trainer.resume=never "
-                              "or another hydra.run.dir")  # fmt: skip
-    trainer.model.load_state_dict(state["model"])
-    trainer.optimizer.load_state_dict(state["optimizer"])
-    trainer.scheduler.load_state_dict(state["scheduler"])
-    trainer.step, trainer.epoch = state["step"], state["epoch"]
-    # The next pass over this epoch starts where the checkpoint stopped: skip the sample indices
-    # of the micro-batches already trained on (no data is read to get there).
-    trainer.train_loader.sampler.skip_next(state["batches_into_epoch"] * trainer.train_loader.batch_size)  # type: ignore[union-attr]
-    set_rng_state(state["rng"][trainer.ctx.rank], trainer.ctx.device)
-    log.info("resumed from %s at step %d (epoch %d, %d micro-batches into it)",
-             path, trainer.step, trainer.epoch, state["batches_into_epoch"])  # fmt: skip
+def restore(ctx: DistContext, path: Path, saved: dict[str, Any], state: TrainState, config: dict[str, Any]) -> None:
+    """Refuse a checkpoint from another world size or training config; otherwise load it all into state."""
+    if saved["world_size"] != ctx.world_size:
+        raise CheckpointError(
+            f"checkpoint {path} was written by {saved['world_size']} ranks, this job has "
+            f"{ctx.world_size}: the data shards and batches would differ; resume with "
+            "the same world size, or start fresh with trainer.resume=never"
+        )
+    if saved["fingerprint"] != fingerprint(config):
+        diffs = "; ".join(config_differences(saved["config"], config)) or "unknown keys"
+        raise CheckpointError(
+            f"checkpoint {path} was written with a different training config ({diffs}); "
+            "resume with the same config, or start fresh with trainer.resume=never "
+            "or another hydra.run.dir"
+        )
+    state.model.load_state_dict(saved["model"])
+    state.optimizer.load_state_dict(saved["optimizer"])
+    state.scheduler.load_state_dict(saved["scheduler"])
+    state.step, state.epoch, state.batches_into_epoch = saved["step"], saved["epoch"], saved["batches_into_epoch"]
+    set_rng_state(saved["rng"][ctx.rank], ctx.device)
+    log.info(
+        "resumed from %s at step %d (epoch %d, %d micro-batches into it)",
+        path,
+        state.step,
+        state.epoch,
+        state.batches_into_epoch,
+    )

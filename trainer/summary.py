@@ -63,7 +63,8 @@ def format_report(summary: dict[str, Any]) -> str:
         f"done: {summary['steps']} steps ({summary['epochs']:.2f} epochs), {summary['world_size']} rank(s), "
         f"{summary['backend']} on {summary['device']}, sync={sync}, global batch {summary['global_batch_size']}",
         f"  train/loss {_fmt(summary['train/loss'], '.4f')}   train/accuracy {_fmt(summary['train/accuracy'], '.3f')}"
-        f"   eval/loss {_fmt(summary.get('eval/loss'), '.4f')}   eval/accuracy {_fmt(summary.get('eval/accuracy'), '.3f')}",
+        f"   eval/loss {_fmt(summary.get('eval/loss'), '.4f')}"
+        f"   eval/accuracy {_fmt(summary.get('eval/accuracy'), '.3f')}",
         f"  throughput {summary['throughput/global_samples_per_s']:.0f} samples/s (all ranks)",
         f"  run dir  {summary['run_dir']}   (summary.json, checkpoints/, metrics/rank*.jsonl, train_rank*.log)",
     ]

@@ -58,7 +58,7 @@ class StepTimer:
             steps[-1][-1][1].synchronize()  # type: ignore[attr-defined]  # later than every other event
         totals = dict.fromkeys((*PHASES, "step"), 0.0)
         for marks in steps:
-            for (_, begin), (phase, end) in zip(marks, marks[1:]):
+            for (_, begin), (phase, end) in zip(marks, marks[1:], strict=False):
                 totals[phase] += self._elapsed(begin, end)
             totals["step"] += self._elapsed(marks[0][1], marks[-1][1])
         self._used = 0  # called between steps: every recorded event has been read, the pool is free

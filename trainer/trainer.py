@@ -31,10 +31,11 @@ from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from data.base import DataModule
+from data.base import DataModule, ResumableSampler
 from trainer import resume
 from trainer.dist import DistContext, hostname
-from trainer.exits import Terminated, step_boundary
+from trainer.errors import from_leaves
+from trainer.exits import StepBoundary, Terminated
 from trainer.guards import check_replicas, grads_finite, raise_if_nonfinite
 from trainer.logger.base import MetricLogger
 from trainer.metrics import Window, evaluate
@@ -83,8 +84,11 @@ class Trainer:
         self.train_model = sync.wrap(self.model)
         self.optimizer = optimizer_factory(self.model.parameters())
         pin = ctx.device.type == "cuda"
-        self.train_loader = data.train_loader(ctx.rank, ctx.world_size, settings.seed, pin_memory=pin)
-        self.val_loader = data.val_loader(ctx.rank, ctx.world_size, pin_memory=pin)
+        with from_leaves():  # e.g. a batch too large for the world size
+            self.train_loader = data.train_loader(ctx.rank, ctx.world_size, settings.seed, pin_memory=pin)
+            self.val_loader = data.val_loader(ctx.rank, ctx.world_size, pin_memory=pin)
+        assert isinstance(self.train_loader.sampler, ResumableSampler)
+        self._sampler = self.train_loader.sampler  # shuffles per epoch; skips ahead on resume
         self.steps_per_epoch = steps_per_epoch(len(self.train_loader), settings.grad_accum_steps)
         self.total_steps = total_steps(settings.max_steps, settings.num_epochs, self.steps_per_epoch)
         self.scheduler = LambdaLR(self.optimizer, schedule_factory(total_steps=self.total_steps))
@@ -103,7 +107,17 @@ class Trainer:
         self._train_seconds = 0.0
         self._process = psutil.Process()
         self._skipped_steps = 0
-        resume.resume_if_any(self)  # trainer.resume: the state of a checkpoint, if there is one
+        state = self._state()  # trainer.resume: the state of a checkpoint, if there is one
+        if resume.resume_if_any(ctx, run_dir, settings.resume, state, config):
+            self.step, self.epoch = state.step, state.epoch
+            # The next pass over this epoch starts where the checkpoint stopped: skip the sample
+            # indices of the micro-batches already trained on (no data is read to get there).
+            self._sampler.skip_next(state.batches_into_epoch * data.batch_size)
+
+    def _state(self) -> resume.TrainState:
+        """What a checkpoint holds of this trainer (the objects themselves, not copies)."""
+        into_epoch = (self.step - self.epoch * self.steps_per_epoch) * self.settings.grad_accum_steps
+        return resume.TrainState(self.model, self.optimizer, self.scheduler, self.step, self.epoch, into_epoch)
 
     def _autocast(self) -> AbstractContextManager[Any]:
         # fp32 skips autocast entirely: even disabled, entering it costs a few µs per micro-batch.
@@ -115,9 +129,13 @@ class Trainer:
         """Train for total_steps optimizer steps; returns the job summary (the same on every rank)."""
         log.info(
             "training %d steps: %d rank(s) x batch %d x %d micro-batch(es) = global batch %d, %d steps/epoch",
-            self.total_steps, self.ctx.world_size, self.train_loader.batch_size, self.settings.grad_accum_steps,
-            self.global_batch_size, self.steps_per_epoch,
-        )  # fmt: skip
+            self.total_steps,
+            self.ctx.world_size,
+            self.train_loader.batch_size,
+            self.settings.grad_accum_steps,
+            self.global_batch_size,
+            self.steps_per_epoch,
+        )
         started = time.perf_counter()
         show_bar = self.settings.progress_bar and self.ctx.is_main_process
         bar = tqdm(total=self.total_steps, disable=not show_bar, desc="train", unit="step", dynamic_ncols=True)
@@ -140,17 +158,17 @@ class Trainer:
             while self.step < until_step:
                 # A SIGTERM waits for the whole iteration, its periodic events included: then every
                 # rank stops having run the same collectives, at the same step.
-                with step_boundary():
+                with StepBoundary():
                     self.run_iteration(bar, profiler)
         except Terminated:
             if self.settings.checkpoint_on_sigterm:
-                resume.stop_together(self)
+                resume.stop_together(self.ctx, lambda: self.step, self._write_checkpoint, self._one_more_step)
             raise
 
     def run_iteration(self, bar: tqdm | None = None, profiler: StepProfiler | None = None) -> None:
         """One optimizer step and whatever is due after it."""
         if self._batches is None:  # a new epoch: a new shuffle, the same on every rank
-            self.train_loader.sampler.set_epoch(self.epoch)  # type: ignore[union-attr]
+            self._sampler.set_epoch(self.epoch)
             self._batches = iter(self.train_loader)
         try:
             self._train_step(self._batches, self._window)
@@ -175,9 +193,9 @@ class Trainer:
             loss = self._log_train(self._window, totals)
             if bar is not None:
                 bar.set_postfix(loss=f"{loss:.4f}")
-        if s.check_replicas_every_n_steps and self.sync.keeps_replicas_equal:
-            if self.step % s.check_replicas_every_n_steps == 0:
-                check_replicas(self.model, self.step)
+        every = s.check_replicas_every_n_steps
+        if every and self.sync.keeps_replicas_equal and self.step % every == 0:
+            check_replicas(self.model, self.step)
         if s.eval_every_n_steps and self.step % s.eval_every_n_steps == 0 and self.step < self.total_steps:
             self.evaluate()
             self._window.started = time.perf_counter()  # evaluation is not training time
@@ -195,7 +213,17 @@ class Trainer:
     def save_checkpoint(self) -> None:
         """checkpoints/step-<step>.pt and last.pt (rank 0), after checking the state is worth keeping."""
         self._check_finite()
-        resume.save(self)
+        self._write_checkpoint()
+
+    def _write_checkpoint(self) -> None:
+        resume.save(self.ctx, self.run_dir / "checkpoints", self.settings.keep_checkpoints, self._state(), self.config)
+
+    def _one_more_step(self) -> bool:
+        """For a SIGTERM that found the ranks a step apart: one more step, unless training is over."""
+        if self.step >= self.total_steps:
+            return False
+        self.run_iteration()
+        return True
 
     def _train_step(self, batches: Iterator[Any], window: Window) -> None:
         self.settings.fault.maybe_fire(self.ctx.rank, self.step + 1, self.ctx.attempt, self.model)
@@ -211,7 +239,9 @@ class Trainer:
             with self.sync.no_sync(self.train_model) if i < k - 1 else nullcontext():
                 with self._autocast():
                     logits = self.train_model(inputs)
-                    loss = F.cross_entropy(logits, targets) / k
+                    loss = F.cross_entropy(logits, targets)
+                    if k > 1:  # the mean over the whole step's samples (no extra kernel when k == 1)
+                        loss = loss / k
                 if self.settings.fault.poisons_loss(self.ctx.rank, self.step + 1, self.ctx.attempt):
                     loss = loss * float("nan")
                 window.add(loss, logits, targets, self.step + 1)
@@ -225,7 +255,9 @@ class Trainer:
             # Gradients are averaged by now, so every rank sees the same non-finite values and
             # skips this same step: the replicas stay equal.
             self._skipped_steps += 1
-            log.warning("step %d: non-finite gradients, optimizer step skipped (trainer.on_nonfinite=skip)", self.step + 1)
+            log.warning(
+                "step %d: non-finite gradients, optimizer step skipped (trainer.on_nonfinite=skip)", self.step + 1
+            )
         else:
             self.optimizer.step()
         self.scheduler.step()
@@ -251,9 +283,14 @@ class Trainer:
             "throughput/samples_per_s": window.samples / elapsed,
             "memory/rss_mb": self._process.memory_info().rss / 2**20,
             **({"train/skipped_steps": self._skipped_steps} if self._skipped_steps else {}),
-            **comm_metrics(self.sync.take_comm(), window.steps, phases.get("sync", 0.0),
-                           self.sync.comm_in_sync_phase, self.ctx.world_size),
-        }  # fmt: skip
+            **comm_metrics(
+                self.sync.take_comm(),
+                window.steps,
+                phases.get("sync", 0.0),
+                self.sync.comm_in_sync_phase,
+                self.ctx.world_size,
+            ),
+        }
         if not self._train_rows and self.ctx.is_main_process:
             # Once per job, after the first logged step: DDP has rebuilt its buckets by then.
             log.info("sync: %s", " ".join(f"{key}={value}" for key, value in self.sync.describe().items()))

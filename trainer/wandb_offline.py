@@ -12,17 +12,24 @@ wandb-core (its own process group) buffers: the file grows only when a 32 KiB bl
 ``x_transaction_log_flush_interval`` (15 s) and at finish(); what is unflushed is lost if the run dies
 without finish(), and then there is no exit record.
 """
+
 from __future__ import annotations
 
 import json
 import struct
 import sys
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from wandb.proto import wandb_internal_pb2
+
+# wandb picks its generated protobuf module by protobuf version at import: mypy sees no members.
+Record = Any  # wandb_internal_pb2.Record
+HistoryItem = Any  # wandb_internal_pb2.HistoryItem
+_new_record: Any = wandb_internal_pb2.Record  # type: ignore[attr-defined]
 
 HEADER = b":W&B" + struct.pack("<HB", 0xBEE1, 0)  # ident, magic, version
 BLOCK = 32 * 1024
@@ -48,7 +55,7 @@ class OfflineRun:
     exit_code: int | None = None  # None: no exit record (run still going, or killed before finish())
 
 
-def iter_records(wandb_file: Path, tail_ok: bool = False) -> Iterator[wandb_internal_pb2.Record]:
+def iter_records(wandb_file: Path, tail_ok: bool = False) -> Iterator[Record]:
     """Yield every Record in a .wandb file; why: the single place that knows the on-disk framing.
 
     Raises ValueError naming the file and byte offset for a bad header/checksum/chunk order or a truncated
@@ -59,14 +66,15 @@ def iter_records(wandb_file: Path, tail_ok: bool = False) -> Iterator[wandb_inte
     path = Path(wandb_file)
     data = path.read_bytes()
 
-    def bad(offset: int, why: str) -> ValueError:
+    def bad(offset: int | None, why: str) -> ValueError:
         return ValueError(f"{path}: byte offset {offset}: {why}")
 
     if tail_ok and HEADER.startswith(data):  # created, header not (fully) written yet
         return
     if data[: len(HEADER)] != HEADER:
-        raise bad(0, f"not a W&B offline file (header {data[:len(HEADER)]!r}, expected {HEADER!r})")
-    off, parts, start = len(HEADER), [], None  # start: offset of the first chunk of the pending record
+        raise bad(0, f"not a W&B offline file (header {data[: len(HEADER)]!r}, expected {HEADER!r})")
+    off, start = len(HEADER), None  # start: offset of the first chunk of the pending record
+    parts: list[bytes] = []
     while off < len(data):
         left = BLOCK - off % BLOCK
         if left < CHUNK_HDR.size:  # block trailer: zero padding, next chunk starts in the next block
@@ -100,7 +108,7 @@ def iter_records(wandb_file: Path, tail_ok: bool = False) -> Iterator[wandb_inte
         parts.append(body)
         off += CHUNK_HDR.size + length
         if kind in (FULL, LAST):
-            record = wandb_internal_pb2.Record()
+            record = _new_record()
             try:
                 record.ParseFromString(b"".join(parts))
             except Exception as exc:  # protobuf DecodeError
@@ -133,7 +141,7 @@ def _apply(target: dict[str, Any], updates: Any, removes: Any = ()) -> None:
                 node[keys[-1]] = _decode(item.value_json)
 
 
-def _history_value(item: wandb_internal_pb2.HistoryItem) -> Any:
+def _history_value(item: HistoryItem) -> Any:
     """Value of one history item; why: the SDK fills value_json, the proto also allows a typed oneof."""
     kind = item.WhichOneof("value")
     if kind is None:
@@ -159,8 +167,14 @@ def read_run(run_dir: Path, tail_ok: bool = False) -> OfflineRun:
         kind = record.WhichOneof("record_type")
         if kind == "run":
             r = record.run  # a later run record (e.g. a rename) only overrides the fields it sets
-            for attr, src in (("run_id", "run_id"), ("name", "display_name"), ("group", "run_group"),
-                              ("project", "project"), ("entity", "entity"), ("job_type", "job_type")):
+            for attr, src in (
+                ("run_id", "run_id"),
+                ("name", "display_name"),
+                ("group", "run_group"),
+                ("project", "project"),
+                ("entity", "entity"),
+                ("job_type", "job_type"),
+            ):
                 setattr(run, attr, getattr(r, src) or getattr(run, attr))
             _apply(run.config, r.config.update)
             _apply(run.summary, r.summary.update)
@@ -202,8 +216,10 @@ def main(argv: list[str] | None = None) -> int:
         last: dict[str, Any] = {}
         for row in run.history:
             last.update(row)
-        print(f"{run.name or run.path.name}  group={run.group or '-'}  id={run.run_id}  "
-              f"history_rows={len(run.history)}  exit_code={run.exit_code}  ({run.path})")
+        print(
+            f"{run.name or run.path.name}  group={run.group or '-'}  id={run.run_id}  "
+            f"history_rows={len(run.history)}  exit_code={run.exit_code}  ({run.path})"
+        )
         for key in sorted(last):
             print(f"    last {key} = {last[key]!r}")
         print(f"    summary = {json.dumps(run.summary, sort_keys=True, default=str)}")

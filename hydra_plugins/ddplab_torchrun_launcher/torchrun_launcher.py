@@ -70,7 +70,9 @@ class TorchrunLauncher(Launcher):
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         assert self.config is not None and self.hydra_context is not None
         if read_launch_env().launched:
-            raise RuntimeError("hydra/launcher=torchrun starts torchrun itself: run it with plain `python train.py -m ...`")
+            raise RuntimeError(
+                "hydra/launcher=torchrun starts torchrun itself: run it with plain `python train.py -m ...`"
+            )
         setup_globals()
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         # The elastic agent narrates every step at INFO; its warnings and errors still show.
@@ -78,8 +80,10 @@ class TorchrunLauncher(Launcher):
         if self.nproc_per_node > 1:
             os.environ.setdefault("OMP_NUM_THREADS", "1")  # as the torchrun command does
         Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
-        log.info(f"Launching {len(job_overrides)} jobs, each as a torchrun group of "
-                 f"{self.nnodes} node(s) x {self.nproc_per_node} process(es)")  # fmt: skip
+        log.info(
+            f"Launching {len(job_overrides)} jobs, each as a torchrun group of "
+            f"{self.nnodes} node(s) x {self.nproc_per_node} process(es)"
+        )
         returns = []
         for idx, overrides in enumerate(job_overrides):
             num = initial_job_idx + idx
@@ -112,8 +116,13 @@ class TorchrunLauncher(Launcher):
             monitor_interval=self.monitor_interval_s,
         )
         args = [os.path.abspath(sys.argv[0]), *overrides, f"hydra.run.dir={job_dir}", f"run_name={run_name}"]
-        ret = JobReturn(overrides=overrides, cfg=sweep_config, hydra_cfg=sweep_config.hydra,
-                        working_dir=str(job_dir), task_name=str(sweep_config.hydra.job.name))  # fmt: skip
+        ret = JobReturn(
+            overrides=overrides,
+            cfg=sweep_config,
+            hydra_cfg=sweep_config.hydra,
+            working_dir=str(job_dir),
+            task_name=str(sweep_config.hydra.job.name),
+        )
         try:
             elastic_launch(launch_config, entrypoint=sys.executable)(*args)
         except ChildFailedError as failure:

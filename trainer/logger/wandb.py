@@ -29,10 +29,10 @@ class WandbLogger:
 
         # wandb 0.31 sends its own usage telemetry based on the global settings, not init()'s, so
         # offline must be set here too, or an "offline" run still reaches for the network at exit.
-        wandb.setup(settings=wandb.Settings(mode=mode))
+        wandb.setup(settings=wandb.Settings(mode=mode))  # type: ignore[arg-type]  # checked against MODES
         # mode is always passed explicitly: without it and without an API key wandb.init fails.
         self._run = wandb.init(
-            mode=mode,
+            mode=mode,  # type: ignore[arg-type]
             project=project,
             entity=entity,
             dir=dir,

@@ -49,8 +49,9 @@ def exposed_time(intervals: Sequence[tuple[float, float]]) -> float:
     return max(0.0, max(end for _, end in intervals) - max(start for start, _ in intervals))
 
 
-def comm_metrics(counts: CommCounters, steps: int, sync_phase_s: float, in_sync_phase: bool,
-                 world_size: int) -> dict[str, float]:  # fmt: skip
+def comm_metrics(
+    counts: CommCounters, steps: int, sync_phase_s: float, in_sync_phase: bool, world_size: int
+) -> dict[str, float]:
     """Per-step communication metrics for one logged row (an empty dict when nothing was sent).
 
     `in_sync_phase`: the strategy communicates only inside after_backward (manual), so the timed

@@ -98,10 +98,18 @@ class DDPSync(SyncStrategy):
         time_buckets: bool = False,
         time_every_n_steps: int = 10,
     ) -> None:
-        check(is_number(bucket_cap_mb) and bucket_cap_mb > 0, "sync.bucket_cap_mb", bucket_cap_mb,
-              "must be a number > 0 (MiB per gradient bucket; DDP's default is 25)")
-        check(is_int(time_every_n_steps) and time_every_n_steps >= 1, "sync.time_every_n_steps", time_every_n_steps,
-              "must be an integer >= 1 (DDP's runtime statistics time one step in this many)")
+        check(
+            is_number(bucket_cap_mb) and bucket_cap_mb > 0,
+            "sync.bucket_cap_mb",
+            bucket_cap_mb,
+            "must be a number > 0 (MiB per gradient bucket; DDP's default is 25)",
+        )
+        check(
+            is_int(time_every_n_steps) and time_every_n_steps >= 1,
+            "sync.time_every_n_steps",
+            time_every_n_steps,
+            "must be an integer >= 1 (DDP's runtime statistics time one step in this many)",
+        )
         super().__init__()
         self.bucket_cap_mb = float(bucket_cap_mb)
         self.gradient_as_bucket_view = gradient_as_bucket_view
@@ -118,6 +126,7 @@ class DDPSync(SyncStrategy):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         device = next(model.parameters()).device
+        buffers: dict[str, Any] = {_BUFFER_FLAG: self.broadcast_buffers}
         # DDP broadcasts rank 0's parameters and buffers itself when it is constructed.
         self._ddp = DistributedDataParallel(
             model,
@@ -126,7 +135,7 @@ class DDPSync(SyncStrategy):
             gradient_as_bucket_view=self.gradient_as_bucket_view,
             static_graph=self.static_graph,
             find_unused_parameters=self.find_unused_parameters,
-            **{_BUFFER_FLAG: self.broadcast_buffers},
+            **buffers,
         )
         if self.time_buckets:
             if device.type != "cpu":
@@ -182,7 +191,8 @@ class DDPSync(SyncStrategy):
             "find_unused_parameters": self.find_unused_parameters,
             "broadcast_buffers": self.broadcast_buffers,
             "time_buckets": self.time_buckets,
-            "comm_timing": "per bucket, every step (Python hook)" if self.time_buckets
+            "comm_timing": "per bucket, every step (Python hook)"
+            if self.time_buckets
             else f"DDP runtime stats, 1 step in {self.time_every_n_steps}",
         }
         if self._ddp is not None:

@@ -71,8 +71,12 @@ class ManualSync(SyncStrategy):
 
     def __init__(self, coalesce_mb: float = 25.0) -> None:
         super().__init__()
-        check(is_number(coalesce_mb) and coalesce_mb >= 0, "sync.coalesce_mb", coalesce_mb,
-              "must be a number >= 0 (0: one all_reduce per gradient; >0: MiB per flattened all_reduce)")  # fmt: skip
+        check(
+            is_number(coalesce_mb) and coalesce_mb >= 0,
+            "sync.coalesce_mb",
+            coalesce_mb,
+            "must be a number >= 0 (0: one all_reduce per gradient; >0: MiB per flattened all_reduce)",
+        )
         self.coalesce_mb = float(coalesce_mb)
 
     def wrap(self, model: nn.Module) -> nn.Module:

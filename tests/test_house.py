@@ -1,0 +1,86 @@
+"""The house rules that no linter checks: leaves stay leaves, no import circles, W&B only when asked."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.compose import REPO, compose_config
+from trainer.build import instantiate
+from trainer.errors import ConfigError
+
+PACKAGES = ("trainer", "models", "data", "hydra_plugins")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module this file imports from our own packages, at import time or not."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return {name for name in found if name.split(".")[0] in PACKAGES}
+
+
+def our_modules() -> dict[str, set[str]]:
+    files = [p for package in PACKAGES for p in (REPO / package).rglob("*.py")]
+    modules = {module_name(p): p for p in files}
+    # "from trainer import dist" names the module trainer.dist: keep only names that are modules.
+    return {name: {i for i in imports_of(path) if i in modules and i != name} for name, path in modules.items()}
+
+
+@pytest.mark.parametrize("leaf", ["models", "data"])
+def test_leaves_import_nothing_from_the_trainer(leaf: str) -> None:
+    offenders = {
+        m: sorted(i) for m, imps in our_modules().items() if m.startswith(leaf) for i in imps if not i.startswith(leaf)
+    }
+    assert offenders == {}, f"{leaf}/ must know nothing of training: {offenders}"
+
+
+def test_no_import_circles() -> None:
+    graph = our_modules()
+    for package in {m.rsplit(".", 1)[0] for m in graph if "." in m}:  # a package's __init__ is not an edge
+        graph.get(package, set()).clear()
+    visiting: list[str] = []
+    done: set[str] = set()
+
+    def visit(module: str) -> None:
+        if module in done:
+            return
+        assert module not in visiting, f"import circle: {' -> '.join([*visiting[visiting.index(module) :], module])}"
+        visiting.append(module)
+        for dependency in sorted(graph.get(module, ())):
+            visit(dependency)
+        visiting.pop()
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module)
+
+
+def test_a_leafs_value_error_reaches_the_user_as_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"data\.batch_size=0 is invalid"):
+        instantiate(compose_config(["data.batch_size=0"]).data)
+
+
+def test_logger_none_never_imports_wandb(tmp_path: Path) -> None:
+    code = (
+        "import sys; from tests.compose import compose_config; from trainer.build import build_parts, instantiate;"
+        "cfg = compose_config(['logger=none']); parts = build_parts(cfg, instantiate(cfg.trainer));"
+        "logger = instantiate(cfg.logger, dir='.', name='rank-0', group='g', run_config={});"
+        "print('wandb' in sys.modules)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"
