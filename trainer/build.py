@@ -6,6 +6,7 @@ import platform
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -57,10 +58,16 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _version(package: str) -> str:
+    """An installed package's version without importing it (importing wandb costs seconds)."""
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "not installed"
+
+
 def run_info(ctx: DistContext) -> dict[str, Any]:
     """Facts about this rank that belong next to its config in W&B."""
-    import wandb
-
     return {
         "rank": ctx.rank,
         "local_rank": ctx.local_rank,
@@ -68,7 +75,7 @@ def run_info(ctx: DistContext) -> dict[str, Any]:
         "backend": ctx.backend,
         "device": str(ctx.device),
         "host": hostname(),
-        "versions": {"python": platform.python_version(), "torch": torch.__version__, "wandb": wandb.__version__},
+        "versions": {"python": platform.python_version(), "torch": torch.__version__, "wandb": _version("wandb")},
     }
 
 
