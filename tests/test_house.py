@@ -77,10 +77,10 @@ def test_a_leafs_value_error_reaches_the_user_as_a_config_error() -> None:
 def test_logger_none_never_imports_wandb(tmp_path: Path) -> None:
     # train.py's own path: build the parts, then every rank's loggers, with logger=none.
     code = (
-        "import sys, torch; from tests.compose import compose_config; from trainer.dist import DistContext;"
+        "import sys, torch; from pathlib import Path; from tests.compose import compose_config; from trainer.dist import DistContext;"
         "from trainer.build import add_loggers, build_parts, instantiate;"
         "cfg = compose_config(['logger=none']); parts = build_parts(cfg, instantiate(cfg.trainer)); loggers = [];"
-        f"add_loggers(loggers, cfg, {{}}, DistContext(0, 0, 1, torch.device('cpu'), 'gloo'), '{tmp_path}', 'g');"
+        f"add_loggers(loggers, cfg, {{}}, DistContext(0, 0, 1, torch.device('cpu'), 'gloo'), Path('{tmp_path}'), 'g');"
         "print(len(loggers), 'wandb' in sys.modules)"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
