@@ -21,19 +21,19 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
-from trainer import config as conf
-from trainer import dist
-from trainer.build import (
+from trainer.logger.base import MetricLogger
+from trainer.loop.summary import log_final_report
+from trainer.reliability.exits import exit_cleanly
+from trainer.setup import config as conf
+from trainer.setup import dist
+from trainer.setup.build import (
     add_loggers,
     build_parts,
     build_trainer,
     instantiate,
     prepare_data,
 )
-from trainer.exits import exit_cleanly
-from trainer.logger.base import MetricLogger
-from trainer.preflight import bytes_needed, check_output_dir
-from trainer.summary import log_final_report
+from trainer.setup.preflight import bytes_needed, check_output_dir
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

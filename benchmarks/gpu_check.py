@@ -8,7 +8,7 @@ Each check is a subprocess with a timeout, on every visible GPU:
   tests        pytest -m gpu (nccl end to end, bf16, CUDA phase timing, resume, equivalence, device choice)
   demo         torchrun --nproc_per_node=<GPUs> train.py trainer.max_steps=200 trainer.device=cuda logger=none
   fallback     with one GPU only: 2 ranks and trainer.device=auto run on CPU with gloo, rank 0 warning once
-  collectives  torchrun -m trainer.collectives --device cuda, 4 KiB to 16 MiB on nccl
+  collectives  torchrun -m trainer.tools.collectives --device cuda, 4 KiB to 16 MiB on nccl
   overhead     benchmarks/overhead.py --device cuda on mlp-tiny, mlp-25M and cnn (world size 1)
 Then one table: each check, pass or FAIL, seconds, key numbers (also in <out>/summary.txt). About
 4 minutes on one H200. Exit code: 0 when every check passed, 1 when any failed, 2 without CUDA.
@@ -148,7 +148,7 @@ def plan(out: Path, gpus: int) -> list[Check]:
                 "--standalone",
                 f"--nproc_per_node={gpus}",
                 "-m",
-                "trainer.collectives",
+                "trainer.tools.collectives",
                 "--device",
                 "cuda",
                 "--max-bytes",

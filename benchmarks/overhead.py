@@ -36,11 +36,11 @@ from torch.utils.data import BatchSampler, DistributedSampler, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from trainer import dist as ddist  # noqa: E402
-from trainer.build import build_parts, build_trainer, instantiate, prepare_data  # noqa: E402
-from trainer.collectives import measure  # noqa: E402
-from trainer.config import compose_config  # noqa: E402
 from trainer.logger.jsonl import JsonlLogger  # noqa: E402
+from trainer.setup import dist as ddist  # noqa: E402
+from trainer.setup.build import build_parts, build_trainer, instantiate, prepare_data  # noqa: E402
+from trainer.setup.config import compose_config  # noqa: E402
+from trainer.tools.collectives import measure  # noqa: E402
 
 MODELS = {
     "mlp-25M": ["model=mlp", "model.hidden_sizes=[3584,3584,3584]", "data=synthetic", "data.batch_size=64"],

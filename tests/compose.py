@@ -6,7 +6,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from trainer import config
+from trainer.setup import config
 
 REPO = Path(__file__).resolve().parents[1]
 CONF_DIR = config.CONF_DIR

@@ -19,7 +19,7 @@ from PIL import Image
 
 from tests.compose import REPO
 from tests.dist_helpers import run_on_ranks
-from trainer.collectives import (
+from trainer.tools.collectives import (
     OPS,
     REPEATS,
     all_reduce_floor_s,
@@ -155,7 +155,7 @@ def test_cli_under_torchrun_writes_every_op_at_every_size(tmp_path: Path) -> Non
         "--standalone",
         "--nproc_per_node=2",
         "-m",
-        "trainer.collectives",
+        "trainer.tools.collectives",
         "--device",
         "cpu",
         "--max-bytes",
@@ -179,7 +179,7 @@ def test_cli_under_torchrun_writes_every_op_at_every_size(tmp_path: Path) -> Non
 
 @pytest.mark.slow
 def test_cli_as_one_process_says_it_measures_no_communication(tmp_path: Path) -> None:
-    proc = _run_cli([sys.executable, "-m", "trainer.collectives", "--max-bytes", "8192"], tmp_path)
+    proc = _run_cli([sys.executable, "-m", "trainer.tools.collectives", "--max-bytes", "8192"], tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "a single process measures no communication" in proc.stdout
     report = json.loads((tmp_path / "collectives.json").read_text())

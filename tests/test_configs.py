@@ -10,9 +10,9 @@ from torch import nn
 
 from data.base import DataModule
 from tests.compose import CONF_DIR, compose_config
-from trainer.build import instantiate
 from trainer.logger.jsonl import JsonlLogger
-from trainer.settings import TrainSettings
+from trainer.setup.build import instantiate
+from trainer.setup.settings import TrainSettings
 from trainer.sync.base import SyncStrategy
 
 GROUPS = ("model", "data", "sync", "optim", "schedule", "trainer", "logger", "experiment")

@@ -9,8 +9,8 @@ import torch
 
 from tests.compose import compose_config
 from tests.dist_helpers import run_on_ranks
-from trainer.build import build_parts, build_trainer, instantiate, prepare_data
-from trainer.dist import DistContext
+from trainer.setup.build import build_parts, build_trainer, instantiate, prepare_data
+from trainer.setup.dist import DistContext
 
 # 64 samples, 2 ranks x 8 = 4 steps per epoch: 6 steps cross an epoch boundary (set_epoch reshuffles).
 COMMON = [

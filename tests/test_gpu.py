@@ -18,10 +18,10 @@ import torch
 from tests.cli import TORCHRUN, env, jsonl, output, torchrun, train_rows
 from tests.compose import REPO, compose_config
 from tests.test_equivalence import bit_identical, initial_params, max_abs_diff, trained
-from trainer.build import build_parts, instantiate
-from trainer.checkpoint import step_files
-from trainer.collectives import OPS
-from trainer.timing import PHASES, StepTimer
+from trainer.loop.timing import PHASES, StepTimer
+from trainer.reliability.checkpoint import step_files
+from trainer.setup.build import build_parts, instantiate
+from trainer.tools.collectives import OPS
 
 CUDA = "trainer.device=cuda"
 QUICK = ["logger=none", "trainer.progress_bar=false", "data.num_samples=1024", "data.num_val_samples=128"]
@@ -250,7 +250,7 @@ def test_collective_benchmark_on_nccl(tmp_path: Path) -> None:
         "--standalone",
         f"--nproc_per_node={nproc}",
         "-m",
-        "trainer.collectives",
+        "trainer.tools.collectives",
         "--device",
         "cuda",
         "--max-bytes",

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from tests.compose import REPO, compose_config
-from trainer.build import instantiate
 from trainer.errors import ConfigError
+from trainer.setup.build import instantiate
 
 PACKAGES = ("trainer", "models", "data", "hydra_plugins")
 
@@ -36,7 +36,7 @@ def imports_of(path: Path) -> set[str]:
 def our_modules() -> dict[str, set[str]]:
     files = [p for package in PACKAGES for p in (REPO / package).rglob("*.py")]
     modules = {module_name(p): p for p in files}
-    # "from trainer import dist" names the module trainer.dist: keep only names that are modules.
+    # "from trainer.setup import dist" names the module trainer.setup.dist: keep only names that are modules.
     return {name: {i for i in imports_of(path) if i in modules and i != name} for name, path in modules.items()}
 
 
@@ -77,8 +77,9 @@ def test_a_leafs_value_error_reaches_the_user_as_a_config_error() -> None:
 def test_logger_none_never_imports_wandb(tmp_path: Path) -> None:
     # train.py's own path: build the parts, then every rank's loggers, with logger=none.
     code = (
-        "import sys, torch; from pathlib import Path; from tests.compose import compose_config; from trainer.dist import DistContext;"
-        "from trainer.build import add_loggers, build_parts, instantiate;"
+        "import sys, torch; from pathlib import Path; from tests.compose import compose_config;"
+        "from trainer.setup.dist import DistContext;"
+        "from trainer.setup.build import add_loggers, build_parts, instantiate;"
         "cfg = compose_config(['logger=none']); parts = build_parts(cfg, instantiate(cfg.trainer)); loggers = [];"
         f"add_loggers(loggers, cfg, {{}}, DistContext(0, 0, 1, torch.device('cpu'), 'gloo'), Path('{tmp_path}'), 'g');"
         "print(len(loggers), 'wandb' in sys.modules)"

@@ -16,13 +16,19 @@ import torch
 from tests.cli import CPU, TORCHRUN, TRAIN, env, jsonl, output, torchrun, train_rows
 from tests.compose import compose_config
 from tests.dist_helpers import run_on_ranks
-from trainer.build import build_parts, build_trainer, instantiate, prepare_data
-from trainer.checkpoint import CheckpointError, find_resume_state, load_checkpoint, save_checkpoint, step_files
-from trainer.dist import DistContext
 from trainer.errors import ConfigError
 from trainer.logger.jsonl import JsonlLogger
-from trainer.preflight import check_output_dir
-from trainer.wandb_offline import find_runs
+from trainer.reliability.checkpoint import (
+    CheckpointError,
+    find_resume_state,
+    load_checkpoint,
+    save_checkpoint,
+    step_files,
+)
+from trainer.setup.build import build_parts, build_trainer, instantiate, prepare_data
+from trainer.setup.dist import DistContext
+from trainer.setup.preflight import check_output_dir
+from trainer.tools.wandb_offline import find_runs
 
 # 512 samples, 2 ranks x 32 = 8 steps per epoch: checkpoints at 4 and 12 are mid-epoch.
 BASE = [
@@ -41,7 +47,7 @@ BASE = [
 def fit(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dict:
     """train.py's build path on the helper's process group; returns the final weights or the error."""
     cfg = compose_config([*BASE, *overrides])
-    from trainer.config import plain_config
+    from trainer.setup.config import plain_config
 
     config = plain_config(cfg)
     settings = instantiate(cfg.trainer)
@@ -314,7 +320,7 @@ def test_rng_states_survive_a_weights_only_round_trip(tmp_path: Path) -> None:
 
     import numpy as np
 
-    from trainer.checkpoint import rng_state, set_rng_state
+    from trainer.reliability.checkpoint import rng_state, set_rng_state
 
     save_checkpoint(tmp_path, {"model": {}, "step": 1, "rng": [rng_state(torch.device("cpu"))]}, keep=1)
     expected = (torch.rand(4), np.random.rand(4), [random.random() for _ in range(4)])

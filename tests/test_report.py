@@ -14,7 +14,7 @@ import yaml
 from PIL import Image
 
 from tests.compose import REPO
-from trainer.report import (
+from trainer.tools.report import (
     build_rows,
     differing_overrides,
     find_jobs,
@@ -390,7 +390,7 @@ def test_single_job_dir_and_missing_hydra(tmp_path: Path, capsys: pytest.Capture
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "trainer.report", *args]
+    command = [sys.executable, "-m", "trainer.tools.report", *args]
     return subprocess.run(command, check=False, cwd=REPO, capture_output=True, encoding="utf-8", timeout=120)
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from tests.cli import CPU, TRAIN, env, output, torchrun, train_rows
 from tests.compose import REPO
-from trainer.wandb_offline import find_runs
+from trainer.tools.wandb_offline import find_runs
 
 pytestmark = pytest.mark.slow
 
@@ -69,7 +69,7 @@ def test_route1_multirun_inside_torchrun(tmp_path: Path) -> None:
     assert groups(sweep / "0") == {f"{sweep.name}-0"} and groups(sweep / "1") == {f"{sweep.name}-1"}
     assert proc.stdout.count("Launching 2 jobs") == 1  # Hydra's own messages from rank 0 only
     report = subprocess.run(
-        [sys.executable, "-m", "trainer.report", str(sweep)], cwd=REPO, capture_output=True, text=True
+        [sys.executable, "-m", "trainer.tools.report", str(sweep)], cwd=REPO, capture_output=True, text=True
     )
     assert report.returncode == 0, report.stderr
     assert "sync.bucket_cap_mb=1" in report.stdout and (sweep / "report.png").stat().st_size > 10_000

@@ -10,9 +10,9 @@ import torch
 
 from tests.compose import compose_config
 from tests.dist_helpers import run_on_ranks
-from trainer.build import build_parts, build_trainer, instantiate, prepare_data
-from trainer.dist import DistContext
 from trainer.logger.jsonl import JsonlLogger
+from trainer.setup.build import build_parts, build_trainer, instantiate, prepare_data
+from trainer.setup.dist import DistContext
 
 
 def fit(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dict:

@@ -10,22 +10,22 @@ import pytest
 import torch
 
 from tests.dist_helpers import run_on_ranks
-from trainer.dist import choose_device
 from trainer.errors import ConfigError
-from trainer.metrics import Window
-from trainer.schedule import WarmupCosine, warmup_cosine
-from trainer.settings import TrainSettings
-from trainer.steps import (
+from trainer.loop.metrics import Window
+from trainer.loop.schedule import WarmupCosine, warmup_cosine
+from trainer.loop.steps import (
     epoch_of,
     global_batch_size,
     is_due,
     steps_per_epoch,
     total_steps,
 )
-from trainer.summary import format_report, job_throughput, rank_timing
+from trainer.loop.summary import format_report, job_throughput, rank_timing
+from trainer.loop.timing import PHASES, StepTimer
+from trainer.setup.dist import choose_device
+from trainer.setup.settings import TrainSettings
 from trainer.sync.comm import CommCounters, busy_time, comm_metrics, exposed_time
 from trainer.sync.manual import average_gradients, average_gradients_coalesced, coalesce
-from trainer.timing import PHASES, StepTimer
 
 
 def test_warmup_cosine_shape() -> None:
@@ -208,7 +208,7 @@ def test_comm_metrics_arithmetic() -> None:
 
 
 def _agree(rank: int, world_size: int, values: list) -> str:
-    from trainer.dist import check_ranks_agree
+    from trainer.setup.dist import check_ranks_agree
 
     try:
         check_ranks_agree("the job", values[rank])

@@ -1,4 +1,4 @@
-"""trainer.wandb_offline against real wandb offline runs (no mocks, no network).
+"""trainer.tools.wandb_offline against real wandb offline runs (no mocks, no network).
 
 The runs are written by a child process running the real wandb SDK in offline mode: that keeps wandb's
 stdout wrapping, atexit hooks and wandb-core service out of the pytest process, and one module-scoped
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.wandb_offline import BLOCK, find_runs, iter_records, read_run
+from trainer.tools.wandb_offline import BLOCK, find_runs, iter_records, read_run
 
 ROOT = Path(__file__).resolve().parents[1]
 LOSSES = [1.0 / (i + 1) for i in range(5)]
@@ -164,7 +164,7 @@ def test_tail_ok_keeps_what_was_flushed(runs, tmp_path) -> None:
 
 def test_cli_prints_runs(root: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "trainer.wandb_offline", str(root)],
+        [sys.executable, "-m", "trainer.tools.wandb_offline", str(root)],
         env=_env(root),
         capture_output=True,
         text=True,

@@ -30,7 +30,7 @@ from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, open_dict
 
-from trainer.dist import read_launch_env
+from trainer.setup.dist import read_launch_env
 
 log = logging.getLogger(__name__)
 

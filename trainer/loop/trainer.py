@@ -32,26 +32,26 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from data.base import DataModule, ResumableSampler
-from trainer import resume
-from trainer.dist import DistContext, hostname
 from trainer.errors import from_leaves
-from trainer.exits import StepBoundary, Terminated
-from trainer.guards import check_replicas, grads_finite, raise_if_nonfinite
 from trainer.logger.base import MetricLogger
-from trainer.metrics import Window, evaluate
-from trainer.profiling import StepProfiler
-from trainer.settings import TrainSettings
-from trainer.steps import (
+from trainer.loop.metrics import Window, evaluate
+from trainer.loop.profiling import StepProfiler
+from trainer.loop.steps import (
     epoch_of,
     global_batch_size,
     is_due,
     steps_per_epoch,
     total_steps,
 )
-from trainer.summary import job_summary, rank_timing, write_json
+from trainer.loop.summary import job_summary, rank_timing, write_json
+from trainer.loop.timing import StepTimer
+from trainer.reliability import resume
+from trainer.reliability.exits import StepBoundary, Terminated
+from trainer.reliability.guards import check_replicas, grads_finite, raise_if_nonfinite
+from trainer.setup.dist import DistContext, hostname
+from trainer.setup.settings import TrainSettings
 from trainer.sync.base import SyncStrategy
 from trainer.sync.comm import comm_metrics
-from trainer.timing import StepTimer
 
 log = logging.getLogger(__name__)
 

@@ -20,13 +20,13 @@ from torch import nn
 from torch.optim import Optimizer
 
 from data.base import DataModule
-from trainer.dist import DistContext, hostname
 from trainer.errors import ConfigError, from_leaves
 from trainer.logger.base import MetricLogger
 from trainer.logger.jsonl import JsonlLogger
-from trainer.settings import TrainSettings
+from trainer.loop.trainer import Trainer
+from trainer.setup.dist import DistContext, hostname
+from trainer.setup.settings import TrainSettings
 from trainer.sync.base import SyncStrategy
-from trainer.trainer import Trainer
 
 
 def instantiate(node: DictConfig, **runtime: Any) -> Any:

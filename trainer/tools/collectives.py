@@ -1,8 +1,8 @@
 """Collective benchmark: latency and bus bandwidth of the four synchronisation operations.
 
-    torchrun --nproc_per_node=2 -m trainer.collectives [--min-bytes 4096] [--max-bytes 67108864]
+    torchrun --nproc_per_node=2 -m trainer.tools.collectives [--min-bytes 4096] [--max-bytes 67108864]
         [--iters 20] [--warmup 5] [--out DIR] [--device auto|cpu|cuda] [--dtype float32]
-    python -m trainer.collectives          # world size 1: runs, but measures no communication
+    python -m trainer.tools.collectives          # world size 1: runs, but measures no communication
 
 Ops: broadcast, all_reduce, all_gather, reduce_scatter, and all_reduce_composed (reduce_scatter
 then all_gather: "all_reduce = reduce_scatter + all_gather"). Bandwidths are nccl-tests' (its
@@ -27,8 +27,8 @@ import torch.distributed as dist
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from trainer import dist as ddist
 from trainer.errors import ConfigError
+from trainer.setup import dist as ddist
 
 OPS = ("broadcast", "all_reduce", "all_gather", "reduce_scatter", "all_reduce_composed")
 REPEATS = 3  # timed runs of `iters` calls each; the median of them is reported
@@ -220,7 +220,7 @@ def plot(records: Sequence[Record], title: str) -> Figure:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="torchrun --nproc_per_node=N -m trainer.collectives", description=__doc__.splitlines()[0]
+        prog="torchrun --nproc_per_node=N -m trainer.tools.collectives", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--min-bytes", type=int, default=4096, help="smallest S; sizes double up to --max-bytes")
     parser.add_argument(

@@ -20,7 +20,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from trainer.checkpoint import (
+from trainer.reliability.checkpoint import (
     CheckpointError,
     config_differences,
     find_resume_state,
@@ -30,7 +30,7 @@ from trainer.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from trainer.dist import DistContext
+from trainer.setup.dist import DistContext
 
 log = logging.getLogger(__name__)
 

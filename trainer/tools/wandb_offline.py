@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     """CLI: print each offline run under a directory; why: inspect runs without uploading them."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m trainer.wandb_offline <dir>", file=sys.stderr)
+        print("usage: python -m trainer.tools.wandb_offline <dir>", file=sys.stderr)
         return 2
     runs = find_runs(Path(args[0]), tail_ok=True)  # a live or killed run is worth seeing too
     if not runs:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from trainer.errors import ConfigError, check, is_int, is_number
-from trainer.fault import Fault
+from trainer.reliability.fault import Fault
 
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("fp32", "bf16")

@@ -1,7 +1,7 @@
 """The boundary between Hydra/OmegaConf and plain Python.
 
 Everything past this module gets plain dicts and typed constructor arguments; only this module,
-trainer/build.py, train.py and the tests handle DictConfig.
+trainer/setup/build.py, train.py and the tests handle DictConfig.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from trainer.dist import read_launch_env
+from trainer.setup.dist import read_launch_env
 
 RUN_STAMP_ENV = "DDPLAB_RUN_STAMP"
 
@@ -46,7 +46,7 @@ OmegaConf.register_new_resolver("ddplab.console_level", lambda: "INFO" if _rank(
 OmegaConf.register_new_resolver("ddplab.hydra_subdir", lambda: ".hydra" if _rank() == 0 else None, replace=True)
 
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
 def compose_config(overrides: list[str], run_stamp: str = "composed") -> DictConfig:

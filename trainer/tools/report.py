@@ -1,6 +1,6 @@
 """Sweep report: one row per job of a Hydra multirun (or one job dir), as a table, CSV and plot.
 
-    python -m trainer.report <sweep dir | job dir> [--out DIR]     (writes report.md/.csv/.png)
+    python -m trainer.tools.report <sweep dir | job dir> [--out DIR]     (writes report.md/.csv/.png)
 
 Read only from the files a job leaves behind (metrics/rank{r}.jsonl, .hydra/, summary.json), so it
 works on finished, failed and copied runs alike. Column definitions (also the report.md legend):
@@ -361,7 +361,7 @@ def plot(rows: Sequence[JobRow], title: str) -> Figure:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer.report", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m trainer.tools.report", description=__doc__.splitlines()[0])
     parser.add_argument("dir", type=Path, help="a Hydra sweep dir (numbered job dirs) or one job dir")
     parser.add_argument("--out", type=Path, default=None, help="where report.md/.csv/.png go (default: dir)")
     args = parser.parse_args(argv)

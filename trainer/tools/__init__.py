@@ -1,0 +1,1 @@
+"""Commands run with `python -m trainer.tools.<name>`: collective benchmark, sweep report, W&B offline reader."""
