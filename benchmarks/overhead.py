@@ -40,7 +40,7 @@ from trainer.logger.jsonl import JsonlLogger  # noqa: E402
 from trainer.setup import dist as ddist  # noqa: E402
 from trainer.setup.build import build_parts, build_trainer, instantiate, prepare_data  # noqa: E402
 from trainer.setup.config import compose_config  # noqa: E402
-from trainer.tools.collectives import measure  # noqa: E402
+from trainer.tools.collective_ops import measure  # noqa: E402
 
 MODELS = {
     "mlp-25M": ["model=mlp", "model.hidden_sizes=[3584,3584,3584]", "data=synthetic", "data.batch_size=64"],

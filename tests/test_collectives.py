@@ -19,7 +19,7 @@ from PIL import Image
 
 from tests.compose import REPO
 from tests.dist_helpers import run_on_ranks
-from trainer.tools.collectives import (
+from trainer.tools.collective_ops import (
     OPS,
     REPEATS,
     all_reduce_floor_s,

@@ -21,7 +21,7 @@ from tests.test_equivalence import bit_identical, initial_params, max_abs_diff, 
 from trainer.loop.timing import PHASES, StepTimer
 from trainer.reliability.checkpoint import step_files
 from trainer.setup.build import build_parts, instantiate
-from trainer.tools.collectives import OPS
+from trainer.tools.collective_ops import OPS
 
 CUDA = "trainer.device=cuda"
 QUICK = ["logger=none", "trainer.progress_bar=false", "data.num_samples=1024", "data.num_val_samples=128"]

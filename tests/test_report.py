@@ -14,15 +14,9 @@ import yaml
 from PIL import Image
 
 from tests.compose import REPO
-from trainer.tools.report import (
-    build_rows,
-    differing_overrides,
-    find_jobs,
-    main,
-    plot,
-    rank_stats,
-    read_jsonl,
-)
+from trainer.tools.report import find_jobs, main, read_jsonl
+from trainer.tools.report_plot import plot
+from trainer.tools.report_rows import build_rows, differing_overrides, rank_stats
 
 DDP = "trainer.sync.ddp.DDPSync"
 MANUAL = "trainer.sync.manual.ManualSync"

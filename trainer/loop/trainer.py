@@ -17,14 +17,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
-import psutil
-import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
@@ -36,6 +32,8 @@ from trainer.errors import from_leaves
 from trainer.logger.base import MetricLogger
 from trainer.loop.metrics import Window, evaluate
 from trainer.loop.profiling import StepProfiler
+from trainer.loop.rows import TrainRows
+from trainer.loop.step import StepRunner
 from trainer.loop.steps import (
     epoch_of,
     global_batch_size,
@@ -43,15 +41,14 @@ from trainer.loop.steps import (
     steps_per_epoch,
     total_steps,
 )
-from trainer.loop.summary import job_summary, rank_timing, write_json
+from trainer.loop.summary import job_summary, write_json
 from trainer.loop.timing import StepTimer
 from trainer.reliability import resume
 from trainer.reliability.exits import StepBoundary, Terminated
-from trainer.reliability.guards import check_replicas, grads_finite, raise_if_nonfinite
-from trainer.setup.dist import DistContext, hostname
+from trainer.reliability.guards import check_replicas, raise_if_nonfinite
+from trainer.setup.dist import DistContext
 from trainer.setup.settings import TrainSettings
 from trainer.sync.base import SyncStrategy
-from trainer.sync.comm import comm_metrics
 
 log = logging.getLogger(__name__)
 
@@ -98,15 +95,21 @@ class Trainer:
         self.config = config
         self.step = 0
         self.epoch = 0
-        self._lr = self.optimizer.param_groups[0]["lr"]
         self._timer = StepTimer(ctx.device)
         self._window = Window(ctx.device)
         self._batches: Iterator[Any] | None = None  # the current epoch's batches
-        self._train_rows: list[dict[str, Any]] = []
-        self._train_samples = 0
-        self._train_seconds = 0.0
-        self._process = psutil.Process()
-        self._skipped_steps = 0
+        self._rows = TrainRows(ctx, sync, self.loggers)
+        self._steps = StepRunner(
+            settings=settings,
+            ctx=ctx,
+            model=self.model,
+            train_model=self.train_model,
+            sync=sync,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            timer=self._timer,
+            window=self._window,
+        )
         state = self._state()  # trainer.resume: the state of a checkpoint, if there is one
         if resume.resume_if_any(ctx, run_dir, settings.resume, state, config):
             self.step, self.epoch = state.step, state.epoch
@@ -118,12 +121,6 @@ class Trainer:
         """What a checkpoint holds of this trainer (the objects themselves, not copies)."""
         into_epoch = (self.step - self.epoch * self.steps_per_epoch) * self.settings.grad_accum_steps
         return resume.TrainState(self.model, self.optimizer, self.scheduler, self.step, self.epoch, into_epoch)
-
-    def _autocast(self) -> AbstractContextManager[Any]:
-        # fp32 skips autocast entirely: even disabled, entering it costs a few µs per micro-batch.
-        if self.settings.precision != "bf16":
-            return nullcontext()
-        return torch.autocast(device_type=self.ctx.device.type, dtype=torch.bfloat16)
 
     def fit(self) -> dict[str, Any]:
         """Train for total_steps optimizer steps; returns the job summary (the same on every rank)."""
@@ -171,7 +168,7 @@ class Trainer:
             self._sampler.set_epoch(self.epoch)
             self._batches = iter(self.train_loader)
         try:
-            self._train_step(self._batches, self._window)
+            self._steps.run(self._batches, self.step + 1)
         except Exception as err:  # say where: the step, and this rank
             raise StepFailed(f"step {self.step + 1} on rank {self.ctx.rank}: {type(err).__name__}: {err}") from err
         self.step += 1
@@ -190,7 +187,8 @@ class Trainer:
         if is_due(self.step, s.log_every_n_steps, self.total_steps):
             totals = self._window.totals()  # the one host sync of a logged step
             self._check_finite(totals[2])
-            loss = self._log_train(self._window, totals)
+            epoch = epoch_of(self.step, self.steps_per_epoch)
+            loss = self._rows.log(self.step, epoch, self._window, totals, self._timer, self._steps)
             if bar is not None:
                 bar.set_postfix(loss=f"{loss:.4f}")
         every = s.check_replicas_every_n_steps
@@ -225,102 +223,16 @@ class Trainer:
         self.run_iteration()
         return True
 
-    def _train_step(self, batches: Iterator[Any], window: Window) -> None:
-        self.settings.fault.maybe_fire(self.ctx.rank, self.step + 1, self.ctx.attempt, self.model)
-        k = self.settings.grad_accum_steps
-        device = self.ctx.device
-        self._timer.start()
-        for i in range(k):
-            inputs, targets = next(batches)
-            inputs = inputs.to(device, non_blocking=True)
-            targets = targets.to(device, non_blocking=True)
-            self._timer.mark("data")
-            # Only the last micro-batch may communicate; the others accumulate gradients locally.
-            with self.sync.no_sync(self.train_model) if i < k - 1 else nullcontext():
-                with self._autocast():
-                    logits = self.train_model(inputs)
-                    loss = F.cross_entropy(logits, targets)
-                    if k > 1:  # the mean over the whole step's samples (no extra kernel when k == 1)
-                        loss = loss / k
-                if self.settings.fault.poisons_loss(self.ctx.rank, self.step + 1, self.ctx.attempt):
-                    loss = loss * float("nan")
-                window.add(loss, logits, targets, self.step + 1)
-                self._timer.mark("forward")
-                loss.backward()
-                self._timer.mark("backward")
-        self.sync.after_backward(self.train_model)
-        self._timer.mark("sync")
-        self._lr = self.optimizer.param_groups[0]["lr"]
-        if self.settings.on_nonfinite == "skip" and not grads_finite(self.model.parameters()):
-            # Gradients are averaged by now, so every rank sees the same non-finite values and
-            # skips this same step: the replicas stay equal.
-            self._skipped_steps += 1
-            log.warning(
-                "step %d: non-finite gradients, optimizer step skipped (trainer.on_nonfinite=skip)", self.step + 1
-            )
-        else:
-            self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self._timer.mark("optimizer")
-        window.steps += 1
-        self._timer.stop()
-
-    def _log_train(self, window: Window, totals: tuple[float, int, int]) -> float:
-        loss_sum, correct, _ = totals
-        loss = loss_sum / window.steps
-        phases = self._timer.collect() or {}  # mean of every step since the previous row
-        elapsed = time.perf_counter() - window.started
-        self._train_samples += window.samples
-        self._train_seconds += elapsed
-        row: dict[str, Any] = {
-            "step": self.step,
-            "epoch": epoch_of(self.step, self.steps_per_epoch),
-            "train/loss": loss,
-            "train/accuracy": correct / window.samples,
-            "train/lr": self._lr,
-            **{f"time/{phase}_s": seconds for phase, seconds in phases.items()},
-            "throughput/samples_per_s": window.samples / elapsed,
-            "memory/rss_mb": self._process.memory_info().rss / 2**20,
-            **({"train/skipped_steps": self._skipped_steps} if self._skipped_steps else {}),
-            **comm_metrics(
-                self.sync.take_comm(),
-                window.steps,
-                phases.get("sync", 0.0),
-                self.sync.comm_in_sync_phase,
-                self.ctx.world_size,
-            ),
-        }
-        if not self._train_rows and self.ctx.is_main_process:
-            # Once per job, after the first logged step: DDP has rebuilt its buckets by then.
-            log.info("sync: %s", " ".join(f"{key}={value}" for key, value in self.sync.describe().items()))
-        if self.ctx.device.type == "cuda":
-            row["memory/cuda_max_allocated_mb"] = torch.cuda.max_memory_allocated(self.ctx.device) / 2**20
-        for logger in self.loggers:
-            logger.log(row)
-        self._train_rows.append(row)
-        window.reset()
-        return loss
-
     def evaluate(self) -> dict[str, float]:
         """Loss and accuracy on the validation split, exact over the whole split on every rank."""
-        metrics = evaluate(self.model, self.val_loader, self.ctx.device, self._autocast)
+        metrics = evaluate(self.model, self.val_loader, self.ctx.device, self._steps.autocast)
         if metrics:
             for logger in self.loggers:
                 logger.log({"step": self.step, "epoch": epoch_of(self.step, self.steps_per_epoch), **metrics})
         return metrics
 
     def _finish(self, final_eval: dict[str, float], wall_s: float) -> dict[str, Any]:
-        last = self._train_rows[-1] if self._train_rows else {}
-        mine = {
-            "rank": self.ctx.rank,
-            "host": hostname(),
-            "train/loss": last.get("train/loss"),
-            "train/accuracy": last.get("train/accuracy"),
-            "samples_per_s": self._train_samples / self._train_seconds if self._train_seconds else 0.0,
-            "outputs": [logger.location for logger in self.loggers if logger.location],
-            **rank_timing(self._train_rows),
-        }
+        mine = self._rows.rank_record()
         ranks: list[Any] = [None] * self.ctx.world_size
         dist.all_gather_object(ranks, mine)
         summary = job_summary(

@@ -1,0 +1,85 @@
+"""The rows a rank logs while training, and what they add up to for the job's summary.
+
+A row is written at logged steps only, after the one host synchronisation of that step: it
+reduces the window of steps since the previous row (loss, accuracy, phase times, communication).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import psutil
+import torch
+
+from trainer.logger.base import MetricLogger
+from trainer.loop.metrics import Window
+from trainer.loop.step import StepRunner
+from trainer.loop.summary import rank_timing
+from trainer.loop.timing import StepTimer
+from trainer.setup.dist import DistContext, hostname
+from trainer.sync.base import SyncStrategy
+from trainer.sync.comm import comm_metrics
+
+log = logging.getLogger(__name__)
+
+
+class TrainRows:
+    """Writes each logged row to every logger and keeps the rows for this rank's summary."""
+
+    def __init__(self, ctx: DistContext, sync: SyncStrategy, loggers: Sequence[MetricLogger]) -> None:
+        self.ctx, self.sync, self.loggers = ctx, sync, loggers
+        self.rows: list[dict[str, Any]] = []
+        self._samples = 0  # trained on, over every window (evaluation and checkpoints excluded)
+        self._seconds = 0.0
+        self._process = psutil.Process()
+
+    def log(
+        self, step: int, epoch: int, window: Window, totals: tuple[float, int, int], timer: StepTimer, steps: StepRunner
+    ) -> float:
+        """One row from the window since the previous row; returns its loss. The window is reset."""
+        loss_sum, correct, _ = totals
+        loss = loss_sum / window.steps
+        phases = timer.collect() or {}  # mean of every step since the previous row
+        elapsed = time.perf_counter() - window.started
+        self._samples += window.samples
+        self._seconds += elapsed
+        in_sync, world_size = self.sync.comm_in_sync_phase, self.ctx.world_size
+        comm = comm_metrics(self.sync.take_comm(), window.steps, phases.get("sync", 0.0), in_sync, world_size)
+        row: dict[str, Any] = {
+            "step": step,
+            "epoch": epoch,
+            "train/loss": loss,
+            "train/accuracy": correct / window.samples,
+            "train/lr": steps.lr,
+            **{f"time/{phase}_s": seconds for phase, seconds in phases.items()},
+            "throughput/samples_per_s": window.samples / elapsed,
+            "memory/rss_mb": self._process.memory_info().rss / 2**20,
+            **({"train/skipped_steps": steps.skipped_steps} if steps.skipped_steps else {}),
+            **comm,
+        }
+        if not self.rows and self.ctx.is_main_process:
+            # Once per job, after the first logged step: DDP has rebuilt its buckets by then.
+            log.info("sync: %s", " ".join(f"{key}={value}" for key, value in self.sync.describe().items()))
+        if self.ctx.device.type == "cuda":
+            row["memory/cuda_max_allocated_mb"] = torch.cuda.max_memory_allocated(self.ctx.device) / 2**20
+        for logger in self.loggers:
+            logger.log(row)
+        self.rows.append(row)
+        window.reset()
+        return loss
+
+    def rank_record(self) -> dict[str, Any]:
+        """What this rank contributes to summary.json: its last row's results and its timing medians."""
+        last = self.rows[-1] if self.rows else {}
+        return {
+            "rank": self.ctx.rank,
+            "host": hostname(),
+            "train/loss": last.get("train/loss"),
+            "train/accuracy": last.get("train/accuracy"),
+            "samples_per_s": self._samples / self._seconds if self._seconds else 0.0,
+            "outputs": [logger.location for logger in self.loggers if logger.location],
+            **rank_timing(self.rows),
+        }

@@ -1,0 +1,101 @@
+"""One optimizer step: k micro-batches forward and backward, the sync, the optimizer; each phase timed.
+
+Kept apart from the loop (trainer.py) because this is the hot path: everything here runs every
+step, so everything here is counted in µs (README, Performance). What is due between steps (rows,
+checks, evaluation, checkpoints) belongs to the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+
+from trainer.loop.metrics import Window
+from trainer.loop.timing import StepTimer
+from trainer.reliability.guards import grads_finite
+from trainer.setup.dist import DistContext
+from trainer.setup.settings import TrainSettings
+from trainer.sync.base import SyncStrategy
+
+log = logging.getLogger(__name__)
+
+
+def autocast_for(precision: str, device: torch.device) -> Callable[[], AbstractContextManager[Any]]:
+    """The context each forward runs in: bf16 autocast, or for fp32 nothing at all.
+
+    fp32 skips autocast entirely: even disabled, entering it costs a few µs per micro-batch.
+    """
+    if precision != "bf16":
+        return nullcontext
+    return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+class StepRunner:
+    """Runs optimizer steps on the objects the Trainer owns, noting the loss and timing each phase."""
+
+    def __init__(
+        self,
+        *,
+        settings: TrainSettings,
+        ctx: DistContext,
+        model: nn.Module,
+        train_model: nn.Module,
+        sync: SyncStrategy,
+        optimizer: Optimizer,
+        scheduler: LRScheduler,
+        timer: StepTimer,
+        window: Window,
+    ) -> None:
+        self.settings, self.ctx, self.model, self.train_model, self.sync = settings, ctx, model, train_model, sync
+        self.optimizer, self.scheduler, self.timer, self.window = optimizer, scheduler, timer, window
+        self.autocast = autocast_for(settings.precision, ctx.device)
+        self.lr = optimizer.param_groups[0]["lr"]  # the rate the last step used
+        self.skipped_steps = 0  # on_nonfinite=skip
+
+    def run(self, batches: Iterator[Any], step: int) -> None:
+        """Optimizer step number `step` (1-based) on the next grad_accum_steps batches."""
+        s, ctx, timer, window = self.settings, self.ctx, self.timer, self.window
+        s.fault.maybe_fire(ctx.rank, step, ctx.attempt, self.model)
+        k = s.grad_accum_steps
+        timer.start()
+        for i in range(k):
+            inputs, targets = next(batches)
+            inputs = inputs.to(ctx.device, non_blocking=True)
+            targets = targets.to(ctx.device, non_blocking=True)
+            timer.mark("data")
+            # Only the last micro-batch may communicate; the others accumulate gradients locally.
+            with self.sync.no_sync(self.train_model) if i < k - 1 else nullcontext():
+                with self.autocast():
+                    logits = self.train_model(inputs)
+                    loss = F.cross_entropy(logits, targets)
+                    if k > 1:  # the mean over the whole step's samples (no extra kernel when k == 1)
+                        loss = loss / k
+                if s.fault.poisons_loss(ctx.rank, step, ctx.attempt):
+                    loss = loss * float("nan")
+                window.add(loss, logits, targets, step)
+                timer.mark("forward")
+                loss.backward()
+                timer.mark("backward")
+        self.sync.after_backward(self.train_model)
+        timer.mark("sync")
+        self.lr = self.optimizer.param_groups[0]["lr"]
+        if s.on_nonfinite == "skip" and not grads_finite(self.model.parameters()):
+            # Gradients are averaged by now, so every rank sees the same non-finite values and
+            # skips this same step: the replicas stay equal.
+            self.skipped_steps += 1
+            log.warning("step %d: non-finite gradients, optimizer step skipped (trainer.on_nonfinite=skip)", step)
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        timer.mark("optimizer")
+        window.steps += 1
+        timer.stop()

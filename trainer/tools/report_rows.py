@@ -1,0 +1,140 @@
+"""The sweep report's numbers: each job's files reduced to one row of statistics.
+
+Kept apart from reading the files (report.py) and from showing the rows (report_table.py,
+report_plot.py) so every number the report shows is computed, and defined in LEGEND, in one place.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+LEGEND = """\
+- step ms: per rank the median of `time/step_s` over its training rows; the job's value is the
+  median over ranks. A row's `time/step_s` is the mean over the steps since the previous row.
+- samples/s: sum over ranks of the median of each rank's `throughput/samples_per_s` (ranks work
+  concurrently). It is window wall-clock, so it includes time between steps that step ms omits.
+- sync %: per rank sum(time/sync_s) / sum(time/step_s), then the mean over ranks. It is the time in
+  the strategy's after_backward hook: DDP all-reduces inside backward, so for ddp it is ~0 and
+  its communication is counted in time/backward_s (marked with a dagger).
+- train loss: mean over ranks of each rank's last training row's `train/loss`.
+- eval acc: the last eval row's `eval/accuracy` (identical on all ranks; rank 0's is taken).
+- slowest / fastest: the ranks with the highest / lowest median step time.
+- status: `incomplete` when the job dir has no (readable) summary.json, i.e. the job did not
+  finish: its numbers are shown in parentheses, are not valid results, and are not plotted."""
+HIDDEN_OVERRIDES = ("run_name", "hydra.")  # naming, not an experimental variable
+
+
+@dataclass
+class Job:
+    name: str
+    summary: dict[str, Any] | None  # None: no readable summary.json, the job did not finish
+    config: dict[str, Any]
+    overrides: list[str]
+    rows: dict[int, list[dict[str, Any]]]  # rank -> its JSONL rows, in file order
+
+
+@dataclass
+class RankStats:
+    rank: int
+    step_ms: float | None
+    samples_per_s: float | None
+    sync_share: float | None
+    train_loss: float | None
+    timed_steps: int
+
+
+@dataclass
+class JobRow:
+    job: str
+    status: str
+    overrides: str
+    sync: str
+    model: str
+    bucket_cap_mb: float | None
+    ranks: list[RankStats]
+    step_ms: float | None
+    samples_per_s: float | None
+    sync_share_pct: float | None
+    train_loss: float | None
+    eval_accuracy: float | None
+    slowest: RankStats | None
+    fastest: RankStats | None
+
+
+def _median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def rank_stats(rank: int, rows: Sequence[dict[str, Any]]) -> RankStats:
+    train = [row for row in rows if "train/loss" in row]
+    step = [row["time/step_s"] for row in train if "time/step_s" in row]
+    timed = [row for row in train if "time/step_s" in row and "time/sync_s" in row]
+    step_total = sum(row["time/step_s"] for row in timed)
+    return RankStats(
+        rank=rank,
+        step_ms=None if not step else 1000.0 * statistics.median(step),
+        samples_per_s=_median([row["throughput/samples_per_s"] for row in train if "throughput/samples_per_s" in row]),
+        sync_share=sum(row["time/sync_s"] for row in timed) / step_total if step_total > 0 else None,
+        train_loss=train[-1]["train/loss"] if train else None,
+        timed_steps=len(step),
+    )
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
+
+
+def job_row(job: Job, overrides: Sequence[str]) -> JobRow:
+    sync_cfg = job.config.get("sync") or {}
+    sync = str(sync_cfg.get("_target_", "")).rpartition(".")[0].rpartition(".")[2]  # trainer.sync.ddp.DDPSync -> ddp
+    bucket = sync_cfg.get("bucket_cap_mb") if sync == "ddp" else None
+    ranks = [rank_stats(rank, rows) for rank, rows in job.rows.items()]
+    timed = [r for r in ranks if r.step_ms is not None]
+    samples = [r.samples_per_s for r in ranks if r.samples_per_s is not None]
+    share = _mean([r.sync_share for r in ranks])
+    evals = [row for row in job.rows[min(job.rows)] if "eval/accuracy" in row] if job.rows else []
+    return JobRow(
+        job=job.name,
+        status="incomplete" if job.summary is None else "ok",
+        overrides=" ".join(overrides),
+        sync=sync,
+        model=str((job.config.get("model") or {}).get("_target_", "")).rpartition(".")[2],
+        bucket_cap_mb=None if bucket is None else float(bucket),
+        ranks=ranks,
+        step_ms=_median([r.step_ms for r in timed if r.step_ms is not None]),
+        samples_per_s=sum(samples) if samples else None,
+        sync_share_pct=None if share is None else 100.0 * share,
+        train_loss=_mean([r.train_loss for r in ranks]),
+        eval_accuracy=evals[-1]["eval/accuracy"] if evals else None,
+        slowest=max(timed, key=_step_ms, default=None),
+        fastest=min(timed, key=_step_ms, default=None),
+    )
+
+
+def _step_ms(stats: RankStats) -> float:
+    """Sort key over ranks that have a step time (the caller filters the others out)."""
+    assert stats.step_ms is not None
+    return stats.step_ms
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def differing_overrides(per_job: Sequence[Sequence[str]]) -> list[list[str]]:
+    """Each job's overrides whose value is not the same in every job (one job: all of them)."""
+    shown = [[o for o in job if not _key(o).startswith(HIDDEN_OVERRIDES)] for job in per_job]
+    if len(shown) <= 1:
+        return shown
+    values = [{_key(o): o for o in job} for job in shown]
+    keys = {k for v in values for k in v if len({job.get(k) for job in values}) > 1}
+    return [[o for o in job if _key(o) in keys] for job in shown]
+
+
+def build_rows(jobs: Sequence[Job]) -> list[JobRow]:
+    shown = differing_overrides([job.overrides for job in jobs])
+    return [job_row(job, overrides) for job, overrides in zip(jobs, shown, strict=True)]
