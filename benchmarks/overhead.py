@@ -30,16 +30,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import BatchSampler, DistributedSampler, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from trainer.logger.jsonl import JsonlLogger  # noqa: E402
+from benchmarks.overhead_loops import Framework, HandWritten  # noqa: E402
 from trainer.setup import dist as ddist  # noqa: E402
-from trainer.setup.build import build_parts, build_trainer, instantiate, prepare_data  # noqa: E402
-from trainer.setup.config import compose_config  # noqa: E402
 from trainer.tools.collective_ops import measure  # noqa: E402
 
 MODELS = {
@@ -54,110 +49,6 @@ DEFAULT_MODELS = ("mlp-25M", "cnn", "mlp-tiny")
 # times every bucket through a Python hook instead of DDP's sampled runtime statistics.
 STRATEGIES = ("none", "manual:coalesce_mb=0", "manual", "ddp", "ddp:time_buckets=true")
 CUDA_STRATEGIES = ("none", "manual:coalesce_mb=0", "manual", "ddp")
-
-
-class HandWritten:
-    """The loop a DDP tutorial writes: same model, data, batch and optimizer; nothing else."""
-
-    def __init__(self, overrides: list[str], strategy: str, ctx: ddist.DistContext) -> None:
-        cfg = compose_config(overrides)
-        parts = build_parts(cfg, instantiate(cfg.trainer))  # the same model and dataset objects
-        train, _ = parts.data.build_datasets()
-        assert isinstance(train, TensorDataset), "the benchmark's datasets are in memory"
-        self.tensors = train.tensors
-        self.sampler = DistributedSampler(train, ctx.world_size, ctx.rank, shuffle=True, seed=0, drop_last=True)
-        self.loader = BatchSampler(self.sampler, batch_size=parts.data.batch_size, drop_last=True)
-        strategy = strategy.split(":")[0]  # the tutorial loop has no knobs: manual is one call per gradient
-        self.device, self.world_size, self.manual = ctx.device, ctx.world_size, strategy == "manual"
-        model = parts.model.to(ctx.device)
-        if strategy == "ddp":
-            model = DistributedDataParallel(model, bucket_cap_mb=25)
-        if self.manual:
-            for tensor in model.parameters():
-                dist.broadcast(tensor.data, src=0)
-        self.model = model
-        self.optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        self.epoch, self.batches = 0, iter(self.loader)
-
-    def run(self, steps: int) -> None:
-        for _ in range(steps):
-            try:
-                indices = next(self.batches)
-            except StopIteration:
-                self.epoch += 1
-                self.sampler.set_epoch(self.epoch)
-                self.batches = iter(self.loader)
-                indices = next(self.batches)
-            index = torch.as_tensor(indices)
-            inputs, targets = (t[index].to(self.device, non_blocking=True) for t in self.tensors)
-            self.optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(self.model(inputs), targets)
-            loss.backward()
-            if self.manual:
-                for param in self.model.parameters():
-                    dist.all_reduce(param.grad)
-                    param.grad.div_(self.world_size)
-            self.optimizer.step()
-
-
-class Framework:
-    """ddplab's own Trainer, built as train.py builds it, logging JSONL every 10 steps."""
-
-    def __init__(self, overrides: list[str], strategy: str, ctx: ddist.DistContext, out: Path) -> None:
-        name, *knobs = strategy.split(":")  # e.g. "manual:coalesce_mb=25" -> sync=manual sync.coalesce_mb=25
-        sync = [f"sync={name}", *(f"sync.{knob}" for knob in knobs)]
-        cfg = compose_config(
-            [
-                *overrides,
-                *sync,
-                "logger=none",
-                "trainer.max_steps=1000000000",
-                "trainer.eval_every_n_steps=0",
-                "trainer.progress_bar=false",
-            ]
-        )
-        settings = instantiate(cfg.trainer)
-        parts = build_parts(cfg, settings)
-        prepare_data(parts.data, ctx)
-        self.jsonl = out / f"rank{ctx.rank}.jsonl"
-        self.trainer = build_trainer(parts, settings, ctx, [JsonlLogger(self.jsonl)], out, {})
-
-    def run(self, steps: int) -> None:
-        self.trainer.train(self.trainer.step + steps)
-
-    def sync_alone(self, repeats: int) -> float:
-        """Median seconds of after_backward on real gradients with the ranks started together.
-
-        In training, the sync phase also holds the wait for the slower rank to finish its
-        backward; started after a barrier, it is the strategy's communication alone.
-        """
-        trainer = self.trainer
-        inputs, targets = next(iter(trainer.train_loader))
-        loss = F.cross_entropy(trainer.train_model(inputs.to(trainer.ctx.device)), targets.to(trainer.ctx.device))
-        loss.backward()
-        times = []
-        for _ in range(repeats):
-            dist.barrier()
-            started = time.perf_counter()
-            trainer.sync.after_backward(trainer.train_model)
-            times.append(time.perf_counter() - started)
-        trainer.optimizer.zero_grad(set_to_none=True)
-        trainer.sync.take_comm()  # not training: keep it out of the counters
-        return statistics.median(times)
-
-    def comm(self, skip_rows: int) -> tuple[float, float, float]:
-        """Median communication and exposed seconds, and bytes, per step over this rank's rows after warm-up.
-
-        Times are 0 when nothing timed them (ddp without sync.time_buckets): bytes are always counted.
-        """
-        rows = [json.loads(line) for line in self.jsonl.read_text().splitlines()][skip_rows:]
-        rows = [row for row in rows if "comm/bytes_per_step" in row]
-        if not rows:
-            return 0.0, 0.0, 0.0
-        timed = [row for row in rows if "time/comm_s" in row]
-        seconds = statistics.median(r["time/comm_s"] for r in timed) if timed else 0.0
-        exposed = statistics.median(r["time/comm_exposed_s"] for r in timed) if timed else 0.0
-        return seconds, exposed, rows[-1]["comm/bytes_per_step"]
 
 
 def timed(run: object, steps: int, device: torch.device) -> float:

@@ -1,76 +1,20 @@
-"""The sweep report on small hand-written job dirs: every number is checked against arithmetic here."""
+"""The sweep report on a small hand-written sweep: every number in the table, Markdown and CSV is
+checked against arithmetic here, then the plot, the files written and the CLI on the same sweep.
+Single ranks, truncated lines, override diffs and other small inputs are in test_report_edges.py."""
 
 from __future__ import annotations
 
 import csv
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from PIL import Image
 
-from tests.compose import REPO
-from trainer.tools.report import find_jobs, main, read_jsonl
+from tests.report_helpers import DDP, MANUAL, eval_row, run_cli, train_row, write_job
+from trainer.tools.report import find_jobs, main
 from trainer.tools.report_plot import plot
-from trainer.tools.report_rows import build_rows, differing_overrides, rank_stats
-
-DDP = "trainer.sync.ddp.DDPSync"
-MANUAL = "trainer.sync.manual.ManualSync"
-NONE = "trainer.sync.none.NoSync"
-
-
-def train_row(step: int, step_s: float, sync_s: float, samples_per_s: float, loss: float) -> dict[str, Any]:
-    return {
-        "step": step,
-        "epoch": 0,
-        "train/loss": loss,
-        "train/accuracy": 0.5,
-        "train/lr": 0.1,
-        "time/step_s": step_s,
-        "time/data_s": 0.0,
-        "time/forward_s": 0.0,
-        "time/backward_s": 0.0,
-        "time/sync_s": sync_s,
-        "time/optimizer_s": 0.0,
-        "throughput/samples_per_s": samples_per_s,
-        "memory/rss_mb": 700.0,
-        "some/future_key": 123.0,  # unknown keys must be ignored
-    }
-
-
-def eval_row(step: int, accuracy: float) -> dict[str, Any]:
-    return {"step": step, "epoch": 0, "eval/loss": 1.0, "eval/accuracy": accuracy}
-
-
-def write_job(
-    path: Path,
-    ranks: list[list[dict[str, Any]]],
-    target: str | None,
-    overrides: list[str] | None,
-    bucket_cap_mb: float | None = None,
-    complete: bool = True,
-    tail: str = "",
-) -> Path:
-    (path / "metrics").mkdir(parents=True)
-    for rank, rows in enumerate(ranks):
-        lines = "".join(json.dumps(row) + "\n" for row in rows)
-        (path / "metrics" / f"rank{rank}.jsonl").write_text(lines + tail)
-    if target is not None:
-        sync: dict[str, Any] = {"_target_": target}
-        if bucket_cap_mb is not None:
-            sync["bucket_cap_mb"] = bucket_cap_mb
-        (path / ".hydra").mkdir()
-        config = {"run_name": "${ddplab.run_stamp:}", "model": {"_target_": "models.mlp.MLP"}, "sync": sync}
-        (path / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
-        (path / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
-    if complete:
-        summary = {"steps": 30, "sync": {"strategy": target}}
-        (path / "summary.json").write_text(json.dumps(summary))
-    return path
+from trainer.tools.report_rows import build_rows
 
 
 @pytest.fixture
@@ -253,42 +197,6 @@ def test_table_markdown_and_csv_numbers(sweep: Path, tmp_path: Path, capsys: pyt
     assert [records[j]["num_ranks"] for j in "0123"] == ["2", "3", "2", "2"]
 
 
-def test_rank_stats_of_one_rank() -> None:
-    rows = [train_row(10, 0.010, 0.001, 100, 2.5), eval_row(10, 0.5), train_row(20, 0.030, 0.003, 300, 2.0)]
-    stats = rank_stats(1, rows)
-    assert (stats.rank, stats.timed_steps) == (1, 2)
-    assert stats.step_ms == pytest.approx(20.0)  # median of 10 and 30 ms
-    assert stats.samples_per_s == pytest.approx(200.0)
-    assert stats.sync_share == pytest.approx(0.004 / 0.040)
-    assert stats.train_loss == 2.0  # the last training row, not an eval row
-    empty = rank_stats(0, [eval_row(10, 0.5)])
-    assert (empty.step_ms, empty.samples_per_s, empty.sync_share, empty.train_loss) == (None, None, None, None)
-
-
-def test_truncated_jsonl_line_is_skipped(tmp_path: Path) -> None:
-    path = tmp_path / "rank0.jsonl"
-    path.write_text(json.dumps(eval_row(1, 0.5)) + "\n" + '{"step": 2, "train/lo')
-    assert read_jsonl(path) == [eval_row(1, 0.5)]
-
-
-def test_differing_overrides() -> None:
-    jobs = [
-        ["sync=ddp", "sync.bucket_cap_mb=1", "logger=none", "run_name=a-0", "hydra.verbose=true"],
-        ["sync=ddp", "sync.bucket_cap_mb=25", "logger=none", "run_name=a-1", "hydra.verbose=false"],
-        ["sync=manual", "logger=none", "run_name=a-2"],
-    ]
-    assert differing_overrides(jobs) == [
-        ["sync=ddp", "sync.bucket_cap_mb=1"],
-        ["sync=ddp", "sync.bucket_cap_mb=25"],
-        ["sync=manual"],  # it lacks sync.bucket_cap_mb: that key differs too, but it has nothing to show
-    ]
-    assert differing_overrides([["model=cnn", "seed=1"], ["model=cnn", "seed=2"]]) == [["seed=1"], ["seed=2"]]
-    assert differing_overrides([["+extra=1"], ["+extra=2"]]) == [["+extra=1"], ["+extra=2"]]
-    assert differing_overrides([["a=1"], ["a=1"]]) == [[], []]
-    # One job: everything it was given, except naming and Hydra's own settings.
-    assert differing_overrides([jobs[0]]) == [["sync=ddp", "sync.bucket_cap_mb=1", "logger=none"]]
-
-
 def drawn_points(axes: list[Any]) -> tuple[set[float], set[float]]:
     xs: set[float] = set()
     ys: set[float] = set()
@@ -316,17 +224,6 @@ def test_plot_draws_complete_jobs_only(sweep: Path) -> None:
     assert any("job 3" in t.get_text() for t in fig.texts)
 
 
-def test_plot_per_job_without_bucket_sizes(tmp_path: Path) -> None:
-    root = tmp_path / "sweep"
-    write_job(root / "0", [[train_row(10, 0.040, 0.02, 50, 1.0)]], MANUAL, ["sync=manual"])
-    write_job(root / "1", [[train_row(10, 0.010, 0.0, 90, 1.0)]], NONE, ["sync=none"])
-    fig = plot(build_rows(find_jobs(root)), "title")
-    assert fig.axes[0].get_xscale() == "linear"
-    labels = [t.get_text() for t in fig.axes[0].get_xticklabels()]
-    assert labels == ["job 0\nsync=manual", "job 1\nsync=none"]
-    assert [p.get_height() for p in fig.axes[0].patches] == pytest.approx([40.0, 10.0])
-
-
 def test_files_written_and_png_is_an_image(sweep: Path) -> None:
     assert main([str(sweep)]) == 0  # default --out: the sweep dir itself
     markdown = (sweep / "report.md").read_text()
@@ -338,78 +235,8 @@ def test_files_written_and_png_is_an_image(sweep: Path) -> None:
         assert image.format == "PNG" and image.width >= 1000 and image.height >= 400
 
 
-def test_single_job_dir_and_missing_hydra(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    ranks = [[train_row(10, 0.010, 0.0, 100, 1.0)], [train_row(10, 0.020, 0.0, 50, 3.0)]]
-    overrides = ["sync=ddp", "sync.bucket_cap_mb=5", "logger=none", "run_name=s", "hydra.run.dir=/x"]
-    job = write_job(tmp_path / "single", ranks, DDP, overrides, 5)
-    assert main([str(job)]) == 0
-    line = capsys.readouterr().out.splitlines()[2]
-    assert line.split() == [
-        "single",
-        "ok",
-        "sync=ddp",
-        "sync.bucket_cap_mb=5",
-        "logger=none",
-        "ddp",
-        "5",
-        "15.00",
-        "150",
-        "0.0†",
-        "2.0000",
-        "r1",
-        "(20.00",
-        "ms)",
-        "r0",
-        "(10.00",
-        "ms)",
-    ]
-    assert (job / "report.csv").is_file() and (job / "report.png").is_file()
-
-    bare = write_job(tmp_path / "bare", [[train_row(10, 0.010, 0.0, 100, 1.0)]], None, None, complete=False)
-    assert main([str(bare)]) == 0
-    assert capsys.readouterr().out.splitlines()[2].split() == [
-        "bare",
-        "incomplete",
-        "(10.00)",
-        "(100)",
-        "(0.0)",
-        "(1.0000)",
-        "(r0",
-        "(10.00",
-        "ms))",
-        "(r0",
-        "(10.00",
-        "ms))",
-    ]
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "trainer.tools.report", *args]
-    return subprocess.run(command, check=False, cwd=REPO, capture_output=True, encoding="utf-8", timeout=120)
-
-
 def test_cli_prints_the_table(sweep: Path) -> None:
     proc = run_cli(str(sweep))
     assert proc.returncode == 0, proc.stderr
     assert "job  status" in proc.stdout and "16.00" in proc.stdout and "incomplete" in proc.stdout
     assert (sweep / "report.md").is_file()
-
-
-def test_cli_rejects_dirs_without_jobs_or_metrics(tmp_path: Path) -> None:
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    proc = run_cli(str(empty))
-    assert proc.returncode == 2 and str(empty) in proc.stderr and "no job dirs" in proc.stderr
-    assert "Traceback" not in proc.stderr
-    (tmp_path / "nometrics" / "0").mkdir(parents=True)
-    proc = run_cli(str(tmp_path / "nometrics"))
-    assert proc.returncode == 2 and "no metrics" in proc.stderr and "Traceback" not in proc.stderr
-    assert not (empty / "report.md").exists()
-
-
-def test_jobs_sorted_by_number_and_other_dirs_ignored(tmp_path: Path) -> None:
-    for name in ("10", "2"):
-        write_job(tmp_path / name, [[train_row(10, 0.010, 0.0, 100, 1.0)]], NONE, [f"seed={name}"])
-    (tmp_path / ".submitit").mkdir()
-    (tmp_path / "notes").mkdir()
-    assert [job.name for job in find_jobs(tmp_path)] == ["2", "10"]

@@ -1,0 +1,72 @@
+"""Hand-written job dirs for the sweep report's tests (test_report.py, test_report_edges.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tests.compose import REPO
+
+DDP = "trainer.sync.ddp.DDPSync"
+MANUAL = "trainer.sync.manual.ManualSync"
+NONE = "trainer.sync.none.NoSync"
+
+
+def train_row(step: int, step_s: float, sync_s: float, samples_per_s: float, loss: float) -> dict[str, Any]:
+    return {
+        "step": step,
+        "epoch": 0,
+        "train/loss": loss,
+        "train/accuracy": 0.5,
+        "train/lr": 0.1,
+        "time/step_s": step_s,
+        "time/data_s": 0.0,
+        "time/forward_s": 0.0,
+        "time/backward_s": 0.0,
+        "time/sync_s": sync_s,
+        "time/optimizer_s": 0.0,
+        "throughput/samples_per_s": samples_per_s,
+        "memory/rss_mb": 700.0,
+        "some/future_key": 123.0,  # unknown keys must be ignored
+    }
+
+
+def eval_row(step: int, accuracy: float) -> dict[str, Any]:
+    return {"step": step, "epoch": 0, "eval/loss": 1.0, "eval/accuracy": accuracy}
+
+
+def write_job(
+    path: Path,
+    ranks: list[list[dict[str, Any]]],
+    target: str | None,
+    overrides: list[str] | None,
+    bucket_cap_mb: float | None = None,
+    complete: bool = True,
+    tail: str = "",
+) -> Path:
+    (path / "metrics").mkdir(parents=True)
+    for rank, rows in enumerate(ranks):
+        lines = "".join(json.dumps(row) + "\n" for row in rows)
+        (path / "metrics" / f"rank{rank}.jsonl").write_text(lines + tail)
+    if target is not None:
+        sync: dict[str, Any] = {"_target_": target}
+        if bucket_cap_mb is not None:
+            sync["bucket_cap_mb"] = bucket_cap_mb
+        (path / ".hydra").mkdir()
+        config = {"run_name": "${ddplab.run_stamp:}", "model": {"_target_": "models.mlp.MLP"}, "sync": sync}
+        (path / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
+        (path / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    if complete:
+        summary = {"steps": 30, "sync": {"strategy": target}}
+        (path / "summary.json").write_text(json.dumps(summary))
+    return path
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "trainer.tools.report", *args]
+    return subprocess.run(command, check=False, cwd=REPO, capture_output=True, encoding="utf-8", timeout=120)
