@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import gc
 import multiprocessing as mp
 import traceback
 from collections.abc import Callable
@@ -19,10 +20,15 @@ def _run_rank(fn: Callable[..., Any], rank: int, world_size: int, workdir: str, 
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=dt.timedelta(seconds=60))
     try:
         torch.save(fn(rank, world_size, *args), Path(workdir) / f"result{rank}.pt")
+        # fn may return from an error path (e.g. a check that raised on every rank) with its last
+        # collective's bytes still in flight to a peer: no rank closes its connections before all
+        # are done. Once, in a full run, a rank aborted in C++ at teardown without this.
+        dist.barrier()
     except BaseException:
         (Path(workdir) / f"error{rank}.txt").write_text(traceback.format_exc())  # for the failing test's message
         raise
     finally:
+        gc.collect()  # what still holds the group (a DDP reducer, pending work) goes before the group does
         dist.destroy_process_group()
 
 
