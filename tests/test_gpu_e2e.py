@@ -10,6 +10,7 @@ import os
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,26 +23,20 @@ from trainer.reliability.checkpoint import step_files
 from trainer.tools.collective_ops import OPS
 
 
+def train_on_cuda(tmp_path: Path, nproc: int, *overrides: str) -> tuple[Path, dict[str, Any]]:
+    """20 steps of train.py on nccl, a row every 5 steps; the run dir and its summary."""
+    run_dir = tmp_path / "run"
+    args = [CUDA, "trainer.max_steps=20", "trainer.log_every_n_steps=5", f"hydra.run.dir={run_dir}", *QUICK]
+    proc = torchrun([*args, *overrides], cwd=tmp_path, nproc=nproc)
+    assert proc.returncode == 0, output(proc)
+    return run_dir, summary_of(run_dir)
+
+
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.parametrize("sync", ["none", "manual", "ddp"])
 def test_nccl_end_to_end_at_world_size_one(tmp_path: Path, sync: str) -> None:
-    run_dir = tmp_path / "run"
-    proc = torchrun(
-        [
-            CUDA,
-            f"sync={sync}",
-            "trainer.max_steps=20",
-            "trainer.log_every_n_steps=5",
-            "trainer.eval_every_n_steps=10",
-            f"hydra.run.dir={run_dir}",
-            *QUICK,
-        ],
-        cwd=tmp_path,
-        nproc=1,
-    )
-    assert proc.returncode == 0, output(proc)
-    summary = summary_of(run_dir)
+    run_dir, summary = train_on_cuda(tmp_path, 1, f"sync={sync}", "trainer.eval_every_n_steps=10")
     assert (summary["backend"], summary["device"], summary["world_size"], summary["steps"]) == ("nccl", "cuda:0", 1, 20)
     assert summary["ranks"][0]["peak_memory/cuda_max_allocated_mb"] > 0
     rows = train_rows(run_dir / "metrics" / "rank0.jsonl")
@@ -145,21 +140,7 @@ def test_resume_on_cuda_is_bit_identical(tmp_path: Path) -> None:
 def test_nccl_two_ranks_on_two_gpus(tmp_path: Path, sync: str) -> None:
     if gpu_count() < 2:
         pytest.skip(f"needs 2 GPUs, {gpu_count()} visible")
-    run_dir = tmp_path / "run"
-    proc = torchrun(
-        [
-            CUDA,
-            f"sync={sync}",
-            "trainer.max_steps=20",
-            "trainer.log_every_n_steps=5",
-            f"hydra.run.dir={run_dir}",
-            *QUICK,
-        ],
-        cwd=tmp_path,
-        nproc=2,
-    )
-    assert proc.returncode == 0, output(proc)
-    summary = summary_of(run_dir)
+    run_dir, summary = train_on_cuda(tmp_path, 2, f"sync={sync}")
     assert (summary["backend"], summary["device"], summary["world_size"]) == ("nccl", "cuda:0", 2)
     for rank in (0, 1):
         for row in train_rows(run_dir / "metrics" / f"rank{rank}.jsonl"):
