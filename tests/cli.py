@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -49,3 +50,24 @@ def jsonl(path: Path) -> list[dict[str, Any]]:
 
 def train_rows(path: Path) -> list[dict[str, Any]]:
     return [row for row in jsonl(path) if "train/loss" in row]
+
+
+def rank_exit_codes(text: str) -> dict[int, int]:
+    """Each failed rank's exit code, from torchrun's failure report (-15: torchrun stopped it)."""
+    found = re.findall(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)", text)
+    return {int(rank): int(code) for rank, code in found}
+
+
+def assert_every_rank_stopped(text: str, message: str, nproc: int = 2) -> set[int]:
+    """A start-up error: some rank printed it and exited (2, or 1 from Hydra), and every other rank exited
+    the same way or went down with the job.
+
+    Every rank checks its input on its own, but torchrun stops the siblings as soon as the first rank
+    exits, so a slower rank may be killed (SIGTERM, -15) before it gets to print the same message.
+    """
+    assert message in text, f"{message!r} not printed:\n{text}"
+    codes = rank_exit_codes(text)
+    assert sorted(codes) == list(range(nproc)), f"torchrun's report does not list every rank: {codes}\n{text}"
+    own_exits = set(codes.values()) - {-15}
+    assert len(own_exits) == 1 and own_exits <= {1, 2}, f"exit codes {codes}\n{text}"
+    return own_exits
