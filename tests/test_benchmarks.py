@@ -1,9 +1,10 @@
-"""The overhead benchmark still runs end to end (its numbers are for the README, not for tests)."""
+"""The benchmarks still run end to end (their numbers are for the README, not for tests)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,3 +34,15 @@ def test_overhead_benchmark_quick_run(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())
     assert [row["sync"] for row in rows] == ["none", "manual:coalesce_mb=0", "manual", "ddp", "ddp:time_buckets=true"]
     assert all(row["framework_ms"] > 0 and row["loop_ms"] > 0 and row["ratio"] > 0 for row in rows)
+
+
+def test_step_costs_counts_every_piece_of_the_step_path(tmp_path: Path) -> None:
+    script = REPO / "benchmarks" / "step_costs.py"
+    cmd = [sys.executable, str(script), "--device", "cpu", "--number", "200"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    cells = dict(line.strip("| ").replace("*", "").split(" | ") for line in proc.stdout.splitlines()[3:])
+    assert list(cells)[0].startswith("window.add") and list(cells)[-1] == "total", proc.stdout
+    pieces = [float(us) for name, us in cells.items() if name != "total"]
+    assert len(pieces) == 6 and all(us > 0 for us in pieces)  # each piece does real work, and was timed
+    assert abs(sum(pieces) - float(cells["total"])) < 0.2
