@@ -78,6 +78,12 @@ def single_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.
         # Per-tensor calls, and flattened into ~1 KB groups: several coalesced all_reduces per step.
         ["sync=manual", "sync.coalesce_mb=0", "data.batch_size=8"],
         ["sync=manual", "sync.coalesce_mb=0.001", "data.batch_size=8"],
+        # reduce_scatter + all_gather on each flat buffer instead of all_reduce.
+        ["sync=manual", "sync.collective=rs_ag", "data.batch_size=8"],
+        # DDP by hand: ~1 KB buckets, several in flight during backward; with rs_ag; accumulating.
+        ["sync=bucketed", "sync.bucket_cap_mb=0.001", "data.batch_size=8"],
+        ["sync=bucketed", "sync.bucket_cap_mb=0.001", "sync.collective=rs_ag", "data.batch_size=8"],
+        ["sync=bucketed", "data.batch_size=4", "trainer.grad_accum_steps=2"],
     ],
     ids=[
         "manual",
@@ -89,6 +95,10 @@ def single_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.
         "manual-accum",
         "manual-per-tensor",
         "manual-small-groups",
+        "manual-rs_ag",
+        "bucketed-tiny-buckets",
+        "bucketed-rs_ag",
+        "bucketed-accum",
     ],
 )
 def test_two_ranks_equal_one_process_with_twice_the_batch(

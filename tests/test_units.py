@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from tests.dist_helpers import run_on_ranks
 from trainer.errors import ConfigError
@@ -24,8 +25,9 @@ from trainer.loop.summary import format_report, job_throughput, rank_timing
 from trainer.loop.timing import PHASES, StepTimer
 from trainer.setup.dist import choose_device
 from trainer.setup.settings import TrainSettings
+from trainer.sync import averaging
 from trainer.sync.comm import CommCounters, busy_time, comm_metrics, exposed_time
-from trainer.sync.manual import average_gradients, average_gradients_coalesced, coalesce
+from trainer.sync.flat import FlatGrads, plan
 
 
 def test_warmup_cosine_shape() -> None:
@@ -159,29 +161,47 @@ def test_summary_helpers() -> None:
     assert "W&B run rank-0: /r/wandb/offline-run-x" in report and "wandb sync /r/wandb/offline-run-*" in report
 
 
-def _average(rank: int, world_size: int, cap_bytes: int) -> list[torch.Tensor]:
+def _average(rank: int, world_size: int, cap_bytes: int, collective: str) -> list[torch.Tensor]:
+    """Three parameters with rank-dependent gradients, averaged through their flat buffers."""
+    params = [nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(2, 2)), nn.Parameter(torch.zeros(5))]
     grads = [torch.full((3,), float(rank + 1)), torch.full((2, 2), float(10 * (rank + 1))), torch.arange(5.0) * rank]
-    if cap_bytes:
-        calls = average_gradients_coalesced(grads, world_size, cap_bytes)
-    else:
-        calls = average_gradients(grads, world_size)
-    return [*grads, torch.tensor(calls)]
+    for param, grad in zip(params, grads, strict=True):
+        param.grad = grad
+    flat = FlatGrads(params, cap_bytes, world_size)  # keeps the gradients, now views into its buffers
+    comm = CommCounters()
+    for bucket in flat.buckets:
+        averaging.average(bucket, collective, world_size)
+        averaging.count(comm, bucket, collective)
+    views = all(p.grad is v for b in flat.buckets for p, v in zip(b.params, b.views, strict=True))
+    return [*(p.grad for p in params), torch.tensor([len(flat.buckets), comm.collectives, comm.bytes, views])]
 
 
+@pytest.mark.parametrize("collective", ["all_reduce", "rs_ag"])
 @pytest.mark.parametrize(
-    ("cap_bytes", "calls"), [(0, 3), (28, 2), (1 << 20, 1)], ids=["per-tensor", "two-groups", "one-group"]
+    ("cap_bytes", "buffers"), [(0, 3), (28, 2), (1 << 20, 1)], ids=["per-tensor", "two-buffers", "one-buffer"]
 )
-def test_average_gradients_is_sum_over_world_size(tmp_path: Path, cap_bytes: int, calls: int) -> None:
-    for *grads, made in run_on_ranks(_average, 2, tmp_path / "avg", cap_bytes):
+def test_flat_buffers_average_is_sum_over_world_size(
+    tmp_path: Path, cap_bytes: int, buffers: int, collective: str
+) -> None:
+    for *grads, made in run_on_ranks(_average, 2, tmp_path / "avg", cap_bytes, collective):
         assert torch.equal(grads[0], torch.full((3,), 1.5))
         assert torch.equal(grads[1], torch.full((2, 2), 15.0))
         assert torch.equal(grads[2], torch.arange(5.0) / 2)
-        assert made.item() == calls
+        calls = buffers * (1 if collective == "all_reduce" else 2)
+        assert made.tolist() == [buffers, calls, (3 + 4 + 5) * 4, 1]  # bytes: the 12 gradient floats
 
 
-def test_coalesce_groups_consecutive_gradients_up_to_the_cap() -> None:
-    grads = [torch.zeros(4), torch.zeros(4), torch.zeros(100), torch.zeros(2)]  # 16, 16, 400, 8 bytes
-    assert [[g.numel() for g in group] for group in coalesce(grads, 32)] == [[4, 4], [100], [2]]
+def test_plan_groups_consecutive_parameters_up_to_the_cap() -> None:
+    params = [nn.Parameter(torch.zeros(n)) for n in (4, 4, 100, 2)]  # 16, 16, 400, 8 bytes
+    assert [[p.numel() for p in group] for group in plan(params, 32)] == [[4, 4], [100], [2]]
+    assert [[p.numel() for p in group] for group in plan(params, 0)] == [[4], [4], [100], [2]]
+    flat = FlatGrads(params, 32, world_size=3)  # buffers padded to a multiple of 3: 8 -> 9, 100 -> 102, 2 -> 3
+    assert [b.buffer.numel() for b in flat.buckets] == [9, 102, 3] and flat.sizes() == [32, 400, 8]
+    assert all(p.grad is not None and p.grad.abs().sum() == 0 for p in params)
+    params[2].grad.add_(1.0)  # type: ignore[union-attr]
+    assert flat.buckets[1].buffer[:100].sum() == 100  # the .grad is the buffer
+    flat.zero()
+    assert flat.buckets[1].buffer.sum() == 0 and params[2].grad is flat.buckets[1].views[0]
 
 
 def test_comm_metrics_arithmetic() -> None:

@@ -95,7 +95,7 @@ class StepRunner:
         else:
             self.optimizer.step()
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.sync.zero_grad(self.optimizer)
         timer.mark("optimizer")
         window.steps += 1
         timer.stop()

@@ -15,6 +15,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from torch import nn
+from torch.optim import Optimizer
 
 from trainer.sync.comm import CommCounters
 
@@ -45,9 +46,21 @@ class SyncStrategy(ABC):
     def after_backward(self, model: nn.Module) -> None:
         """Runs after the last micro-batch's backward, before optimizer.step()."""
 
+    def zero_grad(self, optimizer: Optimizer) -> None:
+        """After optimizer.step(): clear the gradients for the next step.
+
+        Strategies whose gradients are views into persistent flat buffers zero the buffers instead,
+        so that autograd keeps accumulating into them (set_to_none would drop the views).
+        """
+        optimizer.zero_grad(set_to_none=True)
+
     def take_comm(self) -> CommCounters:
         """What was sent (and, if measured, how long it took) since the last call: at logged rows."""
         return self.comm.take()
+
+    def row_metrics(self) -> dict[str, float]:
+        """Extra fields the strategy reports in every logged row (e.g. DDP's bucket cap in use); read at rows only."""
+        return {}
 
     def describe(self) -> dict[str, Any]:
         """What the strategy does, for logs and summaries."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -19,11 +19,23 @@ class CommCounters:
     seconds: float = 0.0  # wall time with at least one collective in flight
     exposed_seconds: float = 0.0  # the part of it not hidden under backward computation
     timed_steps: int = 0  # how many steps seconds/exposed_seconds were measured over (0: untimed)
+    # Per kind of collective ("all_reduce", "reduce_scatter", ...): [bytes of the buffer, calls].
+    kinds: dict[str, list[int]] = field(default_factory=dict)
+
+    def add(self, kind: str, nbytes: int) -> None:
+        """One collective of `kind` on a buffer of `nbytes` (nccl-tests' size: the whole buffer)."""
+        counts = self.kinds.setdefault(kind, [0, 0])
+        counts[0] += nbytes
+        counts[1] += 1
+        self.collectives += 1
 
     def take(self) -> CommCounters:
         """The counts so far; the counters start again from zero."""
-        taken = CommCounters(self.bytes, self.collectives, self.seconds, self.exposed_seconds, self.timed_steps)
+        taken = CommCounters(
+            self.bytes, self.collectives, self.seconds, self.exposed_seconds, self.timed_steps, self.kinds
+        )
         self.bytes, self.collectives, self.seconds, self.exposed_seconds, self.timed_steps = 0, 0, 0.0, 0.0, 0
+        self.kinds = {}
         return taken
 
 
@@ -62,6 +74,9 @@ def comm_metrics(
     if counts.bytes == 0 or steps == 0:
         return {}
     metrics = {"comm/bytes_per_step": counts.bytes / steps, "comm/collectives_per_step": counts.collectives / steps}
+    for kind, (nbytes, calls) in counts.kinds.items():
+        metrics[f"comm/{kind}_bytes_per_step"] = nbytes / steps
+        metrics[f"comm/{kind}_per_step"] = calls / steps
     if in_sync_phase:
         seconds, exposed = sync_phase_s, sync_phase_s
     elif counts.timed_steps:

@@ -1,67 +1,31 @@
-"""Manual data parallelism: broadcast rank 0's weights once, then average gradients by hand."""
+"""Manual data parallelism: broadcast rank 0's weights once, then average gradients by hand.
+
+The gradients live in flat buffers of up to `coalesce_mb` MiB (trainer/sync/flat.py), allocated
+once, each parameter's .grad a view into one: after backward, one collective per buffer averages
+them in place, with no copy into or out of a flat buffer. coalesce_mb=0 gives each gradient its
+own buffer: the textbook loop, one all_reduce per gradient.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim import Optimizer
 
 from trainer.errors import check, is_number
+from trainer.sync import averaging
 from trainer.sync.base import SyncStrategy
+from trainer.sync.flat import FlatGrads
 
 
-def average_gradients(grads: Iterable[torch.Tensor], world_size: int) -> int:
-    """all_reduce(SUM) every gradient, then divide by world_size; returns the number of calls.
-
-    Every rank must call this with the same gradients in the same order: the collectives are
-    matched by position, so a rank that skips one would pair its calls with the wrong tensors.
-    """
-    calls = 0
-    for grad in grads:
-        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
-        grad.div_(world_size)
-        calls += 1
-    return calls
-
-
-def coalesce(grads: list[torch.Tensor], cap_bytes: int) -> Iterator[list[torch.Tensor]]:
-    """Consecutive groups of gradients of at most cap_bytes each (a larger tensor goes alone)."""
-    group: list[torch.Tensor] = []
-    size = 0
-    for grad in grads:
-        nbytes = grad.numel() * grad.element_size()
-        if group and (size + nbytes > cap_bytes or grad.dtype != group[0].dtype):
-            yield group
-            group, size = [], 0
-        group.append(grad)
-        size += nbytes
-    if group:
-        yield group
-
-
-def average_gradients_coalesced(grads: list[torch.Tensor], world_size: int, cap_bytes: int) -> int:
-    """The same average with one all_reduce per flattened group: fewer, larger calls.
-
-    Costs a copy into and out of each flat buffer; wins when per-call latency dominates (many
-    small gradients). Elementwise the sums are the same as per-tensor calls.
-    """
-    calls = 0
-    for group in coalesce(grads, cap_bytes):
-        calls += 1
-        if len(group) == 1:  # nothing to coalesce: reduce in place, no copies
-            average_gradients(group, world_size)
-            continue
-        flat = torch.cat([g.reshape(-1) for g in group])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        flat.div_(world_size)
-        offset = 0
-        for grad in group:
-            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
-    return calls
+def broadcast_from_rank0(model: nn.Module) -> None:
+    """Same seed is not enough to trust: every replica starts from rank 0's parameters and buffers."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor, src=0)
 
 
 class ManualSync(SyncStrategy):
@@ -69,32 +33,39 @@ class ManualSync(SyncStrategy):
 
     comm_in_sync_phase = True  # it communicates only in after_backward, which the trainer times
 
-    def __init__(self, coalesce_mb: float = 25.0) -> None:
+    def __init__(self, coalesce_mb: float = 25.0, collective: str = "all_reduce") -> None:
         super().__init__()
         check(
             is_number(coalesce_mb) and coalesce_mb >= 0,
             "sync.coalesce_mb",
             coalesce_mb,
-            "must be a number >= 0 (0: one all_reduce per gradient; >0: MiB per flattened all_reduce)",
+            "must be a number >= 0 (0: one buffer per gradient; >0: MiB per flat gradient buffer)",
         )
         self.coalesce_mb = float(coalesce_mb)
+        self.collective = averaging.check_collective(collective)
+        self._flat: FlatGrads | None = None
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        # Same seed is not enough to trust: broadcast so every replica starts from rank 0's state.
-        with torch.no_grad():
-            for tensor in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(tensor, src=0)
+        broadcast_from_rank0(model)
+        params = [p for p in model.parameters() if p.requires_grad]
+        self._flat = FlatGrads(params, int(self.coalesce_mb * 2**20), dist.get_world_size())
         return model
 
     def after_backward(self, model: nn.Module) -> None:
-        grads = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None]
+        assert self._flat is not None, "wrap() first"
+        self._flat.bind()  # a no-op unless something replaced a gradient (e.g. zero_grad(set_to_none))
         world_size = dist.get_world_size()
-        if self.coalesce_mb > 0:
-            calls = average_gradients_coalesced(grads, world_size, int(self.coalesce_mb * 2**20))
-        else:
-            calls = average_gradients(grads, world_size)
-        self.comm.bytes += sum(g.numel() * g.element_size() for g in grads)
-        self.comm.collectives += calls
+        for bucket in self._flat.buckets:
+            averaging.average(bucket, self.collective, world_size)
+            averaging.count(self.comm, bucket, self.collective)
+
+    def zero_grad(self, optimizer: Optimizer) -> None:
+        assert self._flat is not None, "wrap() first"
+        self._flat.zero()
 
     def describe(self) -> dict[str, Any]:
-        return {"strategy": "manual", "coalesce_mb": self.coalesce_mb}
+        info: dict[str, Any] = {"strategy": "manual", "coalesce_mb": self.coalesce_mb, "collective": self.collective}
+        if self._flat is not None:
+            info["num_buffers"] = len(self._flat.buckets)
+            info["buffer_sizes_bytes"] = self._flat.sizes()
+        return info

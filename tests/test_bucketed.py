@@ -1,0 +1,83 @@
+"""sync=bucketed's mechanism on real gloo ranks: buckets start during backward, views, no_sync, timing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.dist_helpers import run_on_ranks
+from trainer.sync.bucketed import BucketedSync
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _backward(model: nn.Module, rank: int) -> None:
+    torch.manual_seed(100 + rank)  # each rank its own data
+    F.cross_entropy(model(torch.randn(6, 8)), torch.randint(0, 4, (6,))).backward()
+
+
+def _mechanism(rank: int, world_size: int, collective: str) -> dict[str, Any]:
+    sync = BucketedSync(bucket_cap_mb=300 / 2**20, collective=collective, time_every_n_steps=1)  # ~300 B buckets
+    model = sync.wrap(_model(seed=rank))  # rank 1's different draw is replaced by rank 0's
+    buckets = sync.describe()["num_buckets"]
+    reference = _model(seed=0)  # rank 0's weights, no sync: this rank's own gradients
+    for _ in range(2):
+        _backward(reference, rank)
+    # Accumulation: inside no_sync the hooks start nothing.
+    with sync.no_sync(model):
+        _backward(model, rank)
+    started_in_no_sync = len(sync._works)
+    _backward(model, rank)
+    # Before after_backward: every bucket was launched while backward ran (and may already be
+    # reduced in place by gloo's thread, so the buffers are not read here).
+    started_by_hooks = len(sync._works)
+    sync.after_backward(model)
+    views = all(p.grad is v for b in sync._flat.buckets for p, v in zip(b.params, b.views, strict=True))  # type: ignore[union-attr]
+    counts = sync.take_comm()
+    averaged = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    sync.zero_grad(torch.optim.SGD(model.parameters(), lr=0.1))
+    return {
+        "buckets": buckets,
+        "started_in_no_sync": started_in_no_sync,
+        "started_by_hooks": started_by_hooks,
+        "local": [p.grad for p in reference.parameters()],
+        "averaged": averaged,
+        "views": views,
+        "zeroed": all(p.grad is not None and not p.grad.any() for p in model.parameters()),
+        "counts": counts,
+        "params": [p.detach().clone() for p in model.parameters()],
+    }
+
+
+def test_buckets_start_during_backward_and_average_in_place(tmp_path: Path) -> None:
+    rank0, rank1 = run_on_ranks(_mechanism, 2, tmp_path / "run", "all_reduce")
+    for rank in (rank0, rank1):
+        assert rank["buckets"] >= 3  # 5 of 6 gradient tensors are over 300 bytes: several buckets
+        assert rank["started_in_no_sync"] == 0
+        assert rank["started_by_hooks"] == rank["buckets"]  # every bucket left before after_backward
+        assert rank["views"] and rank["zeroed"]
+    assert all(torch.equal(a, b) for a, b in zip(rank0["params"], rank1["params"], strict=True))  # broadcast
+    # Both micro-batches accumulated into the buffers, then the ranks' sums were averaged.
+    for a, b, avg0, avg1 in zip(rank0["local"], rank1["local"], rank0["averaged"], rank1["averaged"], strict=True):
+        assert torch.allclose(avg0, (a + b) / 2, atol=1e-6) and torch.equal(avg0, avg1)
+    counts = rank0["counts"]
+    grad_bytes = sum(p.numel() * 4 for p in rank0["params"])
+    assert counts.bytes == grad_bytes and counts.kinds["all_reduce"] == [grad_bytes, rank0["buckets"]]
+    assert counts.timed_steps == 1 and counts.seconds > 0 and 0 <= counts.exposed_seconds <= counts.seconds + 1e-3
+
+
+def test_rs_ag_gives_the_same_bits_as_all_reduce(tmp_path: Path) -> None:
+    all_reduce = run_on_ranks(_mechanism, 2, tmp_path / "ar", "all_reduce")
+    rs_ag = run_on_ranks(_mechanism, 2, tmp_path / "rsag", "rs_ag")
+    for a, b in zip(all_reduce, rs_ag, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a["averaged"], b["averaged"], strict=True))
+        assert b["started_by_hooks"] == b["buckets"]
+        kinds = b["counts"].kinds
+        assert set(kinds) == {"reduce_scatter", "all_gather"} and kinds["all_gather"][1] == b["buckets"]

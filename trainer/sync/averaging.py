@@ -1,0 +1,77 @@
+"""Averaging one flat bucket across ranks: all_reduce, or reduce_scatter then all_gather.
+
+The notes' identity, all_reduce = reduce_scatter + all_gather, made runnable: reduce_scatter
+leaves each rank the sum of its 1/N shard of the buffer, the shard is divided by N, and
+all_gather puts every rank's averaged shard back into every rank's buffer. Each element is summed
+over the same ranks either way; on gloo the two give bit-identical results (a test checks it).
+
+Both run in two halves so that a strategy can start the first while backward continues and
+finish it later: start() issues the first collective asynchronously, finish() waits for it,
+divides, and (rs_ag) runs the all_gather. Every rank must start and finish the same buckets in
+the same order: collectives are paired by the order they are issued.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch.distributed as dist
+
+from trainer.errors import check
+from trainer.sync.comm import CommCounters
+from trainer.sync.flat import Bucket
+
+COLLECTIVES = ("all_reduce", "rs_ag")
+
+
+class Waitable(Protocol):
+    """A collective in flight: a dist.Work, or a future chained to one."""
+
+    def wait(self) -> Any: ...
+
+
+def check_collective(collective: str) -> str:
+    check(
+        collective in COLLECTIVES,
+        "sync.collective",
+        collective,
+        "accepted: all_reduce (one all_reduce per buffer) or rs_ag (reduce_scatter, then all_gather)",
+    )
+    return collective
+
+
+def start(bucket: Bucket, collective: str) -> dist.Work:
+    """Issue the bucket's first collective (SUM) without waiting for it."""
+    if collective == "all_reduce":
+        work: dist.Work | None = dist.all_reduce(bucket.grads, op=dist.ReduceOp.SUM, async_op=True)
+    else:
+        work = dist.reduce_scatter_tensor(bucket.shard, bucket.buffer, op=dist.ReduceOp.SUM, async_op=True)
+    assert work is not None, "async_op=True returns the collective's Work"
+    return work
+
+
+def finish(bucket: Bucket, collective: str, work: Waitable, world_size: int) -> dist.Work | None:
+    """Wait for start()'s collective and divide; for rs_ag, return the all_gather still in flight."""
+    work.wait()
+    if collective == "all_reduce":
+        bucket.grads.div_(world_size)
+        return None
+    bucket.shard.div_(world_size)
+    return dist.all_gather_into_tensor(bucket.buffer, bucket.shard, async_op=True)
+
+
+def average(bucket: Bucket, collective: str, world_size: int) -> None:
+    """Both halves back to back: the bucket holds the average on every rank when this returns."""
+    gather = finish(bucket, collective, start(bucket, collective), world_size)
+    if gather is not None:
+        gather.wait()
+
+
+def count(comm: CommCounters, bucket: Bucket, collective: str) -> None:
+    """What one bucket's average sends: its gradient bytes, and each collective by kind."""
+    comm.bytes += bucket.nbytes
+    if collective == "all_reduce":
+        comm.add("all_reduce", bucket.nbytes)
+    else:  # both operate on the padded buffer (the input of one, the output of the other)
+        comm.add("reduce_scatter", bucket.padded_nbytes)
+        comm.add("all_gather", bucket.padded_nbytes)

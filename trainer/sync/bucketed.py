@@ -1,0 +1,241 @@
+"""DDP's mechanism written out: gradient buckets, a hook per parameter, communication during backward.
+
+1. wrap(): rank 0's parameters and buffers are broadcast; the parameters are grouped, in reverse
+   registration order (roughly the order backward produces their gradients), into buckets of
+   about `bucket_cap_mb`, whose flat buffers hold the gradients (each .grad a view: no copies).
+2. backward: a post-accumulate-grad hook on each parameter counts the gradients still missing in
+   its bucket; when none is, the bucket's collective starts asynchronously while backward goes on
+   computing earlier layers. Buckets start strictly in order (a bucket ready early waits for the
+   ones before it), so every rank issues the same collectives in the same order, as DDP does.
+3. after_backward(): waits for every bucket, divides by the world size (rs_ag: then all_gathers).
+4. no_sync(): the hooks do nothing; gradients accumulate locally in the buffers.
+
+Communication is timed on one step in `time_every_n_steps` (the logged one by default): each
+bucket's launch and arrival, on host clocks on CPU (where gloo completes the future when the data
+is there) or CUDA events on GPU (recorded on the stream that waits for the collective).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
+
+from trainer.errors import check, is_int, is_number
+from trainer.sync import averaging
+from trainer.sync.base import SyncStrategy
+from trainer.sync.comm import CommCounters, busy_time
+from trainer.sync.flat import FlatGrads
+from trainer.sync.manual import broadcast_from_rank0
+
+
+class Clock:
+    """Marks on host clocks (CPU) or CUDA events (GPU), turned into seconds only when read."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def now(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, origin: Any, mark: Any) -> float:
+        if not self.cuda:
+            return float(mark - origin)
+        mark.synchronize()
+        return float(origin.elapsed_time(mark)) / 1000.0
+
+
+class BucketedSync(SyncStrategy):
+    """Gradients averaged bucket by bucket as backward produces them, by hooks this module registers."""
+
+    def __init__(
+        self, bucket_cap_mb: float = 25.0, collective: str = "all_reduce", time_every_n_steps: int = 10
+    ) -> None:
+        super().__init__()
+        check(
+            is_number(bucket_cap_mb) and bucket_cap_mb > 0,
+            "sync.bucket_cap_mb",
+            bucket_cap_mb,
+            "must be a number > 0 (MiB of gradients per bucket; DDP's default is 25)",
+        )
+        check(
+            is_int(time_every_n_steps) and time_every_n_steps >= 1,
+            "sync.time_every_n_steps",
+            time_every_n_steps,
+            "must be an integer >= 1 (buckets are timed on one step in this many)",
+        )
+        self.bucket_cap_mb = float(bucket_cap_mb)
+        self.collective = averaging.check_collective(collective)
+        self.time_every_n_steps = time_every_n_steps
+        self._params: list[nn.Parameter] = []
+        self._flat: FlatGrads | None = None
+        self._handles: list[RemovableHandle] = []
+        self._missing: list[int] = []  # per bucket, gradients not yet ready in this backward
+        self._next = 0  # the next bucket to start
+        self._works: list[averaging.Waitable] = []
+        self._accumulating = False
+        self._world_size = 1
+        self._clock: Clock | None = None
+        self._step = 0
+        self._timing = False  # this step's buckets are timed
+        self._marks: list[Any] = []  # launch mark per started bucket (timed steps)
+        self._spans: list[tuple[Any, Any]] = []  # (start, end) marks per collective, this timed step
+        # Since the last row, per timed step: (origin, backward's end, spans).
+        self._timed: list[tuple[Any, Any, list[tuple[Any, Any]]]] = []
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        broadcast_from_rank0(model)
+        self._world_size = dist.get_world_size()
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        self._clock = Clock(self._params[0].device)
+        self.rebuild(self.bucket_cap_mb)
+        self._timing = self.time_every_n_steps == 1
+        return model
+
+    def rebuild(self, cap_mb: float) -> None:
+        """(Re)make the buckets for a cap, keeping the gradients they hold; between steps only."""
+        for handle in self._handles:
+            handle.remove()
+        self.bucket_cap_mb = cap_mb
+        # Reverse registration order: the last layers' gradients are ready first in backward.
+        self._flat = FlatGrads(list(reversed(self._params)), int(cap_mb * 2**20), self._world_size)
+        self._handles = [
+            param.register_post_accumulate_grad_hook(partial(self._grad_ready, index, view))
+            for index, bucket in enumerate(self._flat.buckets)
+            for param, view in zip(bucket.params, bucket.views, strict=True)
+        ]
+        self._reset()
+
+    def _reset(self) -> None:
+        assert self._flat is not None
+        self._missing = [len(bucket.params) for bucket in self._flat.buckets]
+        self._next = 0
+        self._works = []
+        self._marks = []
+
+    def _grad_ready(self, index: int, view: torch.Tensor, param: torch.Tensor) -> None:
+        """Autograd's hook: `param`'s gradient for this backward is fully accumulated."""
+        if self._accumulating:
+            return
+        grad = param.grad
+        if grad is not view:  # someone replaced the view (e.g. set_to_none): put it back
+            assert grad is not None, "autograd calls this hook after accumulating a gradient"
+            view.copy_(grad)
+            param.grad = view
+        self._missing[index] -= 1
+        while self._next < len(self._missing) and self._missing[self._next] == 0:
+            self._start(self._next)
+            self._next += 1
+
+    def _start(self, index: int) -> None:
+        assert self._flat is not None and self._clock is not None
+        bucket = self._flat.buckets[index]
+        if self._timing:
+            self._marks.append(self._clock.now())
+        work = averaging.start(bucket, self.collective)
+        self._works.append(self._timed_work(work, self._marks[-1]) if self._timing else work)
+
+    def _timed_work(self, work: dist.Work, started: Any) -> averaging.Waitable:
+        """The collective, noting when its result arrived: from its future where the backend has one
+        (gloo's all_reduce, NCCL), else when after_backward's wait returns (an upper bound)."""
+        assert self._clock is not None
+        clock, spans = self._clock, self._spans
+
+        def arrived(_: object) -> None:
+            spans.append((started, clock.now()))  # on the communication thread (gloo) or its stream (CUDA)
+
+        try:
+            return work.get_future().then(arrived)
+        except RuntimeError:  # e.g. gloo's reduce_scatter: "Work::getFuture not implemented"
+            return _WaitThenNote(work, arrived)
+
+    def after_backward(self, model: nn.Module) -> None:
+        assert self._flat is not None and self._clock is not None
+        buckets = self._flat.buckets
+        if self._next < len(buckets):
+            missing = [bucket.params[0].shape for i, bucket in enumerate(buckets) if self._missing[i] > 0]
+            raise RuntimeError(
+                f"sync=bucketed: {len(buckets) - self._next} bucket(s) never got all their gradients this step "
+                f"(first shapes: {missing[:3]}); every trainable parameter must receive a gradient in every backward"
+            )
+        backward_end = self._clock.now() if self._timing else None
+        gathers: list[tuple[Any, dist.Work]] = []
+        for bucket, work in zip(buckets, self._works, strict=True):
+            gather = averaging.finish(bucket, self.collective, work, self._world_size)
+            averaging.count(self.comm, bucket, self.collective)
+            if gather is not None:
+                gathers.append((self._clock.now() if self._timing else None, gather))
+        for started, gather in gathers:
+            gather.wait()
+            if self._timing:
+                self._spans.append((started, self._clock.now()))
+        if self._timing:
+            self._timed.append((self._marks[0], backward_end, self._spans))
+            self._spans = []
+        self._step += 1
+        self._timing = (self._step + 1) % self.time_every_n_steps == 0
+        self._reset()
+
+    def take_comm(self) -> CommCounters:
+        counts = self.comm.take()
+        assert self._clock is not None
+        for origin, backward_end, spans in self._timed:
+            intervals = [(self._clock.seconds(origin, a), self._clock.seconds(origin, b)) for a, b in spans]
+            end_of_backward = self._clock.seconds(origin, backward_end)
+            counts.seconds += busy_time(intervals)
+            counts.exposed_seconds += max(0.0, max(end for _, end in intervals) - end_of_backward)
+            counts.timed_steps += 1
+        self._timed = []
+        return counts
+
+    @contextmanager
+    def _local(self) -> Iterator[None]:
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
+
+    def no_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
+        return self._local()
+
+    def zero_grad(self, optimizer: Optimizer) -> None:
+        assert self._flat is not None
+        self._flat.zero()
+
+    def describe(self) -> dict[str, Any]:
+        info: dict[str, Any] = {
+            "strategy": "bucketed",
+            "bucket_cap_mb": self.bucket_cap_mb,
+            "collective": self.collective,
+            "comm_timing": f"per bucket, 1 step in {self.time_every_n_steps}",
+        }
+        if self._flat is not None:
+            info["num_buckets"] = len(self._flat.buckets)
+            info["bucket_sizes_bytes"] = self._flat.sizes()
+            info["total_parameter_bytes"] = self._flat.nbytes
+        return info
+
+
+class _WaitThenNote:
+    """A collective without a future: its arrival is noted when the wait returns."""
+
+    def __init__(self, work: dist.Work, arrived: Callable[[object], None]) -> None:
+        self._work, self._arrived = work, arrived
+
+    def wait(self) -> bool:
+        self._work.wait()
+        self._arrived(None)
+        return True

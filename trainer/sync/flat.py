@@ -1,0 +1,104 @@
+"""Gradients that live in flat bucket buffers, allocated once: each parameter's .grad is a view.
+
+A collective then runs on a bucket's buffer directly: nothing is copied into a flat buffer before
+it or back out after it, which is what coalescing per step costs (two copies of every gradient).
+Autograd keeps accumulating into the views as long as they are not dropped, so the strategy
+zeroes the buffers between steps instead of setting the gradients to None.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Bucket:
+    """Some parameters' gradients, side by side in one buffer padded to a multiple of the world size."""
+
+    params: list[nn.Parameter]
+    views: list[torch.Tensor]  # each parameter's .grad, a view into `buffer`
+    buffer: torch.Tensor  # numel gradient elements, then zeros up to a multiple of the world size
+    numel: int
+    shard: torch.Tensor  # this rank's 1/world_size of the buffer, for reduce_scatter + all_gather
+
+    @property
+    def nbytes(self) -> int:
+        """The gradients' bytes (what all_reduce sends, without the padding)."""
+        return self.numel * self.buffer.element_size()
+
+    @property
+    def padded_nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    @property
+    def grads(self) -> torch.Tensor:
+        """The gradients without the padding."""
+        return self.buffer[: self.numel]
+
+
+def plan(params: Sequence[nn.Parameter], cap_bytes: int) -> Iterator[list[nn.Parameter]]:
+    """Consecutive groups of at most cap_bytes (a larger parameter goes alone; 0: one parameter each).
+
+    A group never mixes dtypes or devices: its gradients share one buffer.
+    """
+    group: list[nn.Parameter] = []
+    size = 0
+    for param in params:
+        nbytes = param.numel() * param.element_size()
+        same_kind = not group or (param.dtype, param.device) == (group[0].dtype, group[0].device)
+        if group and (size + nbytes > cap_bytes or not same_kind):
+            yield group
+            group, size = [], 0
+        group.append(param)
+        size += nbytes
+    if group:
+        yield group
+
+
+class FlatGrads:
+    """Buckets for `params` in the given order, each parameter's .grad bound to its bucket's view."""
+
+    def __init__(self, params: Sequence[nn.Parameter], cap_bytes: int, world_size: int) -> None:
+        self.buckets = [self._allocate(group, world_size) for group in plan(params, cap_bytes)]
+        self.bind()
+
+    @staticmethod
+    def _allocate(params: list[nn.Parameter], world_size: int) -> Bucket:
+        numel = sum(p.numel() for p in params)
+        padded = -(-numel // world_size) * world_size
+        buffer = torch.zeros(padded, dtype=params[0].dtype, device=params[0].device)
+        views, offset = [], 0
+        for param in params:
+            views.append(buffer[offset : offset + param.numel()].view_as(param))
+            offset += param.numel()
+        shard = torch.empty(padded // world_size, dtype=buffer.dtype, device=buffer.device)
+        return Bucket(params, views, buffer, numel, shard)
+
+    def bind(self) -> None:
+        """Make every parameter's .grad its view again, keeping any gradient it already holds."""
+        for bucket in self.buckets:
+            for param, view in zip(bucket.params, bucket.views, strict=True):
+                if param.grad is view:
+                    continue
+                if param.grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(param.grad)
+                param.grad = view
+
+    def zero(self) -> None:
+        """Clear every gradient: one fill per bucket, and the views stay bound."""
+        for bucket in self.buckets:
+            bucket.buffer.zero_()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(bucket.nbytes for bucket in self.buckets)
+
+    def sizes(self) -> list[int]:
+        """Each bucket's gradient bytes, in order."""
+        return [bucket.nbytes for bucket in self.buckets]
