@@ -18,8 +18,13 @@ pytestmark = pytest.mark.slow
 
 BAD_INPUTS = {
     # id: (overrides, text the failing ranks must print: key, value, accepted values)
-    "unknown-sync": (["sync=bogus"], ["Could not find 'sync/bogus'", "ddp", "manual", "none"]),
+    "unknown-sync": (["sync=bogus"], ["Could not find 'sync/bogus'", "bucketed", "ddp", "manual", "none"]),
     "bucket-zero": (["sync.bucket_cap_mb=0"], ["sync.bucket_cap_mb=0 is invalid", "must be a number > 0"]),
+    "collective-bogus": (
+        ["sync=bucketed", "sync.collective=bogus"],
+        ["sync.collective='bogus' is invalid", "all_reduce", "rs_ag"],
+    ),
+    "bucketed-cap-zero": (["sync=bucketed", "sync.bucket_cap_mb=0"], ["sync.bucket_cap_mb=0 is invalid", "> 0"]),
     "batch-zero": (["data.batch_size=0"], ["data.batch_size=0 is invalid", "integer > 0"]),
     "negative-steps": (["trainer.max_steps=-1"], ["trainer.max_steps=-1 is invalid", "integer >= 0"]),
     "misspelt-key": (
