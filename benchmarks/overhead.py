@@ -1,12 +1,15 @@
 """Overhead benchmark: ddplab's trainer against a minimal hand-written loop, side by side.
 
-    torchrun --nproc_per_node=2 benchmarks/overhead.py            # the README's table (~6 min on 2 cores)
+    torchrun --nproc_per_node=2 benchmarks/overhead.py            # the README's table (~10 min on 2 cores)
     torchrun --nproc_per_node=2 benchmarks/overhead.py --quick    # a smoke run
+    torchrun --nproc_per_node=2 benchmarks/overhead.py --models mlp-wide,mlp-deep   # the shapes below
     torchrun --nproc_per_node=1 benchmarks/overhead.py --device cuda   # one GPU (make gpu-check runs this)
 
-For each model (an MLP of ~25 M parameters, where communication is heavy; the cnn, where
-compute is; a tiny MLP whose sub-millisecond step shows any per-step bookkeeping) and each
-strategy (none, manual, ddp), both implementations train the same model on the same data with the
+For each model (by default: an MLP of ~25 M parameters, where communication is heavy; the cnn,
+where compute is; a tiny MLP whose sub-millisecond step shows any per-step bookkeeping; with
+--models also mlp-wide, a few huge tensors, and mlp-deep, 102 small ones: the shapes where an
+optimisation of communication could lose) and each strategy (none, manual, bucketed, ddp and their
+variants in STRATEGIES), both implementations train the same model on the same data with the
 same per-rank batch and optimizer. The hand-written loop is what a PyTorch DDP tutorial writes,
 plain torch and no logging, except that it gathers each batch from the in-memory tensors with one
 index, as the framework's loader does: the ratio then measures the framework's bookkeeping, not
@@ -14,7 +17,10 @@ two ways of loading data. Rounds interleave the two (framework first, then
 the loop first, ...); each round times a fixed number of steps after a barrier, and a job's time
 is its slowest rank's. Reported: medians over rounds, the ratio framework / loop, and the
 framework's communication time per step against the floor of one all_reduce of the same bytes
-measured in the same run (sync efficiency = floor / communication time).
+measured in the same run (sync efficiency = floor / communication time). The loop has no knobs:
+for manual it all-reduces each gradient, for ddp and bucketed it wraps the model in PyTorch's
+DistributedDataParallel (bucket_cap_mb=25), so bucketed's ratio reads "the framework's hand-built
+DDP / PyTorch's DDP".
 """
 
 from __future__ import annotations
@@ -42,13 +48,29 @@ MODELS = {
     "cnn": ["model=cnn", "data=fake", "data.batch_size=64", "data.num_samples=4096"],
     # A step of well under a millisecond, where per-step bookkeeping shows.
     "mlp-tiny": ["model=mlp", "model.hidden_sizes=[64]", "data=synthetic", "data.batch_size=64"],
+    # Where an optimisation of communication could lose. A few huge tensors (17 M parameters, 64 MiB
+    # of them in one 4096x4096 weight, larger than any bucket): bucketing and splitting have little to group.
+    "mlp-wide": ["model=mlp", "model.hidden_sizes=[4096,4096]", "data=synthetic", "data.batch_size=64"],
+    # Many small tensors (50 hidden layers of 64: 102 gradient tensors, 0.2 M parameters): per-tensor
+    # and per-bucket overheads dominate.
+    "mlp-deep": ["model=mlp", f"model.hidden_sizes=[{','.join(['64'] * 50)}]", "data=synthetic", "data.batch_size=64"],
 }
 DEFAULT_MODELS = ("mlp-25M", "cnn", "mlp-tiny")
 # manual's default flattens gradients into all_reduces of up to 25 MiB; coalesce_mb=0 is the
 # textbook one call per gradient, as the hand-written loop does. ddp:time_buckets=true (CPU only)
-# times every bucket through a Python hook instead of DDP's sampled runtime statistics.
-STRATEGIES = ("none", "manual:coalesce_mb=0", "manual", "ddp", "ddp:time_buckets=true")
-CUDA_STRATEGIES = ("none", "manual:coalesce_mb=0", "manual", "ddp")
+# times every bucket through a Python hook instead of DDP's sampled runtime statistics. bucketed is
+# DDP built by hand; collective=rs_ag does each all_reduce as reduce_scatter + all_gather.
+STRATEGIES = (
+    "none",
+    "manual:coalesce_mb=0",
+    "manual",
+    "manual:collective=rs_ag",
+    "bucketed",
+    "bucketed:collective=rs_ag",
+    "ddp",
+    "ddp:time_buckets=true",
+)
+CUDA_STRATEGIES = tuple(s for s in STRATEGIES if s != "ddp:time_buckets=true")
 
 
 def timed(run: object, steps: int, device: torch.device) -> float:

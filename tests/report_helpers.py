@@ -15,9 +15,18 @@ from tests.compose import REPO
 DDP = "trainer.sync.ddp.DDPSync"
 MANUAL = "trainer.sync.manual.ManualSync"
 NONE = "trainer.sync.none.NoSync"
+BUCKETED = "trainer.sync.bucketed.BucketedSync"
 
 
-def train_row(step: int, step_s: float, sync_s: float, samples_per_s: float, loss: float) -> dict[str, Any]:
+def train_row(
+    step: int,
+    step_s: float,
+    sync_s: float,
+    samples_per_s: float,
+    loss: float,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A training row with the keys every row has; `extra` adds or replaces some (comm_keys, memory)."""
     return {
         "step": step,
         "epoch": 0,
@@ -33,7 +42,21 @@ def train_row(step: int, step_s: float, sync_s: float, samples_per_s: float, los
         "throughput/samples_per_s": samples_per_s,
         "memory/rss_mb": 700.0,
         "some/future_key": 123.0,  # unknown keys must be ignored
+        **(extra or {}),
     }
+
+
+def comm_keys(bytes_per_step: float, comm_s: float | None = None, exposed_s: float | None = None) -> dict[str, Any]:
+    """A communicating strategy's keys: bytes always; times only on a row whose step was timed (ddp samples)."""
+    keys: dict[str, Any] = {"comm/bytes_per_step": bytes_per_step, "comm/collectives_per_step": 2.0}
+    if comm_s is not None and exposed_s is not None:
+        keys |= {
+            "time/comm_s": comm_s,
+            "time/comm_exposed_s": exposed_s,
+            "comm/overlap_fraction": 1.0 - exposed_s / comm_s,
+            "comm/busbw_GBps": bytes_per_step / comm_s / 1e9,
+        }
+    return keys
 
 
 def eval_row(step: int, accuracy: float) -> dict[str, Any]:
@@ -45,9 +68,10 @@ def write_job(
     ranks: list[list[dict[str, Any]]],
     target: str | None,
     overrides: list[str] | None,
-    bucket_cap_mb: float | None = None,
+    bucket_cap_mb: float | str | None = None,
     complete: bool = True,
     tail: str = "",
+    sync_knobs: dict[str, Any] | None = None,
 ) -> Path:
     (path / "metrics").mkdir(parents=True)
     for rank, rows in enumerate(ranks):
@@ -57,6 +81,7 @@ def write_job(
         sync: dict[str, Any] = {"_target_": target}
         if bucket_cap_mb is not None:
             sync["bucket_cap_mb"] = bucket_cap_mb
+        sync |= sync_knobs or {}
         (path / ".hydra").mkdir()
         config = {"run_name": "${ddplab.run_stamp:}", "model": {"_target_": "models.mlp.MLP"}, "sync": sync}
         (path / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))

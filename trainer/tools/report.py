@@ -90,8 +90,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     out = args.out or args.dir
     out.mkdir(parents=True, exist_ok=True)
-    swept = len(rows) > 1 and any(r.bucket_cap_mb is not None for r in rows if r.status == "ok")
-    kind = "DDP bucket size sweep:" if swept else "Job" if len(rows) == 1 else "Sweep"
+    done = [r for r in rows if r.status == "ok"]
+    if len({r.bucket_cap_mb for r in done if r.bucket_cap_mb is not None}) > 1:
+        kind = (
+            "DDP bucket size sweep:"
+            if {r.sync for r in done if r.bucket_cap_mb is not None} == {"ddp"}
+            else "Bucket size sweep:"
+        )
+    elif len({r.sync for r in rows}) > 1:
+        kind = "Strategy sweep:"
+    else:
+        kind = "Job" if len(rows) == 1 else "Sweep"
     title = f"{kind} {args.dir.resolve().name}, {max(len(r.ranks) for r in rows)} ranks"
     print(f"{title}\n{format_table(rows)}")
     if any(0 < min((r.timed_steps for r in row.ranks), default=0) < 5 for row in rows):

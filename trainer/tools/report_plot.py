@@ -19,14 +19,22 @@ def _values(row: JobRow, field: str) -> list[float]:
     return [v for v in (getattr(r, field) for r in row.ranks) if v is not None]
 
 
+def _other_overrides(row: JobRow) -> list[str]:
+    """The row's overrides besides the strategy, model and bucket size: they tell its series apart."""
+    keys = ("sync", "model", "sync.bucket_cap_mb")
+    return [o for o in row.overrides.split() if o.split("=", 1)[0].lstrip("+~") not in keys]
+
+
 def plot(rows: Sequence[JobRow], title: str) -> Figure:
-    """Step time and throughput against bucket size (log x), or per job if no job has a bucket size."""
+    """Step time and throughput against bucket size (log x) when it varies, else per job."""
     done = [r for r in rows if r.status == "ok" and r.step_ms is not None and r.samples_per_s is not None]
     bucketed = sorted((r for r in done if r.bucket_cap_mb is not None), key=lambda r: r.bucket_cap_mb or 0.0)
+    if len({r.bucket_cap_mb for r in bucketed}) < 2:  # e.g. a strategy sweep: bars per job, not one x value
+        bucketed = []
     vary = [f for f in ("sync", "model") if len({getattr(r, f) for r in done}) > 1]
     series: dict[str, list[JobRow]] = {}
     for r in bucketed:
-        series.setdefault(" ".join(getattr(r, f) for f in vary) or r.sync, []).append(r)
+        series.setdefault(" ".join([getattr(r, f) for f in vary] + _other_overrides(r)) or r.sync, []).append(r)
     colors = [f"C{i % 10}" for i in range(len(done) + 1)]
     fig = Figure(figsize=(13, 5))
     FigureCanvasAgg(fig)  # Agg renders to files only, and without pyplot no figure stays alive globally
@@ -51,8 +59,10 @@ def plot(rows: Sequence[JobRow], title: str) -> Figure:
                     "x",
                     color=color,
                 )
-            for color, r in zip(colors[len(series) :], [r for r in done if r.bucket_cap_mb is None], strict=False):
-                ax.axhline(getattr(r, field), ls="--", color=color, label=f"{r.sync} (job {r.job}, no buckets)")
+            others = [r for r in done if all(r is not b for b in bucketed)]
+            for color, r in zip(colors[len(series) :], others, strict=False):
+                what = f"buckets {r.bucket_setting}" if r.bucket_setting else "no buckets"
+                ax.axhline(getattr(r, field), ls="--", color=color, label=f"{r.sync} (job {r.job}, {what})")
                 if field == "step_ms":  # rank spread; on throughput the ranks sit at 1/N of the line
                     ax.axhspan(min(_values(r, field)), max(_values(r, field)), color=color, alpha=0.12)
             ax.set_xscale("log")
@@ -66,7 +76,9 @@ def plot(rows: Sequence[JobRow], title: str) -> Figure:
                 *zip(*[(x, v) for x, r in enumerate(done) for v in _values(r, field)], strict=True), "x", color="black"
             )
             labels = [f"job {r.job}\n" + r.overrides.replace(" ", "\n") for r in done]
-            ax.set_xticks(range(len(done)), labels, fontsize=8)
+            # Many jobs (a strategy sweep has eight) would overlap their labels: slant them instead.
+            slant = {"rotation": 30, "ha": "right", "rotation_mode": "anchor"} if len(done) > 4 else {}
+            ax.set_xticks(range(len(done)), labels, fontsize=8, **slant)
             ax.set_xlabel("job (overrides)")
         ax.plot([], [], "x", color="gray", label="per-rank median" + ("" if marks is ax else " (right axis)"))
         ax.set(ylabel=ylabel, ylim=(0, 1.2 * ax.get_ylim()[1]))  # headroom for the legend

@@ -19,6 +19,13 @@ LEGEND = """\
 - sync %: per rank sum(time/sync_s) / sum(time/step_s), then the mean over ranks. It is the time in
   the strategy's after_backward hook: DDP all-reduces inside backward, so for ddp it is ~0 and
   its communication is counted in time/backward_s (marked with a dagger).
+- MB/step: `comm/bytes_per_step` in MB (10^6 bytes): per rank the median over its rows, then the
+  median over ranks. What the strategy sends per optimizer step; `-` when it sends nothing (none).
+- exposed ms: `time/comm_exposed_s`, the communication not hidden under backward, per step: per rank
+  the median over the rows that carry it (ddp times one step in `sync.time_every_n_steps`), then
+  the median over ranks; `-` when no row has it.
+- peak RSS MB / peak CUDA MB: the maximum of `memory/rss_mb` / `memory/cuda_max_allocated_mb` over
+  every row of every rank (the CUDA column only when some job ran on CUDA).
 - train loss: mean over ranks of each rank's last training row's `train/loss`.
 - eval acc: the last eval row's `eval/accuracy` (identical on all ranks; rank 0's is taken).
 - slowest / fastest: the ranks with the highest / lowest median step time.
@@ -44,6 +51,10 @@ class RankStats:
     sync_share: float | None
     train_loss: float | None
     timed_steps: int
+    bytes_per_step: float | None = None
+    comm_exposed_ms: float | None = None
+    peak_rss_mb: float | None = None
+    peak_cuda_mb: float | None = None
 
 
 @dataclass
@@ -53,7 +64,8 @@ class JobRow:
     overrides: str
     sync: str
     model: str
-    bucket_cap_mb: float | None
+    bucket_cap_mb: float | None  # a number of MiB; None for no buckets or a non-numeric setting
+    bucket_setting: str  # as configured: "" (no buckets), "25", "auto"
     ranks: list[RankStats]
     step_ms: float | None
     samples_per_s: float | None
@@ -62,10 +74,25 @@ class JobRow:
     eval_accuracy: float | None
     slowest: RankStats | None
     fastest: RankStats | None
+    mb_per_step: float | None = None
+    comm_exposed_ms: float | None = None
+    peak_rss_mb: float | None = None
+    peak_cuda_mb: float | None = None
 
 
-def _median(values: Sequence[float]) -> float | None:
-    return statistics.median(values) if values else None
+def _median(values: Sequence[float | None], scale: float = 1.0) -> float | None:
+    """The median of the values present, times scale (a unit change); None if none is present."""
+    present = [v for v in values if v is not None]
+    return scale * statistics.median(present) if present else None
+
+
+def _max(values: Sequence[float | None]) -> float | None:
+    return max((v for v in values if v is not None), default=None)
+
+
+def _column(rows: Sequence[dict[str, Any]], key: str) -> list[float | None]:
+    """One metric from the rows that carry it (ddp's sampled timings are absent from the others)."""
+    return [float(row[key]) for row in rows if isinstance(row.get(key), int | float)]
 
 
 def rank_stats(rank: int, rows: Sequence[dict[str, Any]]) -> RankStats:
@@ -75,11 +102,15 @@ def rank_stats(rank: int, rows: Sequence[dict[str, Any]]) -> RankStats:
     step_total = sum(row["time/step_s"] for row in timed)
     return RankStats(
         rank=rank,
-        step_ms=None if not step else 1000.0 * statistics.median(step),
-        samples_per_s=_median([row["throughput/samples_per_s"] for row in train if "throughput/samples_per_s" in row]),
+        step_ms=_median(step, 1000.0),
+        samples_per_s=_median(_column(train, "throughput/samples_per_s")),
         sync_share=sum(row["time/sync_s"] for row in timed) / step_total if step_total > 0 else None,
         train_loss=train[-1]["train/loss"] if train else None,
         timed_steps=len(step),
+        bytes_per_step=_median(_column(train, "comm/bytes_per_step")),
+        comm_exposed_ms=_median(_column(train, "time/comm_exposed_s"), 1000.0),
+        peak_rss_mb=_max(_column(rows, "memory/rss_mb")),
+        peak_cuda_mb=_max(_column(rows, "memory/cuda_max_allocated_mb")),
     )
 
 
@@ -88,10 +119,19 @@ def _mean(values: Sequence[float | None]) -> float | None:
     return sum(present) / len(present) if present else None
 
 
+def _bucket(setting: Any) -> tuple[float | None, str]:
+    """A strategy's bucket_cap_mb as a number for the plot's x axis (None if absent or "auto") and as shown."""
+    if setting is None:
+        return None, ""
+    if isinstance(setting, int | float) and not isinstance(setting, bool):
+        return float(setting), format(setting, "g")
+    return None, str(setting)
+
+
 def job_row(job: Job, overrides: Sequence[str]) -> JobRow:
     sync_cfg = job.config.get("sync") or {}
     sync = str(sync_cfg.get("_target_", "")).rpartition(".")[0].rpartition(".")[2]  # trainer.sync.ddp.DDPSync -> ddp
-    bucket = sync_cfg.get("bucket_cap_mb") if sync == "ddp" else None
+    bucket_cap_mb, bucket_setting = _bucket(sync_cfg.get("bucket_cap_mb"))  # any strategy with buckets
     ranks = [rank_stats(rank, rows) for rank, rows in job.rows.items()]
     timed = [r for r in ranks if r.step_ms is not None]
     samples = [r.samples_per_s for r in ranks if r.samples_per_s is not None]
@@ -103,15 +143,20 @@ def job_row(job: Job, overrides: Sequence[str]) -> JobRow:
         overrides=" ".join(overrides),
         sync=sync,
         model=str((job.config.get("model") or {}).get("_target_", "")).rpartition(".")[2],
-        bucket_cap_mb=None if bucket is None else float(bucket),
+        bucket_cap_mb=bucket_cap_mb,
+        bucket_setting=bucket_setting,
         ranks=ranks,
-        step_ms=_median([r.step_ms for r in timed if r.step_ms is not None]),
+        step_ms=_median([r.step_ms for r in timed]),
         samples_per_s=sum(samples) if samples else None,
         sync_share_pct=None if share is None else 100.0 * share,
         train_loss=_mean([r.train_loss for r in ranks]),
         eval_accuracy=evals[-1]["eval/accuracy"] if evals else None,
         slowest=max(timed, key=_step_ms, default=None),
         fastest=min(timed, key=_step_ms, default=None),
+        mb_per_step=_median([r.bytes_per_step for r in ranks], 1e-6),
+        comm_exposed_ms=_median([r.comm_exposed_ms for r in ranks]),
+        peak_rss_mb=_max([r.peak_rss_mb for r in ranks]),
+        peak_cuda_mb=_max([r.peak_cuda_mb for r in ranks]),
     )
 
 

@@ -31,39 +31,64 @@ HEADERS = (
     "step ms",
     "samples/s",
     "sync %",
+    "MB/step",
+    "exposed ms",
+    "peak RSS MB",
     "train loss",
     "eval acc",
     "slowest",
     "fastest",
 )
+CUDA_HEADER = "peak CUDA MB"  # after peak RSS MB, only when some job ran on CUDA
 
 
-def table_cells(row: JobRow) -> list[str]:
-    """Display strings; an incomplete job's numbers are wrapped in parentheses."""
+def headers(rows: Sequence[JobRow]) -> list[str]:
+    if not any(row.peak_cuda_mb is not None for row in rows):
+        return list(HEADERS)
+    at = HEADERS.index("peak RSS MB") + 1
+    return [*HEADERS[:at], CUDA_HEADER, *HEADERS[at:]]
+
+
+def table_cells(row: JobRow, cuda: bool = False) -> list[str]:
+    """Display strings; an incomplete job's numbers are wrapped in parentheses.
+
+    `-` marks communication a job did not do (sync=none) or did not time, as opposed to a blank.
+    """
     dagger = "†" if row.sync == "ddp" and row.sync_share_pct is not None else ""
+    memory = [_num(row.peak_rss_mb, ".0f")] + ([_num(row.peak_cuda_mb, ".0f") or "-"] if cuda else [])
     numbers = [
         _num(row.step_ms, ".2f"),
         _num(row.samples_per_s, ".0f"),
         _num(row.sync_share_pct, ".1f") + dagger,
+        _num(row.mb_per_step, ".2f") or "-",
+        _num(row.comm_exposed_ms, ".2f") or "-",
+        *memory,
         _num(row.train_loss, ".4f"),
         _num(row.eval_accuracy, ".3f"),
         _rank(row.slowest),
         _rank(row.fastest),
     ]
     if row.status != "ok":
-        numbers = [f"({n})" if n else n for n in numbers]
-    return [row.job, row.status, row.overrides, row.sync, _num(row.bucket_cap_mb, "g"), *numbers]
+        numbers = [f"({n})" if n not in ("", "-") else n for n in numbers]
+    return [row.job, row.status, row.overrides, row.sync, row.bucket_setting, *numbers]
+
+
+def _lines(rows: Sequence[JobRow]) -> list[list[str]]:
+    """The header, then one line of cells per job."""
+    names = headers(rows)
+    return [names, *(table_cells(row, CUDA_HEADER in names) for row in rows)]
 
 
 def format_table(rows: Sequence[JobRow]) -> str:
-    cells = [list(HEADERS), *(table_cells(row) for row in rows)]
-    widths = [max(len(line[i]) for line in cells) for i in range(len(HEADERS))]
+    cells = _lines(rows)
+    widths = [max(len(line[i]) for line in cells) for i in range(len(cells[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=False)).rstrip() for line in cells)
 
 
 def format_markdown(rows: Sequence[JobRow], title: str, image: str) -> str:
-    lines = [f"# {title}", "", "| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
-    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in table_cells(row)) + " |" for row in rows]
+    names, *cells = _lines(rows)
+    lines = [f"# {title}", "", "| " + " | ".join(names) + " |", "|" + "---|" * len(names)]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in line) + " |" for line in cells]
     return "\n".join([*lines, "", "## Legend", "", LEGEND, "", f"![{title}]({image})", ""])
 
 
@@ -77,11 +102,15 @@ def csv_records(rows: Sequence[JobRow]) -> list[dict[str, Any]]:
             "overrides": row.overrides,
             "sync": row.sync,
             "model": row.model,
-            "bucket_cap_mb": row.bucket_cap_mb,
+            "bucket_cap_mb": row.bucket_cap_mb if row.bucket_cap_mb is not None else row.bucket_setting or None,
             "num_ranks": len(row.ranks),
             "step_ms": row.step_ms,
             "samples_per_s": row.samples_per_s,
             "sync_share_pct": row.sync_share_pct,
+            "mb_per_step": row.mb_per_step,
+            "comm_exposed_ms": row.comm_exposed_ms,
+            "peak_rss_mb": row.peak_rss_mb,
+            "peak_cuda_mb": row.peak_cuda_mb,
             "train_loss": row.train_loss,
             "eval_accuracy": row.eval_accuracy,
             "slowest_rank": row.slowest and row.slowest.rank,
