@@ -59,6 +59,7 @@ class TrainRows:
             "memory/rss_mb": self._process.memory_info().rss / 2**20,
             **({"train/skipped_steps": steps.skipped_steps} if steps.skipped_steps else {}),
             **comm,
+            **self.sync.row_metrics(),
         }
         if not self.rows and self.ctx.is_main_process:
             # Once per job, after the first logged step: DDP has rebuilt its buckets by then.

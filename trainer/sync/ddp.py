@@ -3,7 +3,7 @@
 # No `from __future__ import annotations` here: DDP checks the hook's annotations as real types.
 
 import inspect
-import time
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -12,9 +12,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from trainer.errors import ConfigError, check, is_int, is_number
+from trainer.errors import ConfigError, check, is_int
+from trainer.sync.autotune import DEFAULT_CANDIDATES_MB, CapTuner, check_cap
 from trainer.sync.base import SyncStrategy
 from trainer.sync.comm import CommCounters, busy_time, exposed_time
+from trainer.sync.ddp_hooks import COMM_HOOKS, BucketClock, CountedHook
 
 # torch 2.14 renamed the per-forward buffer broadcast to forward_sync_buffers (the old name warns).
 # The new flag always syncs buffers at construction, which we want anyway: replicas start equal.
@@ -23,36 +25,6 @@ _BUFFER_FLAG = (
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
     else "broadcast_buffers"
 )
-
-
-class BucketClock:
-    """A DDP communication hook doing what DDP's built-in all-reduce does, timed per bucket.
-
-    Each bucket is divided by the world size and all-reduced with SUM, as DDP does without a hook;
-    the hook also notes when the bucket left (its gradients were ready) and when the reduced
-    bucket came back, which is what tells hidden communication from exposed. Host clocks only
-    mean that on CPU, where gloo completes the future when the data is there.
-    """
-
-    def __init__(self, world_size: int) -> None:
-        self.world_size = world_size
-        self.bytes = 0
-        self.calls = 0
-        self.intervals: list[tuple[float, float]] = []
-
-    def hook(self, state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        tensor = bucket.buffer()
-        self.bytes += tensor.numel() * tensor.element_size()
-        self.calls += 1
-        launched = time.perf_counter()
-        tensor.div_(self.world_size)
-        future = dist.all_reduce(tensor, async_op=True).get_future()
-
-        def arrived(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-            self.intervals.append((launched, time.perf_counter()))  # runs on gloo's thread
-            return done.value()[0]
-
-        return future.then(arrived)
 
 
 class RuntimeStats:
@@ -85,102 +57,204 @@ class RuntimeStats:
         return comm_s, max(0.0, comm_s - overlap_s)
 
 
+class SwappableDDP(nn.Module):
+    """What wrap() returns with bucket_cap_mb=auto: its forward runs the current DDP, which the
+    strategy replaces (a DDP's bucket cap is fixed at construction) while the trainer keeps this."""
+
+    def __init__(self, ddp: DistributedDataParallel) -> None:
+        super().__init__()
+        self.ddp = ddp
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.ddp(*args, **kwargs)
+
+
 class DDPSync(SyncStrategy):
     """Gradients are all-reduced in buckets during backward, overlapping communication with compute."""
 
     def __init__(
         self,
-        bucket_cap_mb: float = 25.0,
+        bucket_cap_mb: float | str = 25.0,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
         time_buckets: bool = False,
         time_every_n_steps: int = 10,
+        auto_candidates_mb: Sequence[float] = DEFAULT_CANDIDATES_MB,
+        auto_steps_per_trial: int = 3,
+        auto_warmup_steps: int = 2,
+        comm_hook: str = "none",
+        powersgd_rank: int = 1,
+        powersgd_start_step: int = 10,
     ) -> None:
-        check(
-            is_number(bucket_cap_mb) and bucket_cap_mb > 0,
-            "sync.bucket_cap_mb",
-            bucket_cap_mb,
-            "must be a number > 0 (MiB per gradient bucket; DDP's default is 25)",
-        )
+        cap, candidates = check_cap(bucket_cap_mb, auto_candidates_mb, auto_steps_per_trial, auto_warmup_steps)
         check(
             is_int(time_every_n_steps) and time_every_n_steps >= 1,
             "sync.time_every_n_steps",
             time_every_n_steps,
             "must be an integer >= 1 (DDP's runtime statistics time one step in this many)",
         )
+        for key, value, floor, meaning in (
+            ("powersgd_rank", powersgd_rank, 1, "PowerSGD's matrix_approximation_rank"),
+            # PowerSGDState refuses start_powerSGD_iter <= 1 with error feedback or warm start (both on here):
+            # DDP rebuilds its buckets after the first step, which would invalidate their per-bucket state.
+            (
+                "powersgd_start_step",
+                powersgd_start_step,
+                2,
+                "PowerSGD's start_powerSGD_iter: steps of plain "
+                "all-reduce before compressing; PowerSGD with error feedback and warm start needs at least 2",
+            ),
+        ):
+            check(is_int(value) and value >= floor, f"sync.{key}", value, f"must be an integer >= {floor} ({meaning})")
+        check(comm_hook in COMM_HOOKS, "sync.comm_hook", comm_hook, f"must be one of {', '.join(COMM_HOOKS)}")
+        check(
+            comm_hook == "none" or not time_buckets,
+            "sync.comm_hook",
+            comm_hook,
+            "sync.time_buckets=true registers DDP's one communication hook already: use comm_hook=none, or "
+            "time_buckets=false (DDP's runtime statistics time the hooked communication too)",
+        )
+        check(
+            comm_hook != "powersgd" or bucket_cap_mb != "auto",
+            "sync.comm_hook",
+            comm_hook,
+            "with sync.bucket_cap_mb=auto: PowerSGD keeps per-bucket state (error feedback, warm start) that "
+            "a rebuild of the buckets would invalidate; give bucket_cap_mb a number",
+        )
         super().__init__()
-        self.bucket_cap_mb = float(bucket_cap_mb)
+        self.bucket_cap_mb = cap
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
         self.time_buckets = time_buckets
         self.time_every_n_steps = time_every_n_steps
+        self.auto_candidates_mb = candidates
+        self.auto_steps_per_trial = auto_steps_per_trial
+        self.auto_warmup_steps = auto_warmup_steps
+        self.comm_hook = comm_hook
+        self.powersgd_rank = powersgd_rank
+        self.powersgd_start_step = powersgd_start_step
+        self._module: nn.Module | None = None
         self._ddp: DistributedDataParallel | None = None
+        self._proxy: SwappableDDP | None = None  # bucket_cap_mb=auto
+        self._tuner: CapTuner | None = None
+        self._cap_mb = 0.0  # the cap the current DDP was built with
         self._clock: BucketClock | None = None
+        self._hook: CountedHook | None = None
         self._stats: RuntimeStats | None = None
         self._steps_since_row = 0  # steps since the last row that DDP reduced without our hook
         self._grad_bytes = 0
 
     def wrap(self, model: nn.Module) -> nn.Module:
         device = next(model.parameters()).device
+        if self.time_buckets and device.type != "cpu":
+            raise ConfigError(
+                f"sync.time_buckets=true times buckets with host clocks, which cannot time NCCL on {device}; "
+                "accepted: false (DDP's runtime statistics time communication on CUDA), or trainer.device=cpu"
+            )
+        # gloo all-reduces bf16 (tried, torch 2.14); NCCL only from 2.10. DDP's own check of the hook's
+        # name, which refuses bf16 on any build without CUDA, never sees our counting wrapper's name.
+        if self.comm_hook == "bf16" and dist.get_backend() == "nccl" and torch.cuda.nccl.version() < (2, 10):
+            raise ConfigError(
+                f"sync.comm_hook='bf16' is invalid: NCCL {torch.cuda.nccl.version()} cannot all-reduce bfloat16 "
+                "(needs 2.10+); use fp16, or trainer.device=cpu (gloo)"
+            )
+        self._module = model
+        self._grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        if self.time_buckets:
+            self._clock = BucketClock(dist.get_world_size())
+        elif self.comm_hook != "none":
+            self._hook = CountedHook(self.comm_hook, self.powersgd_rank, self.powersgd_start_step)
+        if self.bucket_cap_mb != "auto":
+            return self._build(float(self.bucket_cap_mb))
+        self._tuner = CapTuner(self.auto_candidates_mb, self.auto_steps_per_trial, self.auto_warmup_steps, device)
+        self._proxy = SwappableDDP(self._build(self._tuner.cap_mb))
+        return self._proxy
+
+    def _build(self, cap_mb: float) -> DistributedDataParallel:
+        """A DDP of the model with this bucket cap; it broadcasts rank 0's parameters and buffers itself."""
+        assert self._module is not None
+        device = next(self._module.parameters()).device
         buffers: dict[str, Any] = {_BUFFER_FLAG: self.broadcast_buffers}
-        # DDP broadcasts rank 0's parameters and buffers itself when it is constructed.
         self._ddp = DistributedDataParallel(
-            model,
+            self._module,
             device_ids=[device.index] if device.type == "cuda" else None,
-            bucket_cap_mb=self.bucket_cap_mb,
+            bucket_cap_mb=cap_mb,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
             static_graph=self.static_graph,
             find_unused_parameters=self.find_unused_parameters,
             **buffers,
         )
-        if self.time_buckets:
-            if device.type != "cpu":
-                raise ConfigError(
-                    f"sync.time_buckets=true times buckets with host clocks, which cannot time NCCL on {device}; "
-                    "accepted: false (DDP's runtime statistics time communication on CUDA), or trainer.device=cpu"
-                )
-            self._clock = BucketClock(dist.get_world_size())
+        self._cap_mb = cap_mb
+        if self._clock is not None:
             self._ddp.register_comm_hook(state=None, hook=self._clock.hook)
-        else:  # DDP's C++ all-reduce stays in place, timed by DDP itself on the logged steps
-            self._stats = RuntimeStats(self._ddp, self.time_every_n_steps)
-        self._grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+            return self._ddp
+        if self._hook is not None:
+            self._ddp.register_comm_hook(state=None, hook=self._hook.hook)
+        # DDP times its communication itself on the logged steps, its C++ all-reduce or a hook's.
+        self._stats = RuntimeStats(self._ddp, self.time_every_n_steps)
         return self._ddp
+
+    def _rebuild(self, cap_mb: float) -> None:
+        """Swap in a DDP with a new cap, between a step's backward and its optimizer step.
+
+        Every rank does this at the same step (the tuner decides in lockstep). The gradients are
+        already averaged; the new DDP's broadcast of rank 0's parameters changes nothing, they are equal.
+        """
+        assert self._proxy is not None
+        self._count_untimed_collectives()  # with the old layout
+        # The old DDP goes with its last reference (test_autotune watches it die), and with it its reducer's
+        # buckets and autograd hooks; those hooks were inert anyway: a reducer expects them only after its
+        # own forward.
+        self._proxy.ddp = self._build(cap_mb)
 
     def after_backward(self, model: nn.Module) -> None:
         # DDP has already reduced every bucket (backward waits for them); only the accounting is left.
-        clock = self._clock
-        if clock is None:
+        clock, hook = self._clock, self._hook
+        if clock is not None:
+            intervals, clock.intervals = clock.intervals, []
+            self.comm.bytes += clock.bytes
+            self.comm.collectives += clock.calls
+            self.comm.seconds += busy_time(intervals)
+            self.comm.exposed_seconds += exposed_time(intervals)
+            self.comm.timed_steps += 1
+            clock.bytes, clock.calls = 0, 0
+        elif hook is not None:
+            self.comm.bytes += hook.bytes
+            self.comm.collectives += hook.calls
+            hook.bytes, hook.calls = 0, 0
+        else:
             self.comm.bytes += self._grad_bytes
             self._steps_since_row += 1
-            return
-        intervals, clock.intervals = clock.intervals, []
-        self.comm.bytes += clock.bytes
-        self.comm.collectives += clock.calls
-        self.comm.seconds += busy_time(intervals)
-        self.comm.exposed_seconds += exposed_time(intervals)
-        self.comm.timed_steps += 1
-        clock.bytes, clock.calls = 0, 0
+        if self._tuner is not None:
+            cap_mb = self._tuner.after_step()
+            if cap_mb is not None:
+                self._rebuild(cap_mb)
 
     def take_comm(self) -> CommCounters:
+        self._count_untimed_collectives()
         counts = self.comm.take()
-        if self._stats is None:
-            return counts
-        # One all_reduce per bucket per step; the layout is read here, not on the step path.
-        counts.collectives = self._steps_since_row * len(self._bucket_layout()[0])
-        self._steps_since_row = 0
-        sample = self._stats.take()
+        sample = self._stats.take() if self._stats is not None else None
         if sample is not None:
             counts.seconds, counts.exposed_seconds = sample
             counts.timed_steps = 1
         return counts
 
+    def _count_untimed_collectives(self) -> None:
+        """Without a hook, one all_reduce per bucket per step; the layout is read here, not on the step path."""
+        if self._steps_since_row:
+            self.comm.collectives += self._steps_since_row * len(self._bucket_layout()[0])
+            self._steps_since_row = 0
+
     def no_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
-        assert isinstance(model, DistributedDataParallel), "no_sync needs the module wrap() returned"
-        return model.no_sync()
+        assert self._ddp is not None and model in (self._ddp, self._proxy), "no_sync needs the module wrap() returned"
+        return self._ddp.no_sync()
+
+    def row_metrics(self) -> dict[str, float]:
+        return {"sync/bucket_cap_mb": self._cap_mb}
 
     def describe(self) -> dict[str, Any]:
         info: dict[str, Any] = {
@@ -191,10 +265,18 @@ class DDPSync(SyncStrategy):
             "find_unused_parameters": self.find_unused_parameters,
             "broadcast_buffers": self.broadcast_buffers,
             "time_buckets": self.time_buckets,
+            "comm_hook": self.comm_hook,
             "comm_timing": "per bucket, every step (Python hook)"
             if self.time_buckets
             else f"DDP runtime stats, 1 step in {self.time_every_n_steps}",
         }
+        if self.comm_hook == "powersgd":
+            info["powersgd_rank"] = self.powersgd_rank
+            info["powersgd_start_step"] = self.powersgd_start_step
+        if self._tuner is not None:
+            info["auto_trials"] = self._tuner.table()
+            info["auto_chosen_mb"] = self._tuner.chosen_mb
+            info["bucket_cap_mb_in_use"] = self._cap_mb
         if self._ddp is not None:
             sizes, rebuilt = self._bucket_layout()
             info["num_buckets"] = len(sizes)

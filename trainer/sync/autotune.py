@@ -1,0 +1,161 @@
+"""Choosing a bucket cap by timing real training steps with each candidate (`bucket_cap_mb=auto`)."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainer.errors import check, is_int, is_number
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CANDIDATES_MB = (1.0, 5.0, 25.0, 100.0)
+
+
+def check_cap(
+    bucket_cap_mb: float | str, candidates_mb: Sequence[float], steps_per_trial: int, warmup_steps: int
+) -> tuple[float | str, list[float]]:
+    """Validate sync.bucket_cap_mb (a number > 0 or "auto") and the auto_* options that go with it.
+
+    Returns the cap (a float, or "auto") and the candidate caps as floats. Shared by every strategy
+    that has buckets, so that they accept and reject the same values with the same messages.
+    """
+    check(
+        bucket_cap_mb == "auto" or (is_number(bucket_cap_mb) and float(bucket_cap_mb) > 0),
+        "sync.bucket_cap_mb",
+        bucket_cap_mb,
+        "must be a number > 0 (MiB per gradient bucket; DDP's default is 25) or auto "
+        "(time sync.auto_candidates_mb on the first steps, keep the fastest)",
+    )
+    candidates = (
+        list(candidates_mb) if isinstance(candidates_mb, Sequence) and not isinstance(candidates_mb, str) else []
+    )
+    check(
+        bool(candidates) and all(is_number(c) and c > 0 for c in candidates),
+        "sync.auto_candidates_mb",
+        candidates_mb,
+        "must be a non-empty list of numbers > 0 (the bucket caps in MiB that bucket_cap_mb=auto tries)",
+    )
+    for key, value, meaning in (
+        ("auto_steps_per_trial", steps_per_trial, "timed steps per candidate cap"),
+        ("auto_warmup_steps", warmup_steps, "untimed steps per candidate, after its buckets are built"),
+    ):
+        check(is_int(value) and value >= 1, f"sync.{key}", value, f"must be an integer >= 1 ({meaning})")
+    cap: float | str = "auto" if bucket_cap_mb == "auto" else float(bucket_cap_mb)
+    return cap, [float(c) for c in candidates]
+
+
+@dataclass
+class Trial:
+    """One candidate's result: the median over its timed steps of the slowest rank's step time."""
+
+    cap_mb: float
+    median_step_s: float
+    steps: int
+
+
+class CapTuner:
+    """Tries each candidate bucket cap for a few steps of the run, then stays with the fastest.
+
+    Contract with the strategy that owns the buckets (nothing here knows what a bucket is):
+    - build the buckets with `cap_mb` before the first step;
+    - call `after_step()` once per optimizer step, on every rank, at the same point of the step
+      (after the step's communication is done, e.g. in after_backward); it runs collectives on the
+      default group at the end of each trial, so every rank must make the same calls;
+    - when it returns a number, rebuild the buckets with that cap before the next step communicates.
+    A step's time is the time between consecutive after_step() calls: one full step, whatever the
+    strategy does where. Each candidate gets `warmup_steps` untimed steps (the step that rebuilt
+    the buckets, caches, DDP's own first-iteration rebuild), then `steps_per_trial` timed ones. The
+    timed steps' times are all-reduced with MAX (the job runs at the slowest rank's pace), the
+    median of those is the candidate's time, and global rank 0 picks the fastest and broadcasts its
+    choice, so every rank rebuilds identically. On CUDA the device is synchronised at each call
+    while trials run, and never after. The trial steps are real training steps: changing the cap
+    must not change the numbers, only the time.
+    """
+
+    def __init__(
+        self,
+        candidates_mb: Sequence[float],
+        steps_per_trial: int,
+        warmup_steps: int,
+        device: torch.device,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        if not candidates_mb or steps_per_trial < 1 or warmup_steps < 1:
+            raise ValueError("CapTuner needs candidates, steps_per_trial >= 1 and warmup_steps >= 1")
+        self.candidates_mb = [float(c) for c in candidates_mb]
+        self.steps_per_trial = steps_per_trial
+        self.warmup_steps = warmup_steps
+        self.device = device
+        self.cap_mb = self.candidates_mb[0]  # the cap the strategy must use now
+        self.trials: list[Trial] = []
+        self.chosen_mb: float | None = None  # set once every candidate was tried
+        self._clock = clock
+        self._synchronize = device.type == "cuda"
+        self._step = 0  # steps run with the current candidate
+        self._last = 0.0  # the clock at the previous call
+        self._times: list[float] = []
+
+    @property
+    def done(self) -> bool:
+        return self.chosen_mb is not None
+
+    def after_step(self) -> float | None:
+        """Note one step; returns the cap to rebuild with when it changes, else None."""
+        if self.chosen_mb is not None:
+            return None
+        if self._synchronize:
+            torch.cuda.synchronize(self.device)
+        now = self._clock()
+        self._step += 1
+        if self._step > self.warmup_steps:  # the interval since the previous call: this whole step
+            self._times.append(now - self._last)
+        self._last = now
+        if self._step < self.warmup_steps + self.steps_per_trial:
+            return None
+        self._end_trial()
+        if len(self.trials) < len(self.candidates_mb):
+            self.cap_mb = self.candidates_mb[len(self.trials)]
+            return self.cap_mb
+        chosen = self._choose()
+        self.chosen_mb = chosen
+        if chosen == self.cap_mb:
+            return None
+        self.cap_mb = chosen
+        return chosen
+
+    def _end_trial(self) -> None:
+        # Every rank reaches this collective at the same step: trials have a fixed number of steps.
+        slowest = torch.tensor(self._times, dtype=torch.float64, device=self.device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        trial = Trial(self.cap_mb, statistics.median(slowest.tolist()), len(self._times))
+        self.trials.append(trial)
+        self._step, self._times = 0, []
+        if dist.get_rank() == 0:
+            log.info(
+                "bucket cap trial: %g MiB, median step %.3f ms over %d step(s) (slowest rank)",
+                trial.cap_mb,
+                trial.median_step_s * 1e3,
+                trial.steps,
+            )
+
+    def _choose(self) -> float:
+        """Global rank 0 picks the fastest trial; everyone takes its pick."""
+        fastest = min(range(len(self.trials)), key=lambda i: self.trials[i].median_step_s)
+        index = torch.tensor([fastest], dtype=torch.int64, device=self.device)
+        dist.broadcast(index, src=0)
+        chosen = self.trials[int(index.item())].cap_mb
+        if dist.get_rank() == 0:
+            log.info("bucket cap chosen: %g MiB (fastest of %s MiB)", chosen, [t.cap_mb for t in self.trials])
+        return chosen
+
+    def table(self) -> list[dict[str, Any]]:
+        """The trials as plain dicts, for summaries."""
+        return [asdict(trial) for trial in self.trials]
