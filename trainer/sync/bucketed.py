@@ -18,7 +18,7 @@ is there) or CUDA events on GPU (recorded on the stream that waits for the colle
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from functools import partial
 from typing import Any
@@ -29,8 +29,9 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from trainer.errors import check, is_int, is_number
+from trainer.errors import check, is_int
 from trainer.sync import averaging
+from trainer.sync.autotune import DEFAULT_CANDIDATES_MB, CapTuner, check_cap
 from trainer.sync.base import SyncStrategy
 from trainer.sync.comm import CommCounters, busy_time
 from trainer.sync.flat import FlatGrads
@@ -61,22 +62,28 @@ class BucketedSync(SyncStrategy):
     """Gradients averaged bucket by bucket as backward produces them, by hooks this module registers."""
 
     def __init__(
-        self, bucket_cap_mb: float = 25.0, collective: str = "all_reduce", time_every_n_steps: int = 10
+        self,
+        bucket_cap_mb: float | str = 25.0,
+        collective: str = "all_reduce",
+        time_every_n_steps: int = 10,
+        auto_candidates_mb: Sequence[float] = DEFAULT_CANDIDATES_MB,
+        auto_steps_per_trial: int = 3,
+        auto_warmup_steps: int = 2,
     ) -> None:
         super().__init__()
-        check(
-            is_number(bucket_cap_mb) and bucket_cap_mb > 0,
-            "sync.bucket_cap_mb",
-            bucket_cap_mb,
-            "must be a number > 0 (MiB of gradients per bucket; DDP's default is 25)",
-        )
+        cap, candidates = check_cap(bucket_cap_mb, auto_candidates_mb, auto_steps_per_trial, auto_warmup_steps)
         check(
             is_int(time_every_n_steps) and time_every_n_steps >= 1,
             "sync.time_every_n_steps",
             time_every_n_steps,
             "must be an integer >= 1 (buckets are timed on one step in this many)",
         )
-        self.bucket_cap_mb = float(bucket_cap_mb)
+        self.bucket_cap_mb = cap  # a number, or "auto"
+        self.auto_candidates_mb = candidates
+        self.auto_steps_per_trial = auto_steps_per_trial
+        self.auto_warmup_steps = auto_warmup_steps
+        self._tuner: CapTuner | None = None
+        self._cap_mb = 0.0  # the cap the buckets were built with
         self.collective = averaging.check_collective(collective)
         self.time_every_n_steps = time_every_n_steps
         self._params: list[nn.Parameter] = []
@@ -99,16 +106,21 @@ class BucketedSync(SyncStrategy):
         broadcast_from_rank0(model)
         self._world_size = dist.get_world_size()
         self._params = [p for p in model.parameters() if p.requires_grad]
-        self._clock = Clock(self._params[0].device)
-        self.rebuild(self.bucket_cap_mb)
+        device = self._params[0].device
+        self._clock = Clock(device)
+        if self.bucket_cap_mb == "auto":
+            self._tuner = CapTuner(self.auto_candidates_mb, self.auto_steps_per_trial, self.auto_warmup_steps, device)
+            self.rebuild(self._tuner.cap_mb)
+        else:
+            self.rebuild(float(self.bucket_cap_mb))
         self._timing = self.time_every_n_steps == 1
         return model
 
     def rebuild(self, cap_mb: float) -> None:
-        """(Re)make the buckets for a cap, keeping the gradients they hold; between steps only."""
+        """(Re)make the buckets for a cap, keeping the gradients they hold; not while buckets are in flight."""
         for handle in self._handles:
             handle.remove()
-        self.bucket_cap_mb = cap_mb
+        self._cap_mb = cap_mb
         # Reverse registration order: the last layers' gradients are ready first in backward.
         self._flat = FlatGrads(list(reversed(self._params)), int(cap_mb * 2**20), self._world_size)
         self._handles = [
@@ -187,6 +199,13 @@ class BucketedSync(SyncStrategy):
         self._step += 1
         self._timing = (self._step + 1) % self.time_every_n_steps == 0
         self._reset()
+        if self._tuner is not None:  # bucket_cap_mb=auto: the averaged gradients move to the new buckets
+            cap_mb = self._tuner.after_step()
+            if cap_mb is not None:
+                self.rebuild(cap_mb)
+
+    def row_metrics(self) -> dict[str, float]:
+        return {"sync/bucket_cap_mb": self._cap_mb}
 
     def take_comm(self) -> CommCounters:
         counts = self.comm.take()
@@ -222,6 +241,10 @@ class BucketedSync(SyncStrategy):
             "collective": self.collective,
             "comm_timing": f"per bucket, 1 step in {self.time_every_n_steps}",
         }
+        if self._tuner is not None:
+            info["auto_trials"] = self._tuner.table()
+            info["auto_chosen_mb"] = self._tuner.chosen_mb
+            info["bucket_cap_mb_in_use"] = self._cap_mb
         if self._flat is not None:
             info["num_buckets"] = len(self._flat.buckets)
             info["bucket_sizes_bytes"] = self._flat.sizes()

@@ -1,0 +1,206 @@
+"""sync.bucket_cap_mb=auto: the CapTuner's choice, DDP rebuilt mid-run without changing the numbers, and
+where the trial table lands (rows, log, summary.json)."""
+
+from __future__ import annotations
+
+import json
+import weakref
+from itertools import accumulate
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+import trainer.sync.ddp as ddp_module
+from tests.cli import CPU, output, torchrun, train_rows
+from tests.compose import compose_config
+from tests.dist_helpers import run_on_ranks
+from trainer.errors import ConfigError
+from trainer.setup.build import build_parts, build_trainer, instantiate, prepare_data
+from trainer.setup.dist import DistContext
+from trainer.sync.autotune import CapTuner
+
+# Fed step times (seconds) per rank and candidate: one untimed warm-up step, then two timed ones.
+# Alone, rank 0 would pick 1 MiB (median 0.2 s); but rank 1 is slow there, and the job runs at the
+# slowest rank's pace: per-step maxima give medians 0.5, 0.325, 0.4 s, so 5 MiB wins.
+CANDIDATES = [1.0, 5.0, 25.0]
+FED_TIMES = {
+    0: [[9.0, 0.1, 0.3], [9.0, 0.3, 0.3], [9.0, 0.4, 0.4]],
+    1: [[9.0, 0.5, 0.5], [9.0, 0.35, 0.25], [9.0, 0.4, 0.4]],
+}
+
+
+def tune_with_fed_times(rank: int, world_size: int) -> dict[str, Any]:
+    durations = [d for trial in FED_TIMES[rank] for d in trial]
+    ticks = iter(accumulate(durations))  # the clock at each call: the step durations add up
+    tuner = CapTuner(CANDIDATES, steps_per_trial=2, warmup_steps=1, device=torch.device("cpu"), clock=ticks.__next__)
+    returned = [tuner.after_step() for _ in durations]
+    after = [tuner.after_step() for _ in range(3)]  # done: no clock read (the fed clock is exhausted)
+    return {"returned": returned, "after": after, "table": tuner.table(), "chosen": tuner.chosen_mb}
+
+
+def test_tuner_takes_the_slowest_rank_and_every_rank_agrees(tmp_path: Path) -> None:
+    results = run_on_ranks(tune_with_fed_times, 2, tmp_path / "tune")
+    for result in results:
+        # Rebuild to the next candidate after each trial, then to the winner (different from the last one).
+        assert result["returned"] == [None, None, 5.0, None, None, 25.0, None, None, 5.0]
+        assert result["after"] == [None, None, None]
+        assert result["chosen"] == 5.0
+        assert [t["cap_mb"] for t in result["table"]] == CANDIDATES
+        assert [t["steps"] for t in result["table"]] == [2, 2, 2]
+        assert [t["median_step_s"] for t in result["table"]] == pytest.approx([0.5, 0.325, 0.4])
+
+
+# 64 samples, 2 ranks x 8: 4 steps per epoch. Trials: 0.001 MiB (steps 1-2), 0.01 MiB (steps 3-4), then
+# the winner (rebuilt at step 4 unless it is 0.01): two or three DDPs, each swap between a backward and its
+# optimizer step, and steps 5-8 on the winner.
+COMMON = [
+    "logger=none",
+    "model.hidden_sizes=[32,32]",
+    "data.num_samples=64",
+    "data.num_val_samples=16",
+    "trainer.max_steps=8",
+    "trainer.log_every_n_steps=2",
+    "trainer.eval_every_n_steps=0",
+    "trainer.progress_bar=false",
+]
+AUTO = [
+    "sync=ddp",
+    "sync.bucket_cap_mb=auto",
+    "sync.auto_candidates_mb=[0.001,0.01]",
+    "sync.auto_steps_per_trial=1",
+    "sync.auto_warmup_steps=1",
+    "data.batch_size=8",
+]
+
+
+def train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dict[str, Any]:
+    """The real build path of train.py; every DDP built is watched by a weak reference."""
+    built: list[weakref.ref[DistributedDataParallel]] = []
+
+    class Watched(DistributedDataParallel):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            built.append(weakref.ref(self))
+
+    ddp_module.DistributedDataParallel = Watched  # in this spawned process only
+    cfg = compose_config(COMMON + overrides)
+    settings = instantiate(cfg.trainer)
+    parts = build_parts(cfg, settings)
+    ctx = DistContext(rank, rank, world_size, torch.device("cpu"), "gloo")
+    prepare_data(parts.data, ctx)
+    trainer = build_trainer(parts, settings, ctx, [], Path(run_dir), {})
+    trainer.fit()
+    assert trainer.step == 8
+    current = getattr(trainer.sync, "_ddp", None)
+    return {
+        "params": {name: t.detach().clone() for name, t in trainer.model.state_dict().items()},
+        "rows": trainer._rows.rows,
+        "sync": trainer.sync.describe(),
+        "alive": [ref() is not None for ref in built],
+        "last_is_current": bool(built) and built[-1]() is current,
+    }
+
+
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """One process, batch 16: what two ranks with batch 8 must reproduce."""
+    run = tmp_path_factory.mktemp("single")
+    (result,) = run_on_ranks(train, 1, run / "ref", ["sync=none", "data.batch_size=16"], str(run / "run"))
+    return result["params"]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["sync.time_buckets=true", "sync.gradient_as_bucket_view=true"]],
+    ids=["ddp-auto", "ddp-auto-timing-hook-bucket-view"],
+)
+def test_auto_is_equivalent_and_drops_each_old_ddp(
+    tmp_path: Path, single_process: dict[str, torch.Tensor], extra: list[str]
+) -> None:
+    rank0, rank1 = run_on_ranks(train, 2, tmp_path / "pair", AUTO + extra, str(tmp_path / "run"))
+    params = rank0["params"]
+    assert all(torch.equal(params[k], rank1["params"][k]) for k in params), "replicas differ after training"
+    assert max((params[k] - single_process[k]).abs().max().item() for k in params) <= 1e-5
+    full = 4 * sum(t.numel() for t in params.values())
+    for result in (rank0, rank1):
+        info = result["sync"]
+        assert info["bucket_cap_mb"] == "auto"
+        assert [t["cap_mb"] for t in info["auto_trials"]] == [0.001, 0.01]
+        chosen = info["auto_chosen_mb"]
+        assert chosen in (0.001, 0.01) and info["bucket_cap_mb_in_use"] == chosen
+        # Only the DDP in use is alive: each replaced one (and its reducer's autograd hooks) is gone.
+        assert result["alive"] == [False] * (len(result["alive"]) - 1) + [True] and result["last_is_current"]
+        assert len(result["alive"]) == (2 if chosen == 0.01 else 3)
+        rows = result["rows"]
+        assert [row["sync/bucket_cap_mb"] for row in rows] == [0.01, chosen, chosen, chosen]
+        # Every gradient sent once per step, also after the swaps; with the timing hook this is measured
+        # per bucket, so a leftover reducer still all-reducing would show here.
+        assert all(row["comm/bytes_per_step"] == full for row in rows)
+
+
+def test_bucketed_auto_rebuilds_its_buckets_without_changing_the_numbers(
+    tmp_path: Path, single_process: dict[str, torch.Tensor]
+) -> None:
+    # The same tuner as ddp's, in sync=bucketed: the buckets are rebuilt between backward and the
+    # optimizer step, carrying the averaged gradients into the new buffers.
+    overrides = ["sync=bucketed", *AUTO[1:]]
+    rank0, rank1 = run_on_ranks(train, 2, tmp_path / "pair", overrides, str(tmp_path / "run"))
+    params = rank0["params"]
+    assert all(torch.equal(params[k], rank1["params"][k]) for k in params), "replicas differ after training"
+    assert max((params[k] - single_process[k]).abs().max().item() for k in params) <= 1e-5
+    full = 4 * sum(t.numel() for t in params.values())
+    for result in (rank0, rank1):
+        info = result["sync"]
+        assert info["strategy"] == "bucketed" and info["bucket_cap_mb"] == "auto"
+        assert [t["cap_mb"] for t in info["auto_trials"]] == [0.001, 0.01]
+        chosen = info["auto_chosen_mb"]
+        assert chosen in (0.001, 0.01) and info["bucket_cap_mb_in_use"] == chosen
+        # 9,768 bytes of gradients in 6 tensors: one per ~1 KB bucket, or all in one ~10 KB bucket.
+        assert full == 9768 and info["num_buckets"] == (6 if chosen == 0.001 else 1)
+        assert [row["sync/bucket_cap_mb"] for row in result["rows"]] == [0.01, chosen, chosen, chosen]
+        assert all(row["comm/bytes_per_step"] == full for row in result["rows"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["sync.bucket_cap_mb=0"], r"sync\.bucket_cap_mb=0 is invalid: must be a number > 0 .* or auto"),
+        (["sync.bucket_cap_mb=bogus"], r"sync\.bucket_cap_mb='bogus' is invalid: must be a number > 0 .* or auto"),
+        (["sync.auto_candidates_mb=[]"], r"sync\.auto_candidates_mb=\[\] is invalid: must be a non-empty list"),
+        (["sync.auto_candidates_mb=[1,0]"], r"sync\.auto_candidates_mb=\[1, 0\] is invalid: .*numbers > 0"),
+        (["sync.auto_steps_per_trial=0"], r"sync\.auto_steps_per_trial=0 is invalid: must be an integer >= 1"),
+        (["sync.auto_warmup_steps=0"], r"sync\.auto_warmup_steps=0 is invalid: must be an integer >= 1"),
+    ],
+    ids=["cap-0", "cap-bogus", "no-candidates", "candidate-0", "steps-0", "warmup-0"],
+)
+@pytest.mark.parametrize("sync", ["ddp", "bucketed"])
+def test_bad_auto_settings_are_config_errors(sync: str, overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        instantiate(compose_config([f"sync={sync}", *overrides]).sync)
+
+
+@pytest.mark.slow
+def test_cli_auto_writes_the_cap_to_rows_and_the_trials_to_summary(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = [CPU, "logger=none", "trainer.progress_bar=false", "data.num_samples=1024", "data.num_val_samples=128"]
+    args += ["sync=ddp", "sync.bucket_cap_mb=auto", "sync.auto_candidates_mb=[1,25]", "sync.auto_steps_per_trial=2"]
+    args += ["sync.auto_warmup_steps=1", "trainer.max_steps=10", "trainer.log_every_n_steps=2"]
+    proc = torchrun([*args, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert proc.returncode == 0, output(proc)
+
+    summary = json.loads((run_dir / "summary.json").read_text())["sync"]
+    assert summary["bucket_cap_mb"] == "auto"
+    trials = summary["auto_trials"]
+    assert [t["cap_mb"] for t in trials] == [1.0, 25.0] and [t["steps"] for t in trials] == [2, 2]
+    assert all(t["median_step_s"] > 0 for t in trials)
+    chosen = summary["auto_chosen_mb"]
+    assert chosen == min(trials, key=lambda t: t["median_step_s"])["cap_mb"]
+    for rank in (0, 1):
+        rows = train_rows(run_dir / "metrics" / f"rank{rank}.jsonl")
+        # Steps 1-3: 1 MiB; 4-6: 25 MiB; from step 6 the winner.
+        assert [row["sync/bucket_cap_mb"] for row in rows] == [1.0, 25.0, chosen, chosen, chosen]
+    log = (run_dir / "train_rank0.log").read_text()
+    assert log.count("bucket cap trial:") == 2 and f"bucket cap chosen: {chosen:g} MiB" in log
