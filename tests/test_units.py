@@ -167,7 +167,7 @@ def _average(rank: int, world_size: int, cap_bytes: int, collective: str) -> lis
     grads = [torch.full((3,), float(rank + 1)), torch.full((2, 2), float(10 * (rank + 1))), torch.arange(5.0) * rank]
     for param, grad in zip(params, grads, strict=True):
         param.grad = grad
-    flat = FlatGrads(params, cap_bytes, world_size)  # keeps the gradients, now views into its buffers
+    flat = FlatGrads(list(plan(params, cap_bytes)), world_size)  # keeps the gradients, now views into buffers
     comm = CommCounters()
     for bucket in flat.buckets:
         averaging.average(bucket, collective, world_size)
@@ -195,7 +195,8 @@ def test_plan_groups_consecutive_parameters_up_to_the_cap() -> None:
     params = [nn.Parameter(torch.zeros(n)) for n in (4, 4, 100, 2)]  # 16, 16, 400, 8 bytes
     assert [[p.numel() for p in group] for group in plan(params, 32)] == [[4, 4], [100], [2]]
     assert [[p.numel() for p in group] for group in plan(params, 0)] == [[4], [4], [100], [2]]
-    flat = FlatGrads(params, 32, world_size=3)  # buffers padded to a multiple of 3: 8 -> 9, 100 -> 102, 2 -> 3
+    # Buffers padded to a multiple of 3: 8 -> 9, 100 -> 102, 2 -> 3.
+    flat = FlatGrads(list(plan(params, 32)), world_size=3)
     assert [b.buffer.numel() for b in flat.buckets] == [9, 102, 3] and flat.sizes() == [32, 400, 8]
     assert all(p.grad is not None and p.grad.abs().sum() == 0 for p in params)
     params[2].grad.add_(1.0)  # type: ignore[union-attr]

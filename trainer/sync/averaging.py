@@ -22,6 +22,9 @@ from trainer.sync.comm import CommCounters
 from trainer.sync.flat import Bucket
 
 COLLECTIVES = ("all_reduce", "rs_ag")
+# The flat-tensor forms under their torch >= 2.14 names, or the older ones (deprecated there).
+all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class Waitable(Protocol):
@@ -45,7 +48,7 @@ def start(bucket: Bucket, collective: str) -> dist.Work:
     if collective == "all_reduce":
         work: dist.Work | None = dist.all_reduce(bucket.grads, op=dist.ReduceOp.SUM, async_op=True)
     else:
-        work = dist.reduce_scatter_tensor(bucket.shard, bucket.buffer, op=dist.ReduceOp.SUM, async_op=True)
+        work = reduce_scatter_tensor(bucket.shard, bucket.buffer, op=dist.ReduceOp.SUM, async_op=True)
     assert work is not None, "async_op=True returns the collective's Work"
     return work
 
@@ -57,7 +60,7 @@ def finish(bucket: Bucket, collective: str, work: Waitable, world_size: int) -> 
         bucket.grads.div_(world_size)
         return None
     bucket.shard.div_(world_size)
-    return dist.all_gather_into_tensor(bucket.buffer, bucket.shard, async_op=True)
+    return all_gather_tensor(bucket.buffer, bucket.shard, async_op=True)
 
 
 def average(bucket: Bucket, collective: str, world_size: int) -> None:

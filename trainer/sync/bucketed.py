@@ -34,7 +34,7 @@ from trainer.sync import averaging
 from trainer.sync.autotune import DEFAULT_CANDIDATES_MB, CapTuner, check_cap
 from trainer.sync.base import SyncStrategy
 from trainer.sync.comm import CommCounters, busy_time
-from trainer.sync.flat import FlatGrads
+from trainer.sync.flat import FlatGrads, plan
 from trainer.sync.manual import broadcast_from_rank0
 
 
@@ -122,7 +122,7 @@ class BucketedSync(SyncStrategy):
             handle.remove()
         self._cap_mb = cap_mb
         # Reverse registration order: the last layers' gradients are ready first in backward.
-        self._flat = FlatGrads(list(reversed(self._params)), int(cap_mb * 2**20), self._world_size)
+        self._flat = FlatGrads(list(plan(reversed(self._params), int(cap_mb * 2**20))), self._world_size)
         self._handles = [
             param.register_post_accumulate_grad_hook(partial(self._grad_ready, index, view))
             for index, bucket in enumerate(self._flat.buckets)

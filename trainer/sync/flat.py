@@ -8,7 +8,7 @@ zeroes the buffers between steps instead of setting the gradients to None.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +40,7 @@ class Bucket:
         return self.buffer[: self.numel]
 
 
-def plan(params: Sequence[nn.Parameter], cap_bytes: int) -> Iterator[list[nn.Parameter]]:
+def plan(params: Iterable[nn.Parameter], cap_bytes: int) -> Iterator[list[nn.Parameter]]:
     """Consecutive groups of at most cap_bytes (a larger parameter goes alone; 0: one parameter each).
 
     A group never mixes dtypes or devices: its gradients share one buffer.
@@ -60,10 +60,10 @@ def plan(params: Sequence[nn.Parameter], cap_bytes: int) -> Iterator[list[nn.Par
 
 
 class FlatGrads:
-    """Buckets for `params` in the given order, each parameter's .grad bound to its bucket's view."""
+    """A bucket per group of parameters, in order, each parameter's .grad bound to its bucket's view."""
 
-    def __init__(self, params: Sequence[nn.Parameter], cap_bytes: int, world_size: int) -> None:
-        self.buckets = [self._allocate(group, world_size) for group in plan(params, cap_bytes)]
+    def __init__(self, groups: Sequence[list[nn.Parameter]], world_size: int) -> None:
+        self.buckets = [self._allocate(group, world_size) for group in groups]
         self.bind()
 
     @staticmethod

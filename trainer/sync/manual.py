@@ -1,9 +1,12 @@
 """Manual data parallelism: broadcast rank 0's weights once, then average gradients by hand.
 
-The gradients live in flat buffers of up to `coalesce_mb` MiB (trainer/sync/flat.py), allocated
-once, each parameter's .grad a view into one: after backward, one collective per buffer averages
-them in place, with no copy into or out of a flat buffer. coalesce_mb=0 gives each gradient its
-own buffer: the textbook loop, one all_reduce per gradient.
+Consecutive gradients are grouped up to `coalesce_mb` MiB. A group of several small gradients
+lives in a flat buffer allocated once, each .grad a view into it (trainer/sync/flat.py), so one
+collective averages the group in place, with no copy into or out of a flat buffer. A gradient
+that makes a group alone (larger than the cap, or coalesce_mb=0: the textbook loop) is
+all-reduced in place in its own tensor: a persistent buffer would cost it a zeroing and an
+accumulation pass per step, which for a 64 MB weight is a few percent of the step. With rs_ag
+every group gets a buffer: reduce_scatter needs the length padded to a multiple of the world size.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from torch.optim import Optimizer
 from trainer.errors import check, is_number
 from trainer.sync import averaging
 from trainer.sync.base import SyncStrategy
-from trainer.sync.flat import FlatGrads
+from trainer.sync.flat import FlatGrads, plan
 
 
 def broadcast_from_rank0(model: nn.Module) -> None:
@@ -44,11 +47,15 @@ class ManualSync(SyncStrategy):
         self.coalesce_mb = float(coalesce_mb)
         self.collective = averaging.check_collective(collective)
         self._flat: FlatGrads | None = None
+        self._alone: list[nn.Parameter] = []  # all-reduced in place, in their own .grad
 
     def wrap(self, model: nn.Module) -> nn.Module:
         broadcast_from_rank0(model)
         params = [p for p in model.parameters() if p.requires_grad]
-        self._flat = FlatGrads(params, int(self.coalesce_mb * 2**20), dist.get_world_size())
+        groups = list(plan(params, int(self.coalesce_mb * 2**20)))
+        in_place = self.collective == "all_reduce"
+        self._alone = [group[0] for group in groups if in_place and len(group) == 1]
+        self._flat = FlatGrads([group for group in groups if not in_place or len(group) > 1], dist.get_world_size())
         return model
 
     def after_backward(self, model: nn.Module) -> None:
@@ -58,14 +65,25 @@ class ManualSync(SyncStrategy):
         for bucket in self._flat.buckets:
             averaging.average(bucket, self.collective, world_size)
             averaging.count(self.comm, bucket, self.collective)
+        for param in self._alone:
+            grad = param.grad
+            assert grad is not None, "every trainable parameter gets a gradient in every step"
+            dist.all_reduce(grad, op=dist.ReduceOp.SUM)
+            grad.div_(world_size)
+            nbytes = grad.numel() * grad.element_size()
+            self.comm.bytes += nbytes
+            self.comm.add("all_reduce", nbytes)
 
     def zero_grad(self, optimizer: Optimizer) -> None:
         assert self._flat is not None, "wrap() first"
         self._flat.zero()
+        for param in self._alone:  # autograd then hands the next gradient over without a copy
+            param.grad = None
 
     def describe(self) -> dict[str, Any]:
         info: dict[str, Any] = {"strategy": "manual", "coalesce_mb": self.coalesce_mb, "collective": self.collective}
         if self._flat is not None:
             info["num_buffers"] = len(self._flat.buckets)
             info["buffer_sizes_bytes"] = self._flat.sizes()
+            info["num_reduced_in_place"] = len(self._alone)
         return info

@@ -17,14 +17,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainer.sync.averaging import all_gather_tensor, reduce_scatter_tensor
+
 OPS = ("broadcast", "all_reduce", "all_gather", "reduce_scatter", "all_reduce_composed")
 REPEATS = 3  # timed runs of `iters` calls each; the median of them is reported
-# torch 2.14 renamed the tensor forms (*_single), deprecating the old names; older torch has only those.
-_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-APIS = {
-    "all_gather": f"dist.{_all_gather_tensor.__name__}",
-    "reduce_scatter": f"dist.{_reduce_scatter_tensor.__name__}",
+APIS = {  # which name this torch has (torch 2.14 renamed the tensor forms *_single)
+    "all_gather": f"dist.{all_gather_tensor.__name__}",
+    "reduce_scatter": f"dist.{reduce_scatter_tensor.__name__}",
 }
 Record = dict[str, Any]  # one op at one size: op, size_bytes, seconds, seconds_per_repeat, algbw_GBps, busbw_GBps
 
@@ -66,8 +65,8 @@ def sweep_sizes(min_bytes: int, max_bytes: int, world_size: int, element_size: i
 
 
 def _reduce_scatter_all_gather(flat: torch.Tensor, shard: torch.Tensor, out: torch.Tensor) -> None:
-    _reduce_scatter_tensor(shard, flat, op=dist.ReduceOp.SUM)
-    _all_gather_tensor(out, shard)
+    reduce_scatter_tensor(shard, flat, op=dist.ReduceOp.SUM)
+    all_gather_tensor(out, shard)
 
 
 def composed_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
@@ -96,8 +95,8 @@ def _make_call(op: str, num_bytes: int, device: torch.device, dtype: torch.dtype
     return {
         "broadcast": lambda: dist.broadcast(full, src=0),
         "all_reduce": lambda: dist.all_reduce(full, op=dist.ReduceOp.SUM),
-        "all_gather": lambda: _all_gather_tensor(full, shard),
-        "reduce_scatter": lambda: _reduce_scatter_tensor(shard, full, op=dist.ReduceOp.SUM),
+        "all_gather": lambda: all_gather_tensor(full, shard),
+        "reduce_scatter": lambda: reduce_scatter_tensor(shard, full, op=dist.ReduceOp.SUM),
         "all_reduce_composed": lambda: _reduce_scatter_all_gather(full, shard, out),
     }[op]
 
