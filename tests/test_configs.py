@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 
 from data.base import DataModule
@@ -15,7 +16,7 @@ from trainer.setup.build import instantiate
 from trainer.setup.settings import TrainSettings
 from trainer.sync.base import SyncStrategy
 
-GROUPS = ("model", "data", "sync", "optim", "schedule", "trainer", "logger", "experiment")
+GROUPS = ("model", "data", "sync", "optim", "schedule", "trainer", "logger", "strategy", "experiment")
 
 
 def options(group: str) -> list[str]:
@@ -33,6 +34,11 @@ def test_every_group_has_options() -> None:
     assert on_disk <= set(GROUPS), on_disk - set(GROUPS)
 
 
+def test_strategy_sweep_lists_every_strategy_variant() -> None:
+    params = OmegaConf.load(CONF_DIR / "experiment" / "strategy_sweep.yaml").hydra.sweeper.params
+    assert sorted(params["+strategy"].split(",")) == options("strategy")
+
+
 def test_defaults_compose_and_resolve() -> None:
     cfg = compose_config([])
     assert cfg.run_name == "test-run"
@@ -44,7 +50,8 @@ def test_defaults_compose_and_resolve() -> None:
 def test_option_composes_and_instantiates(group: str, option: str, tmp_path: Path) -> None:
     # data=fake gives images, which every model accepts (the mlp flattens them).
     extra = ["data=fake"] if group == "model" else []
-    cfg = compose_config([f"{group}={option}", *extra])
+    # strategy is not in the primary config's defaults: its options are added with +strategy=...
+    cfg = compose_config([f"{'+' if group == 'strategy' else ''}{group}={option}", *extra])
     if group == "model":
         data = instantiate(cfg.data)
         model = instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
@@ -54,6 +61,9 @@ def test_option_composes_and_instantiates(group: str, option: str, tmp_path: Pat
         assert isinstance(instantiate(cfg.data), DataModule)  # files are opened later, in setup()
     elif group == "sync":
         assert isinstance(instantiate(cfg.sync), SyncStrategy)
+    elif group == "strategy":  # a sync choice plus its knobs; its name says which sync it picks
+        sync = instantiate(cfg.sync)
+        assert isinstance(sync, SyncStrategy) and sync.describe()["strategy"] == option.split("_")[0]
     elif group == "optim":
         optimizer = instantiate(cfg.optim)([nn.Parameter(torch.zeros(3))])
         assert isinstance(optimizer, torch.optim.Optimizer)

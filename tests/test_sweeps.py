@@ -75,6 +75,25 @@ def test_route1_multirun_inside_torchrun(tmp_path: Path) -> None:
     assert "sync.bucket_cap_mb=1" in report.stdout and (sweep / "report.png").stat().st_size > 10_000
 
 
+def test_strategy_sweep_runs_each_strategy_variant_as_a_job(tmp_path: Path) -> None:
+    # Two of experiment=strategy_sweep's variants, each a sync choice with a knob; the report reads them.
+    args = ["-m", CPU, "logger=none", "experiment=strategy_sweep", "+strategy=bucketed_rs_ag,ddp_fp16"]
+    proc = torchrun([*args, "model.hidden_sizes=[64]", *QUICK], cwd=tmp_path)
+    assert proc.returncode == 0, output(proc)
+    sweep = sweep_dir(tmp_path)
+    first = json.loads((sweep / "0" / "summary.json").read_text())["sync"]
+    second = json.loads((sweep / "1" / "summary.json").read_text())["sync"]
+    assert (first["strategy"], first["collective"]) == ("bucketed", "rs_ag")
+    assert (second["strategy"], second["comm_hook"]) == ("ddp", "fp16")
+    rows = train_rows(sweep / "0" / "metrics" / "rank0.jsonl")
+    assert rows[-1]["comm/reduce_scatter_per_step"] == rows[-1]["comm/all_gather_per_step"] >= 1
+    report = subprocess.run(
+        [sys.executable, "-m", "trainer.tools.report", str(sweep)], cwd=REPO, capture_output=True, text=True
+    )
+    assert report.returncode == 0, report.stderr
+    assert "Strategy sweep" in report.stdout and "+strategy=ddp_fp16" in report.stdout
+
+
 def test_route1_a_job_failing_on_one_rank_stops_the_sweep(tmp_path: Path) -> None:
     started = time.monotonic()
     proc = torchrun(["-m", CPU, *FAIL_FIRST_JOB_ON_RANK_1, "logger=none", *QUICK], cwd=tmp_path)
