@@ -17,9 +17,9 @@ import trainer.sync.ddp as ddp_module
 from tests.cli import CPU, output, torchrun, train_rows
 from tests.compose import compose_config
 from tests.dist_helpers import run_on_ranks
+from tests.train_helpers import assert_same_model, build, params_of
 from trainer.errors import ConfigError
-from trainer.setup.build import build_parts, build_trainer, instantiate, prepare_data
-from trainer.setup.dist import DistContext
+from trainer.setup.build import instantiate
 from trainer.sync.autotune import CapTuner
 
 # Fed step times (seconds) per rank and candidate: one untimed warm-up step, then two timed ones.
@@ -86,17 +86,12 @@ def train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dic
             built.append(weakref.ref(self))
 
     ddp_module.DistributedDataParallel = Watched  # in this spawned process only
-    cfg = compose_config(COMMON + overrides)
-    settings = instantiate(cfg.trainer)
-    parts = build_parts(cfg, settings)
-    ctx = DistContext(rank, rank, world_size, torch.device("cpu"), "gloo")
-    prepare_data(parts.data, ctx)
-    trainer = build_trainer(parts, settings, ctx, [], Path(run_dir), {})
+    trainer = build(rank, world_size, COMMON + overrides, run_dir)
     trainer.fit()
     assert trainer.step == 8
     current = getattr(trainer.sync, "_ddp", None)
     return {
-        "params": {name: t.detach().clone() for name, t in trainer.model.state_dict().items()},
+        "params": params_of(trainer),
         "rows": trainer._rows.rows,
         "sync": trainer.sync.describe(),
         "alive": [ref() is not None for ref in built],
@@ -122,8 +117,7 @@ def test_auto_is_equivalent_and_drops_each_old_ddp(
 ) -> None:
     rank0, rank1 = run_on_ranks(train, 2, tmp_path / "pair", AUTO + extra, str(tmp_path / "run"))
     params = rank0["params"]
-    assert all(torch.equal(params[k], rank1["params"][k]) for k in params), "replicas differ after training"
-    assert max((params[k] - single_process[k]).abs().max().item() for k in params) <= 1e-5
+    assert_same_model([params, rank1["params"]], single_process)
     full = 4 * sum(t.numel() for t in params.values())
     for result in (rank0, rank1):
         info = result["sync"]
@@ -149,8 +143,7 @@ def test_bucketed_auto_rebuilds_its_buckets_without_changing_the_numbers(
     overrides = ["sync=bucketed", *AUTO[1:]]
     rank0, rank1 = run_on_ranks(train, 2, tmp_path / "pair", overrides, str(tmp_path / "run"))
     params = rank0["params"]
-    assert all(torch.equal(params[k], rank1["params"][k]) for k in params), "replicas differ after training"
-    assert max((params[k] - single_process[k]).abs().max().item() for k in params) <= 1e-5
+    assert_same_model([params, rank1["params"]], single_process)
     full = 4 * sum(t.numel() for t in params.values())
     for result in (rank0, rank1):
         info = result["sync"]

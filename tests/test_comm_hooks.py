@@ -10,9 +10,9 @@ import torch
 
 from tests.compose import compose_config
 from tests.dist_helpers import run_on_ranks
+from tests.train_helpers import build, params_of
 from trainer.errors import ConfigError
-from trainer.setup.build import build_parts, build_trainer, instantiate, prepare_data
-from trainer.setup.dist import DistContext
+from trainer.setup.build import build_parts, instantiate
 
 # 32 samples, 2 ranks x 8: 2 steps per epoch, so 12 steps see each sample 6 times; a row every 2 steps.
 COMMON = [
@@ -33,15 +33,9 @@ POWERSGD_START = 2  # steps 1-2 plain all-reduce (the row at step 2), steps 3-12
 
 def train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dict[str, Any]:
     """The real build path of train.py on the helper's gloo group: final parameters and every logged row."""
-    cfg = compose_config(COMMON + overrides)
-    settings = instantiate(cfg.trainer)
-    parts = build_parts(cfg, settings)
-    ctx = DistContext(rank, rank, world_size, torch.device("cpu"), "gloo")
-    prepare_data(parts.data, ctx)
-    trainer = build_trainer(parts, settings, ctx, [], Path(run_dir), {})
+    trainer = build(rank, world_size, COMMON + overrides, run_dir)
     trainer.fit()
-    params = {name: t.detach().clone() for name, t in trainer.model.state_dict().items()}
-    return {"params": params, "rows": trainer._rows.rows, "sync": trainer.sync.describe()}
+    return {"params": params_of(trainer), "rows": trainer._rows.rows, "sync": trainer.sync.describe()}
 
 
 def parameter_shapes() -> list[torch.Size]:

@@ -9,8 +9,8 @@ import torch
 
 from tests.compose import compose_config
 from tests.dist_helpers import run_on_ranks
-from trainer.setup.build import build_parts, build_trainer, instantiate, prepare_data
-from trainer.setup.dist import DistContext
+from tests.train_helpers import assert_same_model, build, max_abs_diff, params_of
+from trainer.setup.build import build_parts, instantiate
 
 # 64 samples, 2 ranks x 8 = 4 steps per epoch: 6 steps cross an epoch boundary (set_epoch reshuffles).
 COMMON = [
@@ -29,30 +29,16 @@ def train(
     rank: int, world_size: int, overrides: list[str], run_dir: str, device: str = "cpu"
 ) -> dict[str, torch.Tensor]:
     """The real build path of train.py, on the process group the helper started (gloo, whatever the device)."""
-    cfg = compose_config(COMMON + overrides)
-    settings = instantiate(cfg.trainer)
-    parts = build_parts(cfg, settings)
-    ctx = DistContext(rank, rank, world_size, torch.device(device), "gloo")
-    prepare_data(parts.data, ctx)
-    trainer = build_trainer(parts, settings, ctx, [], Path(run_dir), {})
+    trainer = build(rank, world_size, COMMON + overrides, run_dir, device)
     trainer.fit()
     assert trainer.step == 6 and trainer.epoch == 1
-    return {name: t.detach().cpu().clone() for name, t in trainer.model.state_dict().items()}
+    return params_of(trainer)
 
 
 def trained(
     tmp_path: Path, name: str, world_size: int, overrides: list[str], device: str = "cpu"
 ) -> list[dict[str, torch.Tensor]]:
     return run_on_ranks(train, world_size, tmp_path / name, overrides, str(tmp_path / name / "run"), device)
-
-
-def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
-def bit_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +91,8 @@ def test_two_ranks_equal_one_process_with_twice_the_batch(
     tmp_path: Path, single_process: dict[str, torch.Tensor], overrides: list[str]
 ) -> None:
     rank0, rank1 = trained(tmp_path, "pair", 2, overrides)
-    assert bit_identical(rank0, rank1), "replicas differ after training"
+    assert_same_model([rank0, rank1], single_process)
     assert max_abs_diff(rank0, initial_params()) > 1e-3, "nothing was trained"
-    assert max_abs_diff(rank0, single_process) <= 1e-5
 
 
 def initial_params() -> dict[str, torch.Tensor]:
