@@ -17,7 +17,7 @@ import trainer.sync.ddp as ddp_module
 from tests.cli import CPU, output, torchrun, train_rows
 from tests.compose import compose_config
 from tests.dist_helpers import run_on_ranks
-from tests.train_helpers import assert_same_model, build, params_of
+from tests.train_helpers import assert_same_model, build, case_results, params_of, train_each
 from trainer.errors import ConfigError
 from trainer.setup.build import instantiate
 from trainer.sync.autotune import CapTuner
@@ -107,15 +107,25 @@ def single_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.
     return result["params"]
 
 
-@pytest.mark.parametrize(
-    "extra",
-    [[], ["sync.time_buckets=true", "sync.gradient_as_bucket_view=true"]],
-    ids=["ddp-auto", "ddp-auto-timing-hook-bucket-view"],
-)
+CASES = {
+    "ddp-auto": AUTO,
+    "ddp-auto-timing-hook-bucket-view": [*AUTO, "sync.time_buckets=true", "sync.gradient_as_bucket_view=true"],
+    "bucketed-auto": ["sync=bucketed", *AUTO[1:]],
+}
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Every auto case, one after another in one pair of spawned ranks."""
+    root = tmp_path_factory.mktemp("auto")
+    return run_on_ranks(train_each, 2, root / "ranks", train, CASES, str(root / "runs"), timeout_s=600)
+
+
+@pytest.mark.parametrize("case", ["ddp-auto", "ddp-auto-timing-hook-bucket-view"])
 def test_auto_is_equivalent_and_drops_each_old_ddp(
-    tmp_path: Path, single_process: dict[str, torch.Tensor], extra: list[str]
+    pairs: list[dict[str, Any]], single_process: dict[str, torch.Tensor], case: str
 ) -> None:
-    rank0, rank1 = run_on_ranks(train, 2, tmp_path / "pair", AUTO + extra, str(tmp_path / "run"))
+    rank0, rank1 = case_results(pairs, case)
     params = rank0["params"]
     assert_same_model([params, rank1["params"]], single_process)
     full = 4 * sum(t.numel() for t in params.values())
@@ -136,12 +146,11 @@ def test_auto_is_equivalent_and_drops_each_old_ddp(
 
 
 def test_bucketed_auto_rebuilds_its_buckets_without_changing_the_numbers(
-    tmp_path: Path, single_process: dict[str, torch.Tensor]
+    pairs: list[dict[str, Any]], single_process: dict[str, torch.Tensor]
 ) -> None:
     # The same tuner as ddp's, in sync=bucketed: the buckets are rebuilt between backward and the
     # optimizer step, carrying the averaged gradients into the new buffers.
-    overrides = ["sync=bucketed", *AUTO[1:]]
-    rank0, rank1 = run_on_ranks(train, 2, tmp_path / "pair", overrides, str(tmp_path / "run"))
+    rank0, rank1 = case_results(pairs, "bucketed-auto")
     params = rank0["params"]
     assert_same_model([params, rank1["params"]], single_process)
     full = 4 * sum(t.numel() for t in params.values())

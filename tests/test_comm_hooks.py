@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -10,7 +9,7 @@ import torch
 
 from tests.compose import compose_config
 from tests.dist_helpers import run_on_ranks
-from tests.train_helpers import build, params_of
+from tests.train_helpers import build, case_results, params_of, train_each
 from trainer.errors import ConfigError
 from trainer.setup.build import build_parts, instantiate
 
@@ -66,14 +65,21 @@ def expected_per_step(hook: str, step: int) -> tuple[int, int]:
     return 4 * full, 1
 
 
-@pytest.mark.parametrize("hook", ["none", "fp16", "bf16", "powersgd"])
-def test_hook_keeps_replicas_equal_counts_what_it_sends_and_trains(tmp_path: Path, hook: str) -> None:
-    overrides = [
-        f"sync.comm_hook={hook}",
-        f"sync.powersgd_rank={POWERSGD_RANK}",
-        f"sync.powersgd_start_step={POWERSGD_START}",
-    ]
-    rank0, rank1 = run_on_ranks(train, 2, tmp_path / "pair", overrides, str(tmp_path / "run"))
+HOOKS = ("none", "fp16", "bf16", "powersgd")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Every hook's run, one after another in one pair of spawned ranks."""
+    knobs = [f"sync.powersgd_rank={POWERSGD_RANK}", f"sync.powersgd_start_step={POWERSGD_START}"]
+    cases = {hook: [f"sync.comm_hook={hook}", *knobs] for hook in HOOKS}
+    root = tmp_path_factory.mktemp("hooks")
+    return run_on_ranks(train_each, 2, root / "ranks", train, cases, str(root / "runs"), timeout_s=600)
+
+
+@pytest.mark.parametrize("hook", HOOKS)
+def test_hook_keeps_replicas_equal_counts_what_it_sends_and_trains(trained: list[dict[str, Any]], hook: str) -> None:
+    rank0, rank1 = case_results(trained, hook)
     assert all(torch.equal(rank0["params"][k], rank1["params"][k]) for k in rank0["params"]), "replicas differ"
     assert rank0["sync"]["comm_hook"] == hook
     for result in (rank0, rank1):

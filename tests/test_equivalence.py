@@ -9,7 +9,7 @@ import torch
 
 from tests.compose import compose_config
 from tests.dist_helpers import run_on_ranks
-from tests.train_helpers import assert_same_model, build, max_abs_diff, params_of
+from tests.train_helpers import assert_same_model, build, case_results, max_abs_diff, params_of, train_each
 from trainer.setup.build import build_parts, instantiate
 
 # 64 samples, 2 ranks x 8 = 4 steps per epoch: 6 steps cross an epoch boundary (set_epoch reshuffles).
@@ -48,49 +48,48 @@ def single_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.
     return params
 
 
-@pytest.mark.parametrize(
-    "overrides",
-    [
-        ["sync=manual", "data.batch_size=8"],
-        ["sync=ddp", "data.batch_size=8"],
-        # ~1 KB buckets: many all_reduces per step, reordered after DDP's first-iteration rebuild.
-        ["sync=ddp", "sync.bucket_cap_mb=0.001", "data.batch_size=8"],
-        ["sync=ddp", "sync.gradient_as_bucket_view=true", "sync.static_graph=true", "data.batch_size=8"],
-        # The timing hook's all-reduce instead of DDP's C++ one.
-        ["sync=ddp", "sync.time_buckets=true", "data.batch_size=8"],
-        # Accumulation: 2 micro-batches of 4 per rank; ddp must not communicate on the first.
-        ["sync=ddp", "data.batch_size=4", "trainer.grad_accum_steps=2"],
-        ["sync=manual", "data.batch_size=4", "trainer.grad_accum_steps=2"],
-        # Per-tensor calls, and flattened into ~1 KB groups: several coalesced all_reduces per step.
-        ["sync=manual", "sync.coalesce_mb=0", "data.batch_size=8"],
-        ["sync=manual", "sync.coalesce_mb=0.001", "data.batch_size=8"],
-        # reduce_scatter + all_gather on each flat buffer instead of all_reduce.
-        ["sync=manual", "sync.collective=rs_ag", "data.batch_size=8"],
-        # DDP by hand: ~1 KB buckets, several in flight during backward; with rs_ag; accumulating.
-        ["sync=bucketed", "sync.bucket_cap_mb=0.001", "data.batch_size=8"],
-        ["sync=bucketed", "sync.bucket_cap_mb=0.001", "sync.collective=rs_ag", "data.batch_size=8"],
-        ["sync=bucketed", "data.batch_size=4", "trainer.grad_accum_steps=2"],
+# Every 2-rank case trains in one pair of spawned ranks, one case after another on the same gloo
+# group: a spawn costs more than a case's training (importing torch alone takes seconds).
+CASES = {
+    "manual": ["sync=manual", "data.batch_size=8"],
+    "ddp": ["sync=ddp", "data.batch_size=8"],
+    # ~1 KB buckets: many all_reduces per step, reordered after DDP's first-iteration rebuild.
+    "ddp-tiny-buckets": ["sync=ddp", "sync.bucket_cap_mb=0.001", "data.batch_size=8"],
+    "ddp-bucket-view-static": [
+        "sync=ddp",
+        "sync.gradient_as_bucket_view=true",
+        "sync.static_graph=true",
+        "data.batch_size=8",
     ],
-    ids=[
-        "manual",
-        "ddp",
-        "ddp-tiny-buckets",
-        "ddp-bucket-view-static",
-        "ddp-timing-hook",
-        "ddp-accum",
-        "manual-accum",
-        "manual-per-tensor",
-        "manual-small-groups",
-        "manual-rs_ag",
-        "bucketed-tiny-buckets",
-        "bucketed-rs_ag",
-        "bucketed-accum",
-    ],
-)
+    # The timing hook's all-reduce instead of DDP's C++ one.
+    "ddp-timing-hook": ["sync=ddp", "sync.time_buckets=true", "data.batch_size=8"],
+    # Accumulation: 2 micro-batches of 4 per rank; ddp must not communicate on the first.
+    "ddp-accum": ["sync=ddp", "data.batch_size=4", "trainer.grad_accum_steps=2"],
+    "manual-accum": ["sync=manual", "data.batch_size=4", "trainer.grad_accum_steps=2"],
+    # Per-tensor calls, and flattened into ~1 KB groups: several coalesced all_reduces per step.
+    "manual-per-tensor": ["sync=manual", "sync.coalesce_mb=0", "data.batch_size=8"],
+    "manual-small-groups": ["sync=manual", "sync.coalesce_mb=0.001", "data.batch_size=8"],
+    # reduce_scatter + all_gather on each flat buffer instead of all_reduce.
+    "manual-rs_ag": ["sync=manual", "sync.collective=rs_ag", "data.batch_size=8"],
+    # DDP by hand: ~1 KB buckets, several in flight during backward; with rs_ag; accumulating.
+    "bucketed-tiny-buckets": ["sync=bucketed", "sync.bucket_cap_mb=0.001", "data.batch_size=8"],
+    "bucketed-rs_ag": ["sync=bucketed", "sync.bucket_cap_mb=0.001", "sync.collective=rs_ag", "data.batch_size=8"],
+    "bucketed-accum": ["sync=bucketed", "data.batch_size=4", "trainer.grad_accum_steps=2"],
+}
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, object]]:
+    root = tmp_path_factory.mktemp("pairs")
+    cases = {**CASES, "none": ["sync=none", "data.batch_size=8"]}
+    return run_on_ranks(train_each, 2, root / "ranks", train, cases, str(root / "runs"), timeout_s=600)
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_two_ranks_equal_one_process_with_twice_the_batch(
-    tmp_path: Path, single_process: dict[str, torch.Tensor], overrides: list[str]
+    pairs: list[dict[str, object]], single_process: dict[str, torch.Tensor], case: str
 ) -> None:
-    rank0, rank1 = trained(tmp_path, "pair", 2, overrides)
+    rank0, rank1 = case_results(pairs, case)
     assert_same_model([rank0, rank1], single_process)
     assert max_abs_diff(rank0, initial_params()) > 1e-3, "nothing was trained"
 
@@ -106,7 +105,9 @@ def test_grad_accumulation_equals_the_full_batch(tmp_path: Path, single_process:
     assert max_abs_diff(accumulated, single_process) <= 1e-5
 
 
-def test_sync_none_lets_replicas_diverge(tmp_path: Path, single_process: dict[str, torch.Tensor]) -> None:
-    rank0, rank1 = trained(tmp_path, "none", 2, ["sync=none", "data.batch_size=8"])
+def test_sync_none_lets_replicas_diverge(
+    pairs: list[dict[str, object]], single_process: dict[str, torch.Tensor]
+) -> None:
+    rank0, rank1 = case_results(pairs, "none")
     assert max_abs_diff(rank0, rank1) > 1e-4
     assert max_abs_diff(rank0, single_process) > 1e-4

@@ -16,7 +16,8 @@ import torch
 
 from tests.cli import output
 from tests.compose import REPO
-from tests.test_equivalence import bit_identical, initial_params, max_abs_diff, trained
+from tests.test_equivalence import initial_params, trained
+from tests.train_helpers import bit_identical, max_abs_diff
 from trainer.loop.timing import PHASES, StepTimer
 
 

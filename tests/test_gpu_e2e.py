@@ -18,7 +18,7 @@ import torch
 from tests.cli import TORCHRUN, env, jsonl, output, torchrun, train_rows
 from tests.compose import REPO
 from tests.gpu_helpers import COMM_TIMING, CUDA, QUICK, assert_phases_add_up, gpu_count, initial_model, summary_of
-from tests.test_equivalence import bit_identical, max_abs_diff
+from tests.train_helpers import bit_identical, max_abs_diff
 from trainer.reliability.checkpoint import step_files
 from trainer.tools.collective_ops import OPS
 

@@ -176,19 +176,27 @@ def _average(rank: int, world_size: int, cap_bytes: int, collective: str) -> lis
     return [*(p.grad for p in params), torch.tensor([len(flat.buckets), comm.collectives, comm.bytes, views])]
 
 
-@pytest.mark.parametrize("collective", ["all_reduce", "rs_ag"])
-@pytest.mark.parametrize(
-    ("cap_bytes", "buffers"), [(0, 3), (28, 2), (1 << 20, 1)], ids=["per-tensor", "two-buffers", "one-buffer"]
-)
-def test_flat_buffers_average_is_sum_over_world_size(
-    tmp_path: Path, cap_bytes: int, buffers: int, collective: str
-) -> None:
-    for *grads, made in run_on_ranks(_average, 2, tmp_path / "avg", cap_bytes, collective):
-        assert torch.equal(grads[0], torch.full((3,), 1.5))
-        assert torch.equal(grads[1], torch.full((2, 2), 15.0))
-        assert torch.equal(grads[2], torch.arange(5.0) / 2)
-        calls = buffers * (1 if collective == "all_reduce" else 2)
-        assert made.tolist() == [buffers, calls, (3 + 4 + 5) * 4, 1]  # bytes: the 12 gradient floats
+AVERAGE_CASES = [
+    (cap, buffers, collective)
+    for cap, buffers in ((0, 3), (28, 2), (1 << 20, 1))
+    for collective in ("all_reduce", "rs_ag")
+]
+
+
+def _average_all(rank: int, world_size: int) -> list[list[torch.Tensor]]:
+    """Every case of the test below on one pair of ranks (a spawn costs more than all of them)."""
+    return [_average(rank, world_size, cap, collective) for cap, _, collective in AVERAGE_CASES]
+
+
+def test_flat_buffers_average_is_sum_over_world_size(tmp_path: Path) -> None:
+    # per tensor, two buffers, one buffer; each with all_reduce and with reduce_scatter + all_gather
+    for results in run_on_ranks(_average_all, 2, tmp_path / "avg"):
+        for (_, buffers, collective), (*grads, made) in zip(AVERAGE_CASES, results, strict=True):
+            assert torch.equal(grads[0], torch.full((3,), 1.5))
+            assert torch.equal(grads[1], torch.full((2, 2), 15.0))
+            assert torch.equal(grads[2], torch.arange(5.0) / 2)
+            calls = buffers * (1 if collective == "all_reduce" else 2)
+            assert made.tolist() == [buffers, calls, (3 + 4 + 5) * 4, 1]  # bytes: the 12 gradient floats
 
 
 def test_plan_groups_consecutive_parameters_up_to_the_cap() -> None:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,3 +51,28 @@ def assert_same_model(ranks: Sequence[dict[str, torch.Tensor]], single: dict[str
     """The promise: every rank holds the same bits, within 1e-5 of one process on the whole batch."""
     assert all(bit_identical(ranks[0], other) for other in ranks[1:]), "replicas differ after training"
     assert max_abs_diff(ranks[0], single) <= 1e-5
+
+
+def train_each(
+    rank: int, world_size: int, fn: Callable[..., Any], cases: dict[str, list[str]], run_root: str
+) -> dict[str, Any]:
+    """fn(rank, world_size, overrides, run_dir) for every case, one after another on the same group.
+
+    One spawn of the ranks then serves many cases: a spawn costs more than a small case's training
+    (importing torch alone takes seconds). A case that raises gives its traceback as its result,
+    for its own test to report, and the next cases still run.
+    """
+    results: dict[str, Any] = {}
+    for name, overrides in cases.items():
+        try:
+            results[name] = fn(rank, world_size, overrides, str(Path(run_root) / name))
+        except Exception:  # reported by that case's own test
+            results[name] = traceback.format_exc()
+    return results
+
+
+def case_results(ranks: Sequence[dict[str, Any]], case: str) -> list[Any]:
+    """Every rank's result for one case of train_each, failing with the traceback if it raised."""
+    results = [by_case[case] for by_case in ranks]
+    assert not any(isinstance(r, str) for r in results), f"{case} failed:\n" + "\n".join(map(str, results))
+    return results
