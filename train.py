@@ -30,6 +30,7 @@ from trainer.setup.build import (
     add_loggers,
     build_parts,
     build_trainer,
+    check_device,
     instantiate,
     prepare_data,
 )
@@ -46,6 +47,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         check_output_dir(conf.run_dir(), bytes_needed(parts.model, settings.keep_checkpoints))  # full disk: fail now
         launch = dist.read_launch_env()  # read here, not at import: submitit tasks unpickle main()
         device = dist.resolve_device(settings.device, launch)
+        check_device(parts, device)  # e.g. SyncBatchNorm needs CUDA: refused before any logger starts
         prefix = dist.group_key_prefix(launch, conf.job_num())  # a fresh prefix per multirun job
         ctx = dist.init_process_group(launch, dist.job_store(launch), device, settings.collective_timeout_s, prefix)
         try:

@@ -13,8 +13,19 @@ from torch import nn
 from models.image_input import image_shape
 
 
-def resnet18(input_shape: Sequence[int], num_classes: int, small_input_stem: bool = True) -> nn.Module:
-    """Build ResNet-18 for images of input_shape (C, H, W) with a fresh num_classes head."""
+def resnet18(
+    input_shape: Sequence[int],
+    num_classes: int,
+    small_input_stem: bool = True,
+    sync_batchnorm: bool = False,  # the builder's key, not the model's
+) -> nn.Module:
+    """Build ResNet-18 for images of input_shape (C, H, W) with a fresh num_classes head.
+
+    sync_batchnorm is read (and removed) by trainer.setup.build, which converts the BatchNorm
+    layers once the device is known; it is accepted here only so that conf/model/resnet18.yaml
+    instantiates as it stands, with hydra.utils.instantiate alone.
+    """
+    del sync_batchnorm
     in_channels = image_shape("resnet18", input_shape)[0]
     model = torchvision.models.resnet18(weights=None, num_classes=num_classes)
     if small_input_stem:

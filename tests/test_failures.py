@@ -25,6 +25,11 @@ BAD_INPUTS = {
         ["sync.collective='bogus' is invalid", "all_reduce", "rs_ag"],
     ),
     "bucketed-cap-zero": (["sync=bucketed", "sync.bucket_cap_mb=0"], ["sync.bucket_cap_mb=0 is invalid", "> 0"]),
+    # torch's SyncBatchNorm refuses CPU tensors: refused at start-up, before any logger exists.
+    "syncbn-on-cpu": (
+        ["model=cnn", "data=fake", "model.batchnorm=true", "model.sync_batchnorm=true"],
+        ["model.sync_batchnorm=true cannot run on cpu", "trainer.device=cuda", "model.sync_batchnorm=false"],
+    ),
     "batch-zero": (["data.batch_size=0"], ["data.batch_size=0 is invalid", "integer > 0"]),
     "negative-steps": (["trainer.max_steps=-1"], ["trainer.max_steps=-1 is invalid", "integer >= 0"]),
     "misspelt-key": (
@@ -52,6 +57,7 @@ def test_bad_input_fails_fast_on_every_rank_with_a_clear_message(tmp_path: Path,
     assert text.count("Traceback (most recent call last)") <= 1, text
     assert 'train.py", line' not in text and str(REPO / "trainer") not in text and "hydra/_internal" not in text
     assert elapsed < 60, f"took {elapsed:.0f}s"
+    assert not list((tmp_path / "run").glob("metrics/*.jsonl")), "a logger started before the input was checked"
 
 
 def test_device_cuda_without_a_gpu_per_rank_fails_fast_naming_both_numbers(tmp_path: Path) -> None:

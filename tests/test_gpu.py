@@ -82,3 +82,27 @@ def test_gpu_check_without_cuda_says_so_and_exits_2(tmp_path: Path) -> None:
     assert proc.returncode == 2, output(proc)
     assert "no CUDA device" in proc.stderr, output(proc)
     assert not (tmp_path / "out").exists()  # nothing was started
+
+
+@pytest.mark.gpu
+def test_sync_batchnorm_two_ranks_sharing_one_gpu_equal_one_process_with_plain_batchnorm(tmp_path: Path) -> None:
+    """The promise with BatchNorm on: SyncBatchNorm normalises each rank's 8 samples with the statistics of all 16.
+
+    Both ranks on cuda:0 through gloo (SyncBatchNorm all_gathers its statistics with gloo too);
+    parameters and running statistics must match one process training the same cnn with plain
+    BatchNorm on the 16 samples. Without SyncBatchNorm they do not: see test_syncbn.py.
+    """
+    from functools import partial
+
+    from tests.dist_helpers import run_on_ranks
+    from tests.test_syncbn import initial_cnn_params, train_cnn, weights
+    from tests.train_helpers import assert_same_model, case_results, train_each
+
+    on_gpu = partial(train_cnn, device="cuda:0")
+    (single,) = run_on_ranks(on_gpu, 1, tmp_path / "single", ["sync=none", "data.batch_size=16"], str(tmp_path / "ref"))
+    cases = {s: [f"sync={s}", "data.batch_size=8", "model.sync_batchnorm=true"] for s in ("manual", "ddp", "bucketed")}
+    pairs = run_on_ranks(train_each, 2, tmp_path / "pair", on_gpu, cases, str(tmp_path / "runs"), timeout_s=600)
+    for sync in cases:
+        rank0, rank1 = case_results(pairs, sync)
+        assert max_abs_diff(weights(rank0), weights(initial_cnn_params())) > 1e-3, f"{sync}: nothing was trained"
+        assert_same_model([rank0, rank1], single)  # replicas bit-identical, running statistics included

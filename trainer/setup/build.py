@@ -15,12 +15,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from hydra.errors import InstantiationException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.optim import Optimizer
 
 from data.base import DataModule
-from trainer.errors import ConfigError, from_leaves
+from trainer.errors import ConfigError, check, from_leaves
 from trainer.logger.base import MetricLogger
 from trainer.logger.jsonl import JsonlLogger
 from trainer.loop.trainer import Trainer
@@ -107,20 +107,80 @@ class Parts:
     sync: SyncStrategy
     optimizer_factory: Callable[..., Optimizer]
     schedule_factory: Callable[..., Callable[[int], float]]
+    sync_batchnorm: bool = False  # model.sync_batchnorm: applied by build_trainer, once the device is known
 
 
 def build_parts(cfg: DictConfig, settings: TrainSettings) -> Parts:
     """Run every constructor: a bad value fails here, on every rank alike, before any collective."""
     data = instantiate(cfg.data)
     seed_everything(settings.seed)
-    model = instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
+    model_node, sync_batchnorm = split_sync_batchnorm(cfg.model)
+    model = instantiate(model_node, input_shape=data.input_shape, num_classes=data.num_classes)
+    if sync_batchnorm and not has_batchnorm(model):
+        raise ConfigError(
+            f"model.sync_batchnorm=true but {cfg.model._target_} has no BatchNorm layer to synchronise; "
+            "set model.batchnorm=true (cnn) or use model=resnet18, or set model.sync_batchnorm=false"
+        )
     return Parts(
         data=data,
         model=model,
+        sync_batchnorm=sync_batchnorm,
         sync=instantiate(cfg.sync),
         optimizer_factory=instantiate(cfg.optim),
         schedule_factory=hydra.utils.instantiate(cfg.schedule, _partial_=True, _convert_="all"),
     )
+
+
+def split_sync_batchnorm(node: DictConfig) -> tuple[DictConfig, bool]:
+    """The model's node without model.sync_batchnorm, and its value.
+
+    The key is the builder's, not the model's: the leaves know nothing of process groups, so a
+    model is built with plain BatchNorm and converted here. Any model takes it, even one whose
+    YAML lacks it (+model.sync_batchnorm=true on the mlp reaches has_batchnorm's error, not a
+    TypeError from the constructor).
+    """
+    if "sync_batchnorm" not in node:
+        return node, False
+    value = node.sync_batchnorm
+    check(isinstance(value, bool), "model.sync_batchnorm", value, "accepted: true, false")
+    # A copy of a sub-node no longer sees the root, so interpolations are resolved first.
+    plain = OmegaConf.to_container(node, resolve=True)
+    assert isinstance(plain, dict)
+    del plain["sync_batchnorm"]
+    return OmegaConf.create(plain), value
+
+
+def has_batchnorm(model: nn.Module) -> bool:
+    """Whether convert_sync_batchnorm would find anything: it replaces every _BatchNorm."""
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def check_device(parts: Parts, device: torch.device) -> None:
+    """What the parts need of the device, checked as soon as it is known (train.py), before the
+    process group, the loggers and the W&B runs exist."""
+    if parts.sync_batchnorm:
+        _refuse_sync_batchnorm_on_cpu(device)
+
+
+def _refuse_sync_batchnorm_on_cpu(device: torch.device) -> None:
+    """torch's SyncBatchNorm raises in its first training forward on CPU whenever a process group is
+    initialised, even one of world size 1 (and train.py always starts one): refuse that with the key
+    and the fixes, rather than with torch's message mid-step."""
+    if device.type == "cpu":
+        raise ConfigError(
+            f"model.sync_batchnorm=true cannot run on {device}: torch's SyncBatchNorm only supports CUDA "
+            "tensors once a process group exists (at any world size); use trainer.device=cuda, or "
+            "model.sync_batchnorm=false (each rank then normalises with its own batch's statistics)"
+        )
+
+
+def convert_sync_batchnorm(model: nn.Module, device: torch.device) -> nn.Module:
+    """BatchNorm layers that normalise with the statistics of the whole global batch, on every rank.
+
+    Parameters and buffers keep their names, so checkpoints load either way.
+    """
+    _refuse_sync_batchnorm_on_cpu(device)
+    return nn.SyncBatchNorm.convert_sync_batchnorm(model)
 
 
 def prepare_data(data: DataModule, ctx: DistContext) -> None:
@@ -141,10 +201,11 @@ def build_trainer(
     run_dir: Path,
     config: dict[str, Any],
 ) -> Trainer:
+    model = convert_sync_batchnorm(parts.model, ctx.device) if parts.sync_batchnorm else parts.model
     return Trainer(
         settings=settings,
         ctx=ctx,
-        model=parts.model,
+        model=model,
         data=parts.data,
         sync=parts.sync,
         optimizer_factory=parts.optimizer_factory,
