@@ -111,7 +111,7 @@ class Framework:
             started = time.perf_counter()
             trainer.sync.after_backward(trainer.train_model)
             times.append(time.perf_counter() - started)
-        trainer.optimizer.zero_grad(set_to_none=True)
+        trainer.sync.zero_grad(trainer.optimizer)  # flat-buffer strategies keep their views
         trainer.sync.take_comm()  # not training: keep it out of the counters
         return statistics.median(times)
 

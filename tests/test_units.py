@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.compose import compose_config
 from tests.dist_helpers import run_on_ranks
 from trainer.errors import ConfigError
 from trainer.loop.metrics import Window
@@ -23,6 +24,7 @@ from trainer.loop.steps import (
 )
 from trainer.loop.summary import format_report, job_throughput, rank_timing
 from trainer.loop.timing import PHASES, StepTimer
+from trainer.setup.build import instantiate
 from trainer.setup.dist import choose_device
 from trainer.setup.settings import TrainSettings
 from trainer.sync import averaging
@@ -251,3 +253,10 @@ def test_ranks_that_drift_into_different_jobs_are_stopped(tmp_path: Path) -> Non
     messages = run_on_ranks(_agree, 2, tmp_path / "drift", [(0, ("a=1",)), (1, ("a=5",))])
     assert messages[0] == messages[1]
     assert "ranks disagree on the job" in messages[0] and "rank 1: (1, ('a=5',))" in messages[0]
+
+
+@pytest.mark.parametrize("sync", ["ddp", "bucketed"])
+def test_time_every_n_steps_must_be_a_positive_integer(sync: str) -> None:
+    for bad in ("0", "1.5"):
+        with pytest.raises(ConfigError, match=r"sync\.time_every_n_steps=.* is invalid: must be an integer >= 1"):
+            instantiate(compose_config([f"sync={sync}", f"sync.time_every_n_steps={bad}"]).sync)

@@ -29,11 +29,10 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from trainer.errors import check, is_int
 from trainer.sync import averaging
 from trainer.sync.autotune import DEFAULT_CANDIDATES_MB, CapTuner, check_cap
 from trainer.sync.base import SyncStrategy
-from trainer.sync.comm import CommCounters, busy_time
+from trainer.sync.comm import CommCounters, busy_time, check_time_every_n_steps
 from trainer.sync.flat import FlatGrads, plan
 from trainer.sync.manual import broadcast_from_rank0
 
@@ -72,12 +71,7 @@ class BucketedSync(SyncStrategy):
     ) -> None:
         super().__init__()
         cap, candidates = check_cap(bucket_cap_mb, auto_candidates_mb, auto_steps_per_trial, auto_warmup_steps)
-        check(
-            is_int(time_every_n_steps) and time_every_n_steps >= 1,
-            "sync.time_every_n_steps",
-            time_every_n_steps,
-            "must be an integer >= 1 (buckets are timed on one step in this many)",
-        )
+        check_time_every_n_steps(time_every_n_steps, "the bucket clocks")
         self.bucket_cap_mb = cap  # a number, or "auto"
         self.auto_candidates_mb = candidates
         self.auto_steps_per_trial = auto_steps_per_trial

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from trainer.errors import check, is_int
+
 
 @dataclass
 class CommCounters:
@@ -37,6 +39,16 @@ class CommCounters:
         self.bytes, self.collectives, self.seconds, self.exposed_seconds, self.timed_steps = 0, 0, 0.0, 0.0, 0
         self.kinds = {}
         return taken
+
+
+def check_time_every_n_steps(value: int, timed_by: str) -> None:
+    """sync.time_every_n_steps, shared by the strategies that time one step in n."""
+    check(
+        is_int(value) and value >= 1,
+        "sync.time_every_n_steps",
+        value,
+        f"must be an integer >= 1 ({timed_by} time one step in this many)",
+    )
 
 
 def all_reduce_bus_factor(world_size: int) -> float:

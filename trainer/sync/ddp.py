@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 from trainer.errors import ConfigError, check, is_int
 from trainer.sync.autotune import DEFAULT_CANDIDATES_MB, CapTuner, check_cap
 from trainer.sync.base import SyncStrategy
-from trainer.sync.comm import CommCounters, busy_time, exposed_time
+from trainer.sync.comm import CommCounters, busy_time, check_time_every_n_steps, exposed_time
 from trainer.sync.ddp_hooks import COMM_HOOKS, BucketClock, CountedHook
 
 # torch 2.14 renamed the per-forward buffer broadcast to forward_sync_buffers (the old name warns).
@@ -89,12 +89,7 @@ class DDPSync(SyncStrategy):
         powersgd_start_step: int = 10,
     ) -> None:
         cap, candidates = check_cap(bucket_cap_mb, auto_candidates_mb, auto_steps_per_trial, auto_warmup_steps)
-        check(
-            is_int(time_every_n_steps) and time_every_n_steps >= 1,
-            "sync.time_every_n_steps",
-            time_every_n_steps,
-            "must be an integer >= 1 (DDP's runtime statistics time one step in this many)",
-        )
+        check_time_every_n_steps(time_every_n_steps, "DDP's runtime statistics")
         for key, value, floor, meaning in (
             ("powersgd_rank", powersgd_rank, 1, "PowerSGD's matrix_approximation_rank"),
             # PowerSGDState refuses start_powerSGD_iter <= 1 with error feedback or warm start (both on here):
