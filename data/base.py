@@ -7,7 +7,6 @@ single-process one, so they live here once and subclasses only say where the sam
 import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sized
-from typing import Any
 
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
@@ -33,17 +32,29 @@ def _size(dataset: Dataset) -> int:
     return len(dataset)
 
 
+def rank_share(num_samples: int, rank: int, world_size: int) -> int:
+    """Samples of perm[rank::world_size]: the shares of the ranks differ by at most one."""
+    return len(range(rank, num_samples, world_size))
+
+
 class ResumableSampler(DistributedSampler):
     """DistributedSampler that can start its next pass part-way, for resuming mid-epoch.
 
     skip_next(n) drops the first n indices of the next iteration only (indices, not loaded
     samples: nothing is read to fast-forward), so a resumed run sees exactly the batches the
     interrupted one had not yet seen.
+
+    With drop_last=False it does not pad: torch's DistributedSampler would repeat samples to give
+    every rank as many, so some would be trained twice an epoch. Here rank r takes perm[r::N] of
+    all n samples and the ranks' shares differ by at most one (the trainer evens out the batches).
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int, drop_last: bool) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=drop_last)
         self._skip = 0
+        if not drop_last:  # the parent's __iter__ then pads by total_size - n = 0 samples
+            self.total_size = _size(dataset)
+            self.num_samples = rank_share(self.total_size, rank, num_replicas)
 
     def skip_next(self, num_indices: int) -> None:
         self._skip = num_indices
@@ -59,7 +70,7 @@ class DataModule(ABC):
     input_shape: tuple[int, ...]  # per-sample shape, e.g. (32,) or (1, 28, 28); set by subclasses
     num_classes: int
 
-    def __init__(self, batch_size: int, num_workers: int = 0) -> None:
+    def __init__(self, batch_size: int, num_workers: int = 0, drop_last: bool = True) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
             raise ValueError(
                 f"data.batch_size={batch_size} is invalid: must be an integer > 0 (the per-rank batch size)"
@@ -68,8 +79,14 @@ class DataModule(ABC):
             raise ValueError(
                 f"data.num_workers={num_workers} is invalid: must be an integer >= 0 (0 loads in the training process)"
             )
+        if not isinstance(drop_last, bool):
+            raise ValueError(
+                f"data.drop_last={drop_last!r} is invalid: accepted true (drop each epoch's partial "
+                "batches) or false (train every sample once per epoch; ranks' batches may differ)"
+            )
         self.batch_size = batch_size  # per rank: the global batch is world_size × batch_size
         self.num_workers = num_workers
+        self.drop_last = drop_last
         self._datasets: tuple[Dataset, Dataset] | None = None
 
     def prepare(self) -> None:
@@ -84,23 +101,43 @@ class DataModule(ABC):
         """Return (train, val); raise ValueError when files they need are missing."""
 
     def train_loader(self, rank: int, world_size: int, seed: int, pin_memory: bool = False) -> Loader:
-        """Shuffled, drop-last loader over this rank's share of the train set.
+        """Shuffled loader over this rank's share of the train set.
 
         Invariant: every rank draws from one permutation (seeded by seed + epoch; the trainer
-        must call loader.sampler.set_epoch(epoch) on every rank), rank r takes perm[r::world_size]
-        and all partial batches are dropped, so the ranks' k-th batches together are exactly the
-        k-th batch of size world_size × batch_size that a single process would draw.
+        must call loader.sampler.set_epoch(epoch) on every rank) and rank r takes perm[r::world_size],
+        so the ranks' k-th batches together are exactly the k-th batch of size world_size ×
+        batch_size that a single process would draw. drop_last=true drops the partial batches;
+        false keeps them (the last global batch is smaller, and some ranks may have one batch
+        fewer than others: see train_batches).
         """
         train, _ = self._built()
-        if _size(train) < world_size * self.batch_size:
+        if not self.drop_last and _size(train) < world_size:
+            raise ValueError(
+                f"the train set has {_size(train)} samples, fewer than the world size {world_size}: "
+                "some rank would never hold a sample; use fewer ranks"
+            )
+        if self.drop_last and _size(train) < world_size * self.batch_size:
             raise ValueError(
                 f"data.batch_size={self.batch_size} is too large for world size {world_size}: "
                 f"the train set has {_size(train)} samples, fewer than world_size × batch_size = "
                 f"{world_size * self.batch_size}, so every rank would get zero batches per epoch; "
                 f"use data.batch_size <= {_size(train) // world_size} or fewer ranks"
             )
-        sampler = ResumableSampler(train, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
-        return self._loader(train, sampler=sampler, drop_last=True, pin_memory=pin_memory)
+        sampler = ResumableSampler(train, world_size, rank, seed, self.drop_last)
+        return self._loader(train, sampler=sampler, drop_last=self.drop_last, pin_memory=pin_memory)
+
+    def train_batches(self, world_size: int) -> list[int]:
+        """Batches per epoch of each rank's train loader (without building it): equal with drop_last."""
+        n, b = _size(self._built()[0]), self.batch_size
+        if self.drop_last:
+            return [n // world_size // b] * world_size
+        return [-(-rank_share(n, r, world_size) // b) for r in range(world_size)]
+
+    def val_batches(self, world_size: int) -> list[int]:
+        """Batches of each rank's val shard: they may differ by one, and a strategy whose forward
+        communicates (FSDP) needs every rank to run as many forwards as the one with the most."""
+        n, b = _size(self._built()[1]), self.batch_size
+        return [-(-rank_share(n, r, world_size) // b) for r in range(world_size)]
 
     def val_loader(self, rank: int, world_size: int, pin_memory: bool = False) -> Loader:
         """In-order loader over this rank's strided shard of the val set.
@@ -109,7 +146,7 @@ class DataModule(ABC):
         with no padding or duplicates, so all-reduced sums and counts give exact metrics.
         """
         _, val = self._built()
-        shard = Subset(val, range(rank, _size(val), world_size))
+        shard = Subset(val, range(rank, _size(val), world_size))  # rank_share(n, rank, world_size) samples
         return self._loader(shard, sampler=None, drop_last=False, pin_memory=pin_memory)
 
     def _built(self) -> tuple[Dataset, Dataset]:

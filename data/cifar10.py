@@ -48,8 +48,9 @@ class Cifar10Data(DataModule):
         download: bool = False,
         verify_md5: bool = True,
         num_workers: int = 0,
+        drop_last: bool = True,
     ) -> None:
-        super().__init__(batch_size, num_workers)
+        super().__init__(batch_size, num_workers, drop_last)
         self.root = os.path.abspath(os.path.expanduser(root))
         self.download = download
         self.verify_md5 = verify_md5

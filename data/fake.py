@@ -30,8 +30,9 @@ class FakeImageData(DataModule):
         image_shape: Sequence[int] = (3, 32, 32),
         num_classes: int = 10,
         num_workers: int = 0,
+        drop_last: bool = True,
     ) -> None:
-        super().__init__(batch_size, num_workers)
+        super().__init__(batch_size, num_workers, drop_last)
         shape = tuple(int(s) for s in image_shape)  # may arrive as an omegaconf ListConfig
         if len(shape) != 3 or shape[0] not in (1, 3) or min(shape) < 1:
             raise ValueError(

@@ -30,8 +30,10 @@ class MnistData(DataModule):
     input_shape = (1, 28, 28)
     num_classes = 10
 
-    def __init__(self, root: str, batch_size: int, download: bool = False, num_workers: int = 0) -> None:
-        super().__init__(batch_size, num_workers)
+    def __init__(
+        self, root: str, batch_size: int, download: bool = False, num_workers: int = 0, drop_last: bool = True
+    ) -> None:
+        super().__init__(batch_size, num_workers, drop_last)
         self.root = os.path.abspath(os.path.expanduser(root))
         self.download = download
 

@@ -24,8 +24,9 @@ class SyntheticData(DataModule):
         num_classes: int = 10,
         seed: int = 0,
         num_workers: int = 0,
+        drop_last: bool = True,
     ) -> None:
-        super().__init__(batch_size, num_workers)
+        super().__init__(batch_size, num_workers, drop_last)
         for key, value, least in (
             ("num_samples", num_samples, 1),
             ("num_val_samples", num_val_samples, 1),

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.optim import Optimizer
 
 
 class Window:
@@ -32,6 +33,7 @@ class Window:
         self._predictions: list[torch.Tensor] = []
         self._targets: list[torch.Tensor] = []
         self.samples = 0
+        self.micro_batches = 0  # with data: a rank that shadowed (data.drop_last=false) has fewer
         self.steps = 0
         self.started = time.perf_counter()
 
@@ -41,6 +43,7 @@ class Window:
         self._predictions.append(logits.detach().argmax(dim=-1))
         self._targets.append(targets)
         self.samples += targets.shape[0]
+        self.micro_batches += 1
 
     def totals(self) -> tuple[float, int, int]:
         """(sum of the micro-batches' losses, correct predictions, first step whose loss was not
@@ -59,16 +62,24 @@ class Window:
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, loader: Iterable[Any], device: torch.device, autocast: Callable[[], AbstractContextManager[Any]]
+    model: nn.Module,
+    loader: Iterable[Any],
+    device: torch.device,
+    autocast: Callable[[], AbstractContextManager[Any]],
+    forwards: int,
+    empty_inputs: torch.Tensor,
 ) -> dict[str, float]:
     """eval/loss and eval/accuracy over every rank's shard, summed across ranks: the same on all.
 
-    Takes the unwrapped model: DDP's forward would broadcast buffers, and ranks' shards may differ
-    in length by one batch, so a collective inside this loop could pair up wrongly.
+    Takes the unwrapped model: DDP's forward would broadcast buffers. Ranks' shards may differ in
+    length by one batch, so every rank runs `forwards` forwards (the most any rank has), padding
+    with forwards on 0 samples: a model whose forward communicates (FSDP's all-gathers) pairs up.
     """
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, count
+    ran = 0
     for inputs, targets in loader:
+        ran += 1
         inputs = inputs.to(device, non_blocking=True)
         targets = targets.to(device, non_blocking=True)
         with autocast():
@@ -76,9 +87,26 @@ def evaluate(
         sums[0] += F.cross_entropy(logits.float(), targets, reduction="sum")
         sums[1] += (logits.argmax(dim=-1) == targets).sum()
         sums[2] += targets.shape[0]
+    for _ in range(forwards - ran):
+        with autocast():
+            model(empty_inputs)
     dist.all_reduce(sums)  # every rank reaches this exactly once per evaluation
     model.train()
     loss_sum, correct, count = sums.tolist()
     if count == 0:
         return {}
     return {"eval/loss": loss_sum / count, "eval/accuracy": correct / count}
+
+
+def optimizer_state_mb(optimizer: Optimizer) -> float:
+    """MiB of optimizer state this rank holds (momentum, Adam's moments, ...): what ZeRO and FSDP shard.
+
+    A sharded tensor (FSDP's DTensor) counts only its local shard; read at logged rows only.
+    """
+    total = 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                local = value.to_local() if hasattr(value, "to_local") else value
+                total += local.numel() * local.element_size()
+    return total / 2**20

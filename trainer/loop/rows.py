@@ -15,7 +15,7 @@ import psutil
 import torch
 
 from trainer.logger.base import MetricLogger
-from trainer.loop.metrics import Window
+from trainer.loop.metrics import Window, optimizer_state_mb
 from trainer.loop.step import StepRunner
 from trainer.loop.summary import rank_timing
 from trainer.loop.timing import StepTimer
@@ -41,7 +41,10 @@ class TrainRows:
     ) -> float:
         """One row from the window since the previous row; returns its loss. The window is reset."""
         loss_sum, correct, _ = totals
-        loss = loss_sum / window.steps
+        # The mean micro-batch loss (each was divided by grad_accum_steps): a rank that shadowed
+        # micro-batches it had no data for (data.drop_last=false) averages only those it trained.
+        trained = window.micro_batches
+        loss = loss_sum * steps.settings.grad_accum_steps / trained if trained else float("nan")
         phases = timer.collect() or {}  # mean of every step since the previous row
         elapsed = time.perf_counter() - window.started
         self._samples += window.samples
@@ -51,12 +54,13 @@ class TrainRows:
         row: dict[str, Any] = {
             "step": step,
             "epoch": epoch,
-            "train/loss": loss,
-            "train/accuracy": correct / window.samples,
+            # Omitted by a rank that trained on nothing since the last row (it only shadowed).
+            **({"train/loss": loss, "train/accuracy": correct / window.samples} if trained else {}),
             "train/lr": steps.lr,
             **{f"time/{phase}_s": seconds for phase, seconds in phases.items()},
             "throughput/samples_per_s": window.samples / elapsed,
             "memory/rss_mb": self._process.memory_info().rss / 2**20,
+            "memory/optimizer_state_mb": optimizer_state_mb(steps.optimizer),
             **({"train/skipped_steps": steps.skipped_steps} if steps.skipped_steps else {}),
             **comm,
             **self.sync.row_metrics(),
@@ -81,6 +85,7 @@ class TrainRows:
             "train/loss": last.get("train/loss"),
             "train/accuracy": last.get("train/accuracy"),
             "samples_per_s": self._samples / self._seconds if self._seconds else 0.0,
+            "samples": self._samples,  # trained on by this rank: summed over ranks, epochs × the train set
             "outputs": [logger.location for logger in self.loggers if logger.location],
             **rank_timing(self.rows),
         }

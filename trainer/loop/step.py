@@ -20,7 +20,6 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from trainer.loop.metrics import Window
 from trainer.loop.timing import StepTimer
-from trainer.reliability.guards import grads_finite
 from trainer.setup.dist import DistContext
 from trainer.setup.settings import TrainSettings
 from trainer.sync.base import SyncStrategy
@@ -48,6 +47,7 @@ class StepRunner:
         ctx: DistContext,
         model: nn.Module,
         train_model: nn.Module,
+        empty_inputs: torch.Tensor,
         sync: SyncStrategy,
         optimizer: Optimizer,
         scheduler: LRScheduler,
@@ -55,10 +55,24 @@ class StepRunner:
         window: Window,
     ) -> None:
         self.settings, self.ctx, self.model, self.train_model, self.sync = settings, ctx, model, train_model, sync
+        self.empty_inputs = empty_inputs  # a batch of 0 samples, for shadow()
         self.optimizer, self.scheduler, self.timer, self.window = optimizer, scheduler, timer, window
         self.autocast = autocast_for(settings.precision, ctx.device)
         self.lr = optimizer.param_groups[0]["lr"]  # the rate the last step used
         self.skipped_steps = 0  # on_nonfinite=skip
+
+    def shadow(self) -> None:
+        """A micro-batch for a rank with no samples left while others still have some.
+
+        A forward and backward on a batch of 0 samples: every collective the others run in this
+        micro-batch (DDP's bucket all-reduces, FSDP's all-gathers, the hooks of bucketed) gets
+        its partner, and this rank's contribution to the gradient sum is exactly zero, as a rank
+        that joined does under torch's Join. Unlike Join, the rank then takes the optimizer step
+        with the averaged gradient, so the replicas and their optimizer state stay identical.
+        """
+        with self.autocast():
+            logits = self.train_model(self.empty_inputs)
+        (logits.float().sum() * 0.0).backward()
 
     def run(self, batches: Iterator[Any], step: int) -> None:
         """Optimizer step number `step` (1-based) on the next grad_accum_steps batches."""
@@ -67,7 +81,14 @@ class StepRunner:
         k = s.grad_accum_steps
         timer.start()
         for i in range(k):
-            inputs, targets = next(batches)
+            batch = next(batches)
+            if batch is None:  # this rank's share of the epoch is used up (data.drop_last=false)
+                timer.mark("data")
+                with self.sync.no_sync(self.train_model) if i < k - 1 else nullcontext():
+                    self.shadow()
+                timer.mark("backward")
+                continue
+            inputs, targets = batch
             inputs = inputs.to(ctx.device, non_blocking=True)
             targets = targets.to(ctx.device, non_blocking=True)
             timer.mark("data")
@@ -87,13 +108,13 @@ class StepRunner:
         self.sync.after_backward(self.train_model)
         timer.mark("sync")
         self.lr = self.optimizer.param_groups[0]["lr"]
-        if s.on_nonfinite == "skip" and not grads_finite(self.model.parameters()):
+        if s.on_nonfinite == "skip" and not self.sync.grads_finite(self.model, self.optimizer):
             # Gradients are averaged by now, so every rank sees the same non-finite values and
             # skips this same step: the replicas stay equal.
             self.skipped_steps += 1
             log.warning("step %d: non-finite gradients, optimizer step skipped (trainer.on_nonfinite=skip)", step)
         else:
-            self.optimizer.step()
+            self.sync.optimizer_step(self.optimizer)
         self.scheduler.step()
         self.sync.zero_grad(self.optimizer)
         timer.mark("optimizer")

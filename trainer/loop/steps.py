@@ -10,9 +10,13 @@ def global_batch_size(batch_size: int, grad_accum_steps: int, world_size: int) -
     return batch_size * grad_accum_steps * world_size
 
 
-def steps_per_epoch(num_batches: int, grad_accum_steps: int) -> int:
-    """Optimizer steps in one pass over a rank's shard; a trailing partial accumulation is dropped."""
-    steps = num_batches // grad_accum_steps
+def steps_per_epoch(num_batches: int, grad_accum_steps: int, keep_partial: bool = False) -> int:
+    """Optimizer steps in one pass over the shard with the most batches (every rank runs as many).
+
+    A trailing partial accumulation is dropped, unless keep_partial (data.drop_last=false: every
+    sample is trained, and the last step has fewer micro-batches).
+    """
+    steps = -(-num_batches // grad_accum_steps) if keep_partial else num_batches // grad_accum_steps
     if steps == 0:
         raise ConfigError(
             f"trainer.grad_accum_steps={grad_accum_steps} needs at least that many batches per epoch, "

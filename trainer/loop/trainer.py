@@ -14,12 +14,14 @@ Trainer(...) resumes from a checkpoint when trainer.resume finds one; then fit()
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
@@ -79,14 +81,19 @@ class Trainer:
         self.model = model.to(ctx.device)  # unwrapped: evaluation and checkpoints use it
         self.sync = sync
         self.train_model = sync.wrap(self.model)
-        self.optimizer = optimizer_factory(self.model.parameters())
+        self.optimizer = sync.build_optimizer(self.model, optimizer_factory)
         pin = ctx.device.type == "cuda"
         with from_leaves():  # e.g. a batch too large for the world size
             self.train_loader = data.train_loader(ctx.rank, ctx.world_size, settings.seed, pin_memory=pin)
             self.val_loader = data.val_loader(ctx.rank, ctx.world_size, pin_memory=pin)
         assert isinstance(self.train_loader.sampler, ResumableSampler)
         self._sampler = self.train_loader.sampler  # shuffles per epoch; skips ahead on resume
-        self.steps_per_epoch = steps_per_epoch(len(self.train_loader), settings.grad_accum_steps)
+        # Every rank runs as many steps as the rank with the most batches (data.drop_last=false may
+        # leave some a batch short: they shadow the others' collectives, StepRunner.shadow).
+        self._uneven = not data.drop_last
+        most = max(data.train_batches(ctx.world_size))
+        self.steps_per_epoch = steps_per_epoch(most, settings.grad_accum_steps, keep_partial=self._uneven)
+        self._val_batches = max(data.val_batches(ctx.world_size))
         self.total_steps = total_steps(settings.max_steps, settings.num_epochs, self.steps_per_epoch)
         self.scheduler = LambdaLR(self.optimizer, schedule_factory(total_steps=self.total_steps))
         self.global_batch_size = global_batch_size(data.batch_size, settings.grad_accum_steps, ctx.world_size)
@@ -104,6 +111,7 @@ class Trainer:
             ctx=ctx,
             model=self.model,
             train_model=self.train_model,
+            empty_inputs=torch.zeros((0, *data.input_shape), device=ctx.device),
             sync=sync,
             optimizer=self.optimizer,
             scheduler=self.scheduler,
@@ -120,7 +128,9 @@ class Trainer:
     def _state(self) -> resume.TrainState:
         """What a checkpoint holds of this trainer (the objects themselves, not copies)."""
         into_epoch = (self.step - self.epoch * self.steps_per_epoch) * self.settings.grad_accum_steps
-        return resume.TrainState(self.model, self.optimizer, self.scheduler, self.step, self.epoch, into_epoch)
+        return resume.TrainState(
+            self.model, self.optimizer, self.scheduler, self.sync, self.step, self.epoch, into_epoch
+        )
 
     def fit(self) -> dict[str, Any]:
         """Train for total_steps optimizer steps; returns the job summary (the same on every rank)."""
@@ -167,6 +177,8 @@ class Trainer:
         if self._batches is None:  # a new epoch: a new shuffle, the same on every rank
             self._sampler.set_epoch(self.epoch)
             self._batches = iter(self.train_loader)
+            if self._uneven:  # None once this rank's batches run out: StepRunner shadows the others
+                self._batches = itertools.chain(self._batches, itertools.repeat(None))
         try:
             self._steps.run(self._batches, self.step + 1)
         except Exception as err:  # say where: the step, and this rank
@@ -225,7 +237,10 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         """Loss and accuracy on the validation split, exact over the whole split on every rank."""
-        metrics = evaluate(self.model, self.val_loader, self.ctx.device, self._steps.autocast)
+        steps = self._steps
+        metrics = evaluate(
+            self.model, self.val_loader, self.ctx.device, steps.autocast, self._val_batches, steps.empty_inputs
+        )
         if metrics:
             for logger in self.loggers:
                 logger.log({"step": self.step, "epoch": epoch_of(self.step, self.steps_per_epoch), **metrics})

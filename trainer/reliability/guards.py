@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -38,13 +36,6 @@ def raise_if_nonfinite(first_bad_step: int, device: torch.device) -> None:
             f"non-finite loss at step {first} on rank(s) {ranks}; "
             "trainer.on_nonfinite=skip would skip such optimizer steps instead"
         )
-
-
-def grads_finite(params: Iterable[nn.Parameter]) -> bool:
-    """True when every gradient is finite (one host sync). After sync the gradients are the same
-    on every rank, so every rank reaches the same answer without communicating."""
-    flags = [torch.isfinite(p.grad).all() for p in params if p.grad is not None]
-    return bool(torch.stack(flags).all()) if flags else True
 
 
 def check_replicas(model: nn.Module, step: int) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 from torch import nn
@@ -35,6 +35,16 @@ from trainer.setup.dist import DistContext
 log = logging.getLogger(__name__)
 
 
+class FullState(Protocol):
+    """How the model and optimizer state become one full, unsharded pair and back (a SyncStrategy)."""
+
+    def state_dicts(self, model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any], dict[str, Any]]: ...
+
+    def load_state_dicts(
+        self, model: nn.Module, optimizer: Optimizer, model_state: dict[str, Any], optimizer_state: dict[str, Any]
+    ) -> None: ...
+
+
 @dataclass
 class TrainState:
     """What training changes and a checkpoint must carry: the objects, and where in the data it is."""
@@ -42,6 +52,7 @@ class TrainState:
     model: nn.Module  # unwrapped: its state_dict keys are the plain model's
     optimizer: Optimizer
     scheduler: LRScheduler
+    full_state: FullState  # the sync strategy: a sharded one gathers the full state for the file
     step: int  # optimizer steps done
     epoch: int  # the epoch the next step belongs to
     batches_into_epoch: int  # micro-batches of that epoch already trained on
@@ -51,10 +62,11 @@ def save(ctx: DistContext, directory: Path, keep: int, state: TrainState, config
     """Every rank: contribute its RNG state; rank 0 writes; all wait until the files are complete."""
     rngs: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(rngs, rng_state(ctx.device))
+    model_state, optimizer_state = state.full_state.state_dicts(state.model, state.optimizer)  # every rank
     if ctx.is_main_process:
         checkpoint = {
-            "model": state.model.state_dict(),
-            "optimizer": state.optimizer.state_dict(),
+            "model": model_state,
+            "optimizer": optimizer_state,
             "scheduler": state.scheduler.state_dict(),
             "step": state.step,
             "epoch": state.epoch,
@@ -164,8 +176,7 @@ def restore(ctx: DistContext, path: Path, saved: dict[str, Any], state: TrainSta
             "resume with the same config, or start fresh with trainer.resume=never "
             "or another hydra.run.dir"
         )
-    state.model.load_state_dict(saved["model"])
-    state.optimizer.load_state_dict(saved["optimizer"])
+    state.full_state.load_state_dicts(state.model, state.optimizer, saved["model"], saved["optimizer"])
     state.scheduler.load_state_dict(saved["scheduler"])
     state.step, state.epoch, state.batches_into_epoch = saved["step"], saved["epoch"], saved["batches_into_epoch"]
     set_rng_state(saved["rng"][ctx.rank], ctx.device)

@@ -160,6 +160,7 @@ def check_device(parts: Parts, device: torch.device) -> None:
     process group, the loggers and the W&B runs exist."""
     if parts.sync_batchnorm:
         _refuse_sync_batchnorm_on_cpu(device)
+    parts.sync.check_device(device)
 
 
 def _refuse_sync_batchnorm_on_cpu(device: torch.device) -> None:
