@@ -86,6 +86,7 @@ def sweep(tmp_path: Path) -> Path:
 # job 1: 8, 10 and 30 ms -> 10.00; 400 + 300 + 100 = 800; sync 0 %; loss (1.1 + 0.9 + 1.0) / 3; eval 0.8
 # job 2: 45 and 60 ms -> 52.50; 60 + 40 = 100; sync (0.05/0.09 + 0.06/0.12) / 2 = 52.78 %; loss 1.5
 # job 3: 100 and 200 ms -> 150.00; 10 + 20 = 30; incomplete, truncated last line skipped
+# No row has memory/optimizer_state_mb (written before it existed): opt state MB is `-` in every job.
 SYNC_0 = 100 * (0.006 / 0.052 + 0.006 / 0.066) / 2
 SYNC_2 = 100 * (0.05 / 0.09 + 0.06 / 0.12) / 2
 EXPECTED_CELLS = {
@@ -101,6 +102,7 @@ EXPECTED_CELLS = {
         "-",
         "-",
         "700",
+        "-",
         "1.5000",
         "0.750",
         "r1 (20.00 ms)",
@@ -118,6 +120,7 @@ EXPECTED_CELLS = {
         "-",
         "-",
         "700",
+        "-",
         "1.0000",
         "0.800",
         "r2 (30.00 ms)",
@@ -135,6 +138,7 @@ EXPECTED_CELLS = {
         "-",
         "-",
         "700",
+        "-",
         "1.5000",
         "0.250",
         "r1 (60.00 ms)",
@@ -152,6 +156,7 @@ EXPECTED_CELLS = {
         "-",
         "-",
         "(700)",
+        "-",  # a run logged before memory/optimizer_state_mb existed: no value, not parenthesized
         "(5.5000)",
         "",
         "(r1 (200.00 ms))",
@@ -266,37 +271,54 @@ def strategy_ranks() -> dict[str, list[list[dict[str, Any]]]]:
     none has no comm keys; manual times every row; ddp times one row in a few (the others carry
     bytes only), and its fp16 job ran on CUDA (memory/cuda_max_allocated_mb); bucketed buckets
     by hand. Memory peaks sit on different rows and ranks, exposed times differ between ranks.
+    Optimizer state (memory/optimizer_state_mb) peaks on neither rank 0 nor a last row; the ddp auto
+    job lacks it, as a run logged before it existed would.
     """
 
     def row(step: int, step_s: float, extra: dict[str, Any]) -> dict[str, Any]:
         return train_row(step, step_s, 0.0, 100, 1.0, extra)
 
+    def opt(mb: float) -> dict[str, Any]:
+        return {"memory/optimizer_state_mb": mb}
+
     mb = 4_000_000.0
     return {
-        "none": [[row(10, 0.01, {"memory/rss_mb": 710.0})], [row(10, 0.01, {"memory/rss_mb": 705.5})]],
+        "none": [
+            [row(10, 0.01, {"memory/rss_mb": 710.0} | opt(72.5))],
+            [row(10, 0.01, {"memory/rss_mb": 705.5} | opt(72.75))],
+        ],
         "manual": [
             [
-                row(10, 0.05, comm_keys(mb, 0.02, 0.02)),
-                row(20, 0.05, comm_keys(mb, 0.03, 0.03) | {"memory/rss_mb": 801.0}),
+                row(10, 0.05, comm_keys(mb, 0.02, 0.02) | opt(72.5)),
+                row(20, 0.05, comm_keys(mb, 0.03, 0.03) | {"memory/rss_mb": 801.0} | opt(72.5)),
             ],
-            [row(10, 0.05, comm_keys(mb, 0.01, 0.01)), row(20, 0.05, comm_keys(mb, 0.04, 0.04))],
+            [
+                row(10, 0.05, comm_keys(mb, 0.01, 0.01) | opt(73.25)),
+                row(20, 0.05, comm_keys(mb, 0.04, 0.04) | opt(72.5)),
+            ],
         ],
         "ddp fp16": [
             [
-                row(10, 0.03, comm_keys(mb / 2, 0.02, 0.004) | {"memory/cuda_max_allocated_mb": 1500.0}),
-                row(20, 0.03, comm_keys(mb / 2) | {"memory/cuda_max_allocated_mb": 1530.0}),
-                row(30, 0.03, comm_keys(mb / 2, 0.02, 0.006) | {"memory/cuda_max_allocated_mb": 1510.0}),
+                row(10, 0.03, comm_keys(mb / 2, 0.02, 0.004) | {"memory/cuda_max_allocated_mb": 1500.0} | opt(72.5)),
+                row(20, 0.03, comm_keys(mb / 2) | {"memory/cuda_max_allocated_mb": 1530.0} | opt(72.5)),
+                row(30, 0.03, comm_keys(mb / 2, 0.02, 0.006) | {"memory/cuda_max_allocated_mb": 1510.0} | opt(72.5)),
             ],
             [
-                row(10, 0.03, comm_keys(mb / 2, 0.02, 0.001) | {"memory/cuda_max_allocated_mb": 1490.0}),
-                row(20, 0.03, comm_keys(mb / 2) | {"memory/cuda_max_allocated_mb": 1620.25}),
-                row(30, 0.03, comm_keys(mb / 2, 0.02, 0.002) | {"memory/cuda_max_allocated_mb": 1480.0}),
+                row(10, 0.03, comm_keys(mb / 2, 0.02, 0.001) | {"memory/cuda_max_allocated_mb": 1490.0} | opt(72.5)),
+                row(20, 0.03, comm_keys(mb / 2) | {"memory/cuda_max_allocated_mb": 1620.25} | opt(74.0)),
+                row(30, 0.03, comm_keys(mb / 2, 0.02, 0.002) | {"memory/cuda_max_allocated_mb": 1480.0} | opt(72.5)),
             ],
         ],
         "ddp auto": [[row(10, 0.04, comm_keys(mb))], [row(10, 0.04, comm_keys(mb) | {"memory/rss_mb": 950.0})]],
         "bucketed": [
-            [row(10, 0.04, comm_keys(mb, 0.02, 0.015)), row(20, 0.04, comm_keys(mb, 0.02, 0.005))],
-            [row(10, 0.04, comm_keys(mb, 0.02, 0.012)), row(20, 0.04, comm_keys(mb, 0.02, 0.011))],
+            [
+                row(10, 0.04, comm_keys(mb, 0.02, 0.015) | opt(36.25)),
+                row(20, 0.04, comm_keys(mb, 0.02, 0.005) | opt(36.25)),
+            ],
+            [
+                row(10, 0.04, comm_keys(mb, 0.02, 0.012) | opt(36.25)),
+                row(20, 0.04, comm_keys(mb, 0.02, 0.011) | opt(36.375)),
+            ],
         ],
     }
 
@@ -328,11 +350,13 @@ def expected_comm_and_memory(ranks: list[list[dict[str, Any]]]) -> dict[str, flo
     exposed = per_rank("time/comm_exposed_s", statistics.median)
     rss = per_rank("memory/rss_mb", max)
     cuda = per_rank("memory/cuda_max_allocated_mb", max)
+    opt = per_rank("memory/optimizer_state_mb", max)
     return {
         "mb_per_step": statistics.median(bytes_) / 1e6 if bytes_ else None,
         "comm_exposed_ms": 1000 * statistics.median(exposed) if exposed else None,
         "peak_rss_mb": max(rss) if rss else None,
         "peak_cuda_mb": max(cuda) if cuda else None,
+        "opt_state_mb": max(opt) if opt else None,
     }
 
 
@@ -345,7 +369,8 @@ def test_strategy_sweep_bytes_exposed_time_and_peak_memory(
     assert printed[0] == "Strategy sweep: strategies, 2 ranks"
     header = markdown_header((out / "report.md").read_text())
     at = header.index("MB/step")
-    assert header[at : at + 4] == ["MB/step", "exposed ms", "peak RSS MB", "peak CUDA MB"]
+    # opt state MB comes right after the memory peaks (after peak CUDA MB when there is one).
+    assert header[at : at + 6] == ["MB/step", "exposed ms", "peak RSS MB", "peak CUDA MB", "opt state MB", "train loss"]
     assert header[:5] == ["job", "status", "overrides", "sync", "bucket_mb"]
     cells = markdown_rows((out / "report.md").read_text())
     records = {r["job"]: r for r in csv.DictReader((out / "report.csv").open())}
@@ -366,11 +391,12 @@ def test_strategy_sweep_bytes_exposed_time_and_peak_memory(
 
     for job, name in enumerate(strategy_ranks()):
         want = expected_comm_and_memory(strategy_ranks()[name])
-        assert cells[str(job)][at : at + 4] == [
+        assert cells[str(job)][at : at + 5] == [
             shown(want["mb_per_step"], ".2f"),
             shown(want["comm_exposed_ms"], ".2f"),
             shown(want["peak_rss_mb"], ".0f"),
             shown(want["peak_cuda_mb"], ".0f"),
+            shown(want["opt_state_mb"], ".1f"),
         ], name
         for column, value in want.items():
             got = records[str(job)][column]
@@ -381,6 +407,11 @@ def test_strategy_sweep_bytes_exposed_time_and_peak_memory(
     assert float(records["2"]["mb_per_step"]) == pytest.approx(2.0)
     assert float(records["2"]["comm_exposed_ms"]) == pytest.approx(1000 * statistics.median([0.005, 0.0015]))
     assert float(records["2"]["peak_cuda_mb"]) == 1620.25 and float(records["3"]["peak_rss_mb"]) == 950.0
+    # Optimizer state likewise: the peak is rank 1's first row (manual), rank 1's middle row (ddp fp16),
+    # unrounded in the CSV (bucketed: 36.375, shown 36.4); a job whose rows lack it shows `-`, CSV empty.
+    opt_at = at + 4
+    assert [cells[j][opt_at] for j in "01234"] == ["72.8", "73.2", "74.0", "-", "36.4"]
+    assert [records[j]["opt_state_mb"] for j in "01234"] == ["72.75", "73.25", "74.0", "", "36.375"]
 
     # Without bucket sizes to put on an x axis (one numeric value, and "auto"), the plot is one bar per job.
     fig = plot(build_rows(find_jobs(strategy_sweep)), "title")
@@ -393,5 +424,10 @@ def test_cpu_sweep_has_no_cuda_column(sweep: Path, tmp_path: Path) -> None:
     assert main([str(sweep), "--out", str(tmp_path)]) == 0
     header = markdown_header((tmp_path / "report.md").read_text())
     assert "peak RSS MB" in header and "peak CUDA MB" not in header
+    at = header.index("peak RSS MB")
+    assert header[at : at + 3] == ["peak RSS MB", "opt state MB", "train loss"]
     records = list(csv.DictReader((tmp_path / "report.csv").open()))
     assert {r["peak_cuda_mb"] for r in records} == {""} and {r["peak_rss_mb"] for r in records} == {"700.0"}
+    # Rows written before memory/optimizer_state_mb existed: the column is `-` (empty in the CSV).
+    assert {r["opt_state_mb"] for r in records} == {""}
+    assert {cells[at + 1] for cells in markdown_rows((tmp_path / "report.md").read_text()).values()} == {"-"}

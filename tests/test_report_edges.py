@@ -23,6 +23,9 @@ def test_rank_stats_of_one_rank() -> None:
     assert stats.samples_per_s == pytest.approx(200.0)
     assert stats.sync_share == pytest.approx(0.004 / 0.040)
     assert stats.train_loss == 2.0  # the last training row, not an eval row
+    assert stats.opt_state_mb is None  # rows logged before memory/optimizer_state_mb existed
+    opt = [train_row(10, 0.01, 0.0, 100, 1.0, {"memory/optimizer_state_mb": m}) for m in (8.0, 9.5, 9.0)]
+    assert rank_stats(0, opt).opt_state_mb == 9.5  # the maximum over the rank's rows, not the last
     empty = rank_stats(0, [eval_row(10, 0.5)])
     assert (empty.step_ms, empty.samples_per_s, empty.sync_share, empty.train_loss) == (None, None, None, None)
 
@@ -82,6 +85,7 @@ def test_single_job_dir_and_missing_hydra(tmp_path: Path, capsys: pytest.Capture
         "-",
         "-",
         "700",
+        "-",  # opt state MB: no row has memory/optimizer_state_mb
         "2.0000",
         "r1",
         "(20.00",
@@ -92,7 +96,8 @@ def test_single_job_dir_and_missing_hydra(tmp_path: Path, capsys: pytest.Capture
     ]
     assert (job / "report.csv").is_file() and (job / "report.png").is_file()
 
-    bare = write_job(tmp_path / "bare", [[train_row(10, 0.010, 0.0, 100, 1.0)]], None, None, complete=False)
+    opt = {"memory/optimizer_state_mb": 12.5}
+    bare = write_job(tmp_path / "bare", [[train_row(10, 0.010, 0.0, 100, 1.0, opt)]], None, None, complete=False)
     assert main([str(bare)]) == 0
     assert capsys.readouterr().out.splitlines()[2].split() == [
         "bare",
@@ -103,6 +108,7 @@ def test_single_job_dir_and_missing_hydra(tmp_path: Path, capsys: pytest.Capture
         "-",
         "-",
         "(700)",
+        "(12.5)",  # opt state MB, like every number of an incomplete job, in parentheses
         "(1.0000)",
         "(r0",
         "(10.00",

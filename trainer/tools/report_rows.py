@@ -26,6 +26,8 @@ LEGEND = """\
   the median over ranks; `-` when no row has it.
 - peak RSS MB / peak CUDA MB: the maximum of `memory/rss_mb` / `memory/cuda_max_allocated_mb` over
   every row of every rank (the CUDA column only when some job ran on CUDA).
+- opt state MB: the maximum of `memory/optimizer_state_mb` (MiB of optimizer state a rank holds;
+  ~1/N of ddp's under zero and fsdp) over every row of every rank; `-` when no row has it.
 - train loss: mean over ranks of each rank's last training row's `train/loss`.
 - eval acc: the last eval row's `eval/accuracy` (identical on all ranks; rank 0's is taken).
 - slowest / fastest: the ranks with the highest / lowest median step time.
@@ -55,6 +57,7 @@ class RankStats:
     comm_exposed_ms: float | None = None
     peak_rss_mb: float | None = None
     peak_cuda_mb: float | None = None
+    opt_state_mb: float | None = None
 
 
 @dataclass
@@ -78,6 +81,7 @@ class JobRow:
     comm_exposed_ms: float | None = None
     peak_rss_mb: float | None = None
     peak_cuda_mb: float | None = None
+    opt_state_mb: float | None = None
 
 
 def _median(values: Sequence[float | None], scale: float = 1.0) -> float | None:
@@ -111,6 +115,7 @@ def rank_stats(rank: int, rows: Sequence[dict[str, Any]]) -> RankStats:
         comm_exposed_ms=_median(_column(train, "time/comm_exposed_s"), 1000.0),
         peak_rss_mb=_max(_column(rows, "memory/rss_mb")),
         peak_cuda_mb=_max(_column(rows, "memory/cuda_max_allocated_mb")),
+        opt_state_mb=_max(_column(rows, "memory/optimizer_state_mb")),
     )
 
 
@@ -157,6 +162,7 @@ def job_row(job: Job, overrides: Sequence[str]) -> JobRow:
         comm_exposed_ms=_median([r.comm_exposed_ms for r in ranks]),
         peak_rss_mb=_max([r.peak_rss_mb for r in ranks]),
         peak_cuda_mb=_max([r.peak_cuda_mb for r in ranks]),
+        opt_state_mb=_max([r.opt_state_mb for r in ranks]),
     )
 
 

@@ -34,12 +34,13 @@ HEADERS = (
     "MB/step",
     "exposed ms",
     "peak RSS MB",
+    "opt state MB",
     "train loss",
     "eval acc",
     "slowest",
     "fastest",
 )
-CUDA_HEADER = "peak CUDA MB"  # after peak RSS MB, only when some job ran on CUDA
+CUDA_HEADER = "peak CUDA MB"  # after peak RSS MB (before opt state MB), only when some job ran on CUDA
 
 
 def headers(rows: Sequence[JobRow]) -> list[str]:
@@ -52,7 +53,8 @@ def headers(rows: Sequence[JobRow]) -> list[str]:
 def table_cells(row: JobRow, cuda: bool = False) -> list[str]:
     """Display strings; an incomplete job's numbers are wrapped in parentheses.
 
-    `-` marks communication a job did not do (sync=none) or did not time, as opposed to a blank.
+    `-` marks communication a job did not do (sync=none) or did not time, or a metric its rows do not
+    carry (optimizer state in runs logged before it existed), as opposed to a blank.
     """
     dagger = "†" if row.sync == "ddp" and row.sync_share_pct is not None else ""
     memory = [_num(row.peak_rss_mb, ".0f")] + ([_num(row.peak_cuda_mb, ".0f") or "-"] if cuda else [])
@@ -63,6 +65,7 @@ def table_cells(row: JobRow, cuda: bool = False) -> list[str]:
         _num(row.mb_per_step, ".2f") or "-",
         _num(row.comm_exposed_ms, ".2f") or "-",
         *memory,
+        _num(row.opt_state_mb, ".1f") or "-",
         _num(row.train_loss, ".4f"),
         _num(row.eval_accuracy, ".3f"),
         _rank(row.slowest),
@@ -111,6 +114,7 @@ def csv_records(rows: Sequence[JobRow]) -> list[dict[str, Any]]:
             "comm_exposed_ms": row.comm_exposed_ms,
             "peak_rss_mb": row.peak_rss_mb,
             "peak_cuda_mb": row.peak_cuda_mb,
+            "opt_state_mb": row.opt_state_mb,
             "train_loss": row.train_loss,
             "eval_accuracy": row.eval_accuracy,
             "slowest_rank": row.slowest and row.slowest.rank,
