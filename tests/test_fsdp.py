@@ -253,7 +253,8 @@ def test_counted_communication_is_what_fsdp_sent(
         steps = 2
         assert rank["counted"]["all_gather"] == [steps * gathers_per_step * sum(units), steps * gathers_per_step * 3]
         assert rank["counted"]["reduce_scatter"] == [steps * sum(units), steps * 3]  # once per step
-        assert rank["bytes"] == steps * (gathers_per_step + 1) * sum(units)
+        # all_reduce-equivalent: each all-gather and reduce-scatter counts half its buffer
+        assert rank["bytes"] == steps * (gathers_per_step + 1) * sum(units) // 2
         assert rank["counted"] == rank["real"]
         after = rank["counted_after_eval"]
         assert after.get("all_gather", [0, 0]) == [gathers_after_eval * sum(units), gathers_after_eval * 3]

@@ -193,7 +193,11 @@ class FSDPSync(SyncStrategy):
 
     def _count(self, kind: str, nbytes: int) -> None:
         self.comm.add(kind, nbytes)
-        self.comm.bytes += nbytes
+        # comm/bytes_per_step is in all_reduce-equivalent bytes, as for every strategy: a
+        # reduce-scatter or all-gather of S bytes moves half of what an all_reduce of S moves, so
+        # manual's rs_ag and zero count a gradient's S once, and FSDP's two parameter all-gathers
+        # plus one gradient reduce-scatter count 1.5 S.
+        self.comm.bytes += nbytes // 2
 
     def grads_finite(self, model: nn.Module, optimizer: Optimizer) -> bool:
         """Each rank sees only its gradient shard: every rank must agree (one tiny all_reduce)."""
