@@ -9,7 +9,7 @@ Each check is a subprocess with a timeout, on every visible GPU:
   demo         torchrun --nproc_per_node=<GPUs> train.py trainer.max_steps=200 trainer.device=cuda logger=none
   fallback     with one GPU only: 2 ranks and trainer.device=auto run on CPU with gloo, rank 0 warning once
   collectives  torchrun -m trainer.tools.collectives --device cuda, 4 KiB to 16 MiB on nccl
-  overhead     benchmarks/overhead.py --device cuda on mlp-tiny, mlp-25M and cnn (world size 1)
+  overhead     benchmarks/overhead.py --device cuda: mlp-tiny, mlp-25M, cnn; one variant per strategy (world size 1)
   step_costs   benchmarks/step_costs.py --device cuda: the framework's host µs per step, piece by piece
 Then one table: each check, pass or FAIL, seconds, key numbers (also in <out>/summary.txt). About
 4 minutes on one H200. Exit code: 0 when every check passed, 1 when any failed, 2 without CUDA.
@@ -125,6 +125,9 @@ def plan(out: Path, gpus: int) -> list[Check]:
                 "cuda",
                 "--models",
                 "mlp-tiny,mlp-25M,cnn",
+                # One variant per strategy: the default list (every knob) would not fit the time limit.
+                "--strategies",
+                "none,manual,bucketed,ddp,zero,fsdp",
                 "--steps",
                 "30",
                 "--json",

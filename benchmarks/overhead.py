@@ -8,8 +8,8 @@
 For each model (by default: an MLP of ~25 M parameters, where communication is heavy; the cnn,
 where compute is; a tiny MLP whose sub-millisecond step shows any per-step bookkeeping; with
 --models also mlp-wide, a few huge tensors, and mlp-deep, 102 small ones: the shapes where an
-optimisation of communication could lose) and each strategy (none, manual, bucketed, ddp and their
-variants in STRATEGIES), both implementations train the same model on the same data with the
+optimisation of communication could lose) and each strategy (none, manual, bucketed, ddp, zero,
+fsdp and their variants in STRATEGIES), both implementations train the same model on the same data with the
 same per-rank batch and optimizer. The hand-written loop is what a PyTorch DDP tutorial writes,
 plain torch and no logging, except that it gathers each batch from the in-memory tensors with one
 index, as the framework's loader does: the ratio then measures the framework's bookkeeping, not
@@ -20,7 +20,8 @@ framework's communication time per step against the floor of one all_reduce of t
 measured in the same run (sync efficiency = floor / communication time). The loop has no knobs:
 for manual it all-reduces each gradient, for ddp and bucketed it wraps the model in PyTorch's
 DistributedDataParallel (bucket_cap_mb=25), so bucketed's ratio reads "the framework's hand-built
-DDP / PyTorch's DDP".
+DDP / PyTorch's DDP"; for zero it uses DDP with torch's ZeroRedundancyOptimizer (so zero's ratio
+reads "ZeRO-2 by hand / torch's sharded optimizer"), for fsdp the same fully_shard calls.
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ STRATEGIES = (
     "bucketed:collective=rs_ag",
     "ddp",
     "ddp:time_buckets=true",
+    "zero",
+    "fsdp",
 )
 CUDA_STRATEGIES = tuple(s for s in STRATEGIES if s != "ddp:time_buckets=true")
 
@@ -134,7 +137,11 @@ def bench(model: str, strategy: str, args: argparse.Namespace, ctx: ddist.DistCo
     warmup_rows = max(1, args.warmup // 10)
     result.comm_s, result.exposed_s, result.bytes_per_step = framework.comm(skip_rows=warmup_rows)
     if result.bytes_per_step and ctx.world_size > 1:
-        result.floor_s = measure("all_reduce", int(result.bytes_per_step), iters=10, warmup=3, device=ctx.device)
+        # The floor's buffer splits into world_size fp32 shards (the collective benchmark's rule):
+        # rounded up by a few bytes where a strategy's count does not (fsdp's halves, odd layers).
+        grain = 4 * ctx.world_size
+        floor_bytes = -(-int(result.bytes_per_step) // grain) * grain
+        result.floor_s = measure("all_reduce", floor_bytes, iters=10, warmup=3, device=ctx.device)
         if framework.trainer.sync.comm_in_sync_phase:  # ddp communicates inside backward: no "alone"
             result.alone_s = framework.sync_alone(repeats=11)
     return result

@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import BatchSampler, DistributedSampler, TensorDataset
 
@@ -26,7 +28,10 @@ class HandWritten:
     """The loop a DDP tutorial writes: same model, data, batch and optimizer; nothing else.
 
     Strategies map to what the tutorial would use: none and manual as named (manual all-reduces each
-    gradient, whatever the knobs), ddp and bucketed to PyTorch's DistributedDataParallel.
+    gradient, whatever the knobs), ddp and bucketed to PyTorch's DistributedDataParallel, zero to
+    DDP with torch's ZeroRedundancyOptimizer (its optimizer-state sharding: all_reduce, then each
+    rank steps its share of the parameters and broadcasts them), fsdp to fully_shard on each
+    layer that owns parameters, then the root.
     """
 
     def __init__(self, overrides: list[str], strategy: str, ctx: ddist.DistContext) -> None:
@@ -40,13 +45,23 @@ class HandWritten:
         strategy = strategy.split(":")[0]  # the tutorial loop has no knobs: manual is one call per gradient
         self.device, self.world_size, self.manual = ctx.device, ctx.world_size, strategy == "manual"
         model = parts.model.to(ctx.device)
-        if strategy in ("ddp", "bucketed"):  # bucketed (DDP built by hand) is measured against PyTorch's DDP
+        if strategy in ("ddp", "bucketed", "zero"):  # bucketed (DDP built by hand) is measured against PyTorch's DDP
             model = DistributedDataParallel(model, bucket_cap_mb=25)
+        if strategy == "fsdp":
+            for layer in model.modules():
+                if layer is not model and any(True for _ in layer.parameters(recurse=False)):
+                    fully_shard(layer)
+            fully_shard(model)
         if self.manual:
             for tensor in model.parameters():
                 dist.broadcast(tensor.data, src=0)
         self.model = model
-        self.optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if strategy == "zero":
+            self.optimizer: torch.optim.Optimizer = ZeroRedundancyOptimizer(
+                model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1, momentum=0.9
+            )
+        else:
+            self.optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         self.epoch, self.batches = 0, iter(self.loader)
 
     def run(self, steps: int) -> None:

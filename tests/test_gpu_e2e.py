@@ -136,6 +136,27 @@ def test_resume_on_cuda_is_bit_identical(tmp_path: Path) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides",
+    [["sync=zero", "optim=adamw"], ["sync=fsdp"], ["sync=fsdp", "sync.mixed_precision=bf16"]],
+    ids=["zero", "fsdp", "fsdp-bf16"],
+)
+def test_sharded_strategies_on_nccl(tmp_path: Path, overrides: list[str]) -> None:
+    """zero and fsdp (bf16 mixed precision: CUDA only) on every visible GPU up to 2: they train, the
+    optimizer state is reported, and last.pt holds the full plain model (the checkpoint contract)."""
+    nproc = min(gpu_count(), 2)
+    run_dir, summary = train_on_cuda(tmp_path, nproc, *overrides, "trainer.checkpoint_every_n_steps=10")
+    assert (summary["backend"], summary["world_size"], summary["steps"]) == ("nccl", nproc, 20)
+    rows = train_rows(run_dir / "metrics" / "rank0.jsonl")
+    assert rows[-1]["train/loss"] < rows[0]["train/loss"], rows
+    assert all(row["memory/optimizer_state_mb"] > 0 for row in rows)
+    assert nproc == 1 or all(row["comm/bytes_per_step"] > 0 for row in rows)
+    saved = torch.load(run_dir / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
+    initial_model([]).load_state_dict(saved["model"])  # strict: the plain model's keys and shapes
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
 @pytest.mark.parametrize("sync", ["manual", "ddp"])
 def test_nccl_two_ranks_on_two_gpus(tmp_path: Path, sync: str) -> None:
     if gpu_count() < 2:
