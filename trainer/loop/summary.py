@@ -1,4 +1,4 @@
-"""Turning per-rank metric rows into the numbers of summary.json (pure functions)."""
+"""Turning per-rank metric rows into the numbers of summary.json (pure functions, and the one gather)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,10 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import torch.distributed as dist
+
+from trainer.setup.dist import DistContext
 
 MEDIAN_PREFIXES = ("time/", "comm/", "throughput/")  # a rank's typical step
 PEAK_PREFIXES = ("memory/",)  # a rank's worst moment
@@ -46,6 +50,14 @@ def job_summary(ranks: Sequence[dict[str, Any]], **facts: Any) -> dict[str, Any]
         "throughput/global_samples_per_s": job_throughput([r["samples_per_s"] for r in ranks]),
         "ranks": list(ranks),
     }
+
+
+def gather_summary(mine: dict[str, Any], ctx: DistContext, run_dir: str, facts: dict[str, Any]) -> dict[str, Any]:
+    """Every rank: contribute this rank's record; returns the job's summary, the same on every rank."""
+    ranks: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(ranks, mine)
+    where = {"run_dir": run_dir, "world_size": ctx.world_size, "backend": ctx.backend, "device": str(ctx.device)}
+    return job_summary(ranks, **where, **facts)
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

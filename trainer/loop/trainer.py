@@ -43,7 +43,7 @@ from trainer.loop.steps import (
     steps_per_epoch,
     total_steps,
 )
-from trainer.loop.summary import job_summary, write_json
+from trainer.loop.summary import gather_summary, write_json
 from trainer.loop.timing import StepTimer
 from trainer.reliability import resume
 from trainer.reliability.exits import StepBoundary, Terminated
@@ -248,21 +248,9 @@ class Trainer:
 
     def _finish(self, final_eval: dict[str, float], wall_s: float) -> dict[str, Any]:
         mine = self._rows.rank_record()
-        ranks: list[Any] = [None] * self.ctx.world_size
-        dist.all_gather_object(ranks, mine)
-        summary = job_summary(
-            ranks,
-            run_dir=str(self.run_dir),
-            world_size=self.ctx.world_size,
-            backend=self.ctx.backend,
-            device=str(self.ctx.device),
-            sync=self.sync.describe(),
-            steps=self.step,
-            epochs=self.step / self.steps_per_epoch,
-            global_batch_size=self.global_batch_size,
-            wall_time_s=wall_s,
-            **final_eval,
-        )
+        facts = {"sync": self.sync.describe(), "steps": self.step, "epochs": self.step / self.steps_per_epoch}
+        facts |= {"global_batch_size": self.global_batch_size, "wall_time_s": wall_s, **final_eval}
+        summary = gather_summary(mine, self.ctx, str(self.run_dir), facts)
         for logger in self.loggers:
             logger.log_summary({k: v for k, v in summary.items() if k != "ranks"} | {"rank": mine})
         self.save_checkpoint()
