@@ -95,3 +95,14 @@ def write_job(
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "trainer.tools.report", *args]
     return subprocess.run(command, check=False, cwd=REPO, capture_output=True, encoding="utf-8", timeout=120)
+
+
+def markdown_header(text: str) -> list[str]:
+    line = next(line for line in text.splitlines() if line.startswith("| job"))
+    return [c.strip() for c in line.strip("|").split(" | ")]
+
+
+def markdown_rows(text: str) -> dict[str, list[str]]:
+    lines = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| job")]
+    cells = [[c.strip() for c in line.strip("|").split(" | ")] for line in lines]
+    return {c[0]: c for c in cells}

@@ -5,14 +5,22 @@ Single ranks, truncated lines, override diffs and other small inputs are in test
 from __future__ import annotations
 
 import csv
-import statistics
 from pathlib import Path
 from typing import Any
 
 import pytest
 from PIL import Image
 
-from tests.report_helpers import BUCKETED, DDP, MANUAL, NONE, comm_keys, eval_row, run_cli, train_row, write_job
+from tests.report_helpers import (
+    DDP,
+    MANUAL,
+    eval_row,
+    markdown_header,
+    markdown_rows,
+    run_cli,
+    train_row,
+    write_job,
+)
 from trainer.tools.report import find_jobs, main
 from trainer.tools.report_plot import plot
 from trainer.tools.report_rows import build_rows
@@ -165,17 +173,6 @@ EXPECTED_CELLS = {
 }
 
 
-def markdown_header(text: str) -> list[str]:
-    line = next(line for line in text.splitlines() if line.startswith("| job"))
-    return [c.strip() for c in line.strip("|").split(" | ")]
-
-
-def markdown_rows(text: str) -> dict[str, list[str]]:
-    lines = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| job")]
-    cells = [[c.strip() for c in line.strip("|").split(" | ")] for line in lines]
-    return {c[0]: c for c in cells}
-
-
 def test_table_markdown_and_csv_numbers(sweep: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
     assert main([str(sweep), "--out", str(out)]) == 0
@@ -263,161 +260,6 @@ def test_cli_prints_the_table(sweep: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "job  status" in proc.stdout and "16.00" in proc.stdout and "incomplete" in proc.stdout
     assert (sweep / "report.md").is_file()
-
-
-def strategy_ranks() -> dict[str, list[list[dict[str, Any]]]]:
-    """Each strategy's rows per rank, as its JSONL would hold them.
-
-    none has no comm keys; manual times every row; ddp times one row in a few (the others carry
-    bytes only), and its fp16 job ran on CUDA (memory/cuda_max_allocated_mb); bucketed buckets
-    by hand. Memory peaks sit on different rows and ranks, exposed times differ between ranks.
-    Optimizer state (memory/optimizer_state_mb) peaks on neither rank 0 nor a last row; the ddp auto
-    job lacks it, as a run logged before it existed would.
-    """
-
-    def row(step: int, step_s: float, extra: dict[str, Any]) -> dict[str, Any]:
-        return train_row(step, step_s, 0.0, 100, 1.0, extra)
-
-    def opt(mb: float) -> dict[str, Any]:
-        return {"memory/optimizer_state_mb": mb}
-
-    mb = 4_000_000.0
-    return {
-        "none": [
-            [row(10, 0.01, {"memory/rss_mb": 710.0} | opt(72.5))],
-            [row(10, 0.01, {"memory/rss_mb": 705.5} | opt(72.75))],
-        ],
-        "manual": [
-            [
-                row(10, 0.05, comm_keys(mb, 0.02, 0.02) | opt(72.5)),
-                row(20, 0.05, comm_keys(mb, 0.03, 0.03) | {"memory/rss_mb": 801.0} | opt(72.5)),
-            ],
-            [
-                row(10, 0.05, comm_keys(mb, 0.01, 0.01) | opt(73.25)),
-                row(20, 0.05, comm_keys(mb, 0.04, 0.04) | opt(72.5)),
-            ],
-        ],
-        "ddp fp16": [
-            [
-                row(10, 0.03, comm_keys(mb / 2, 0.02, 0.004) | {"memory/cuda_max_allocated_mb": 1500.0} | opt(72.5)),
-                row(20, 0.03, comm_keys(mb / 2) | {"memory/cuda_max_allocated_mb": 1530.0} | opt(72.5)),
-                row(30, 0.03, comm_keys(mb / 2, 0.02, 0.006) | {"memory/cuda_max_allocated_mb": 1510.0} | opt(72.5)),
-            ],
-            [
-                row(10, 0.03, comm_keys(mb / 2, 0.02, 0.001) | {"memory/cuda_max_allocated_mb": 1490.0} | opt(72.5)),
-                row(20, 0.03, comm_keys(mb / 2) | {"memory/cuda_max_allocated_mb": 1620.25} | opt(74.0)),
-                row(30, 0.03, comm_keys(mb / 2, 0.02, 0.002) | {"memory/cuda_max_allocated_mb": 1480.0} | opt(72.5)),
-            ],
-        ],
-        "ddp auto": [[row(10, 0.04, comm_keys(mb))], [row(10, 0.04, comm_keys(mb) | {"memory/rss_mb": 950.0})]],
-        "bucketed": [
-            [
-                row(10, 0.04, comm_keys(mb, 0.02, 0.015) | opt(36.25)),
-                row(20, 0.04, comm_keys(mb, 0.02, 0.005) | opt(36.25)),
-            ],
-            [
-                row(10, 0.04, comm_keys(mb, 0.02, 0.012) | opt(36.25)),
-                row(20, 0.04, comm_keys(mb, 0.02, 0.011) | opt(36.375)),
-            ],
-        ],
-    }
-
-
-@pytest.fixture
-def strategy_sweep(tmp_path: Path) -> Path:
-    """A sweep over strategies as `experiment=strategy_sweep` runs it: one job per strategy variant."""
-    root = tmp_path / "strategies"
-    ranks = strategy_ranks()
-    common = ["experiment=strategy_sweep", "logger=none"]
-    write_job(root / "0", ranks["none"], NONE, ["sync=none", *common, "run_name=s-0"])
-    write_job(root / "1", ranks["manual"], MANUAL, ["sync=manual", *common, "run_name=s-1"])
-    fp16 = ["sync=ddp", "sync.comm_hook=fp16", *common, "run_name=s-2"]
-    write_job(root / "2", ranks["ddp fp16"], DDP, fp16, 25, sync_knobs={"comm_hook": "fp16"})
-    auto = ["sync=ddp", "sync.bucket_cap_mb=auto", *common, "run_name=s-3"]
-    write_job(root / "3", ranks["ddp auto"], DDP, auto, "auto")
-    rs_ag = ["sync=bucketed", "sync.collective=rs_ag", *common, "run_name=s-4"]
-    write_job(root / "4", ranks["bucketed"], BUCKETED, rs_ag, 25, sync_knobs={"collective": "rs_ag"})
-    return root
-
-
-def expected_comm_and_memory(ranks: list[list[dict[str, Any]]]) -> dict[str, float | None]:
-    """The report's definitions (report.md's legend), applied to the rows the test wrote."""
-
-    def per_rank(key: str, reduce: Any) -> list[float]:
-        return [reduce(v) for v in ([row[key] for row in rows if key in row] for rows in ranks) if v]
-
-    bytes_ = per_rank("comm/bytes_per_step", statistics.median)
-    exposed = per_rank("time/comm_exposed_s", statistics.median)
-    rss = per_rank("memory/rss_mb", max)
-    cuda = per_rank("memory/cuda_max_allocated_mb", max)
-    opt = per_rank("memory/optimizer_state_mb", max)
-    return {
-        "mb_per_step": statistics.median(bytes_) / 1e6 if bytes_ else None,
-        "comm_exposed_ms": 1000 * statistics.median(exposed) if exposed else None,
-        "peak_rss_mb": max(rss) if rss else None,
-        "peak_cuda_mb": max(cuda) if cuda else None,
-        "opt_state_mb": max(opt) if opt else None,
-    }
-
-
-def test_strategy_sweep_bytes_exposed_time_and_peak_memory(
-    strategy_sweep: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    out = tmp_path / "out"
-    assert main([str(strategy_sweep), "--out", str(out)]) == 0
-    printed = capsys.readouterr().out.splitlines()
-    assert printed[0] == "Strategy sweep: strategies, 2 ranks"
-    header = markdown_header((out / "report.md").read_text())
-    at = header.index("MB/step")
-    # opt state MB comes right after the memory peaks (after peak CUDA MB when there is one).
-    assert header[at : at + 6] == ["MB/step", "exposed ms", "peak RSS MB", "peak CUDA MB", "opt state MB", "train loss"]
-    assert header[:5] == ["job", "status", "overrides", "sync", "bucket_mb"]
-    cells = markdown_rows((out / "report.md").read_text())
-    records = {r["job"]: r for r in csv.DictReader((out / "report.csv").open())}
-
-    # Only what differs between jobs labels them: experiment, logger and run_name are the same or hidden.
-    labels = {job: (c[2], c[3], c[4]) for job, c in cells.items()}
-    assert labels == {
-        "0": ("sync=none", "none", ""),
-        "1": ("sync=manual", "manual", ""),
-        "2": ("sync=ddp sync.comm_hook=fp16", "ddp", "25"),
-        "3": ("sync=ddp sync.bucket_cap_mb=auto", "ddp", "auto"),
-        "4": ("sync=bucketed sync.collective=rs_ag", "bucketed", "25"),
-    }
-    assert [records[j]["bucket_cap_mb"] for j in "01234"] == ["", "", "25.0", "auto", "25.0"]
-
-    def shown(value: float | None, spec: str) -> str:
-        return "-" if value is None else format(value, spec)
-
-    for job, name in enumerate(strategy_ranks()):
-        want = expected_comm_and_memory(strategy_ranks()[name])
-        assert cells[str(job)][at : at + 5] == [
-            shown(want["mb_per_step"], ".2f"),
-            shown(want["comm_exposed_ms"], ".2f"),
-            shown(want["peak_rss_mb"], ".0f"),
-            shown(want["peak_cuda_mb"], ".0f"),
-            shown(want["opt_state_mb"], ".1f"),
-        ], name
-        for column, value in want.items():
-            got = records[str(job)][column]
-            assert (got == "") if value is None else (float(got) == pytest.approx(value)), (name, column, got)
-    # The definitions, spelled out on three jobs: none sends nothing; ddp's untimed rows count for
-    # bytes but not for exposed time; the peaks are over every rank and row.
-    assert cells["0"][at : at + 2] == ["-", "-"] and records["0"]["mb_per_step"] == ""
-    assert float(records["2"]["mb_per_step"]) == pytest.approx(2.0)
-    assert float(records["2"]["comm_exposed_ms"]) == pytest.approx(1000 * statistics.median([0.005, 0.0015]))
-    assert float(records["2"]["peak_cuda_mb"]) == 1620.25 and float(records["3"]["peak_rss_mb"]) == 950.0
-    # Optimizer state likewise: the peak is rank 1's first row (manual), rank 1's middle row (ddp fp16),
-    # unrounded in the CSV (bucketed: 36.375, shown 36.4); a job whose rows lack it shows `-`, CSV empty.
-    opt_at = at + 4
-    assert [cells[j][opt_at] for j in "01234"] == ["72.8", "73.2", "74.0", "-", "36.4"]
-    assert [records[j]["opt_state_mb"] for j in "01234"] == ["72.75", "73.25", "74.0", "", "36.375"]
-
-    # Without bucket sizes to put on an x axis (one numeric value, and "auto"), the plot is one bar per job.
-    fig = plot(build_rows(find_jobs(strategy_sweep)), "title")
-    assert fig.axes[0].get_xscale() == "linear"
-    ticks = [t.get_text() for t in fig.axes[0].get_xticklabels()]
-    assert ticks[2] == "job 2\nsync=ddp\nsync.comm_hook=fp16" and len(ticks) == 5
 
 
 def test_cpu_sweep_has_no_cuda_column(sweep: Path, tmp_path: Path) -> None:
