@@ -23,11 +23,13 @@ from typing import Any
 
 import pytest
 from hydra import compose, initialize_config_dir
+from hydra import version as hydra_version
 from hydra.core.plugins import Plugins
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.launcher import Launcher
 from hydra.test_utils.launcher_common_tests import IntegrationTestSuite, LauncherTestSuite
 from hydra.test_utils.test_utils import TSweepRunner
+from hydra.version import VersionBase
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
@@ -140,6 +142,14 @@ def test_an_exit_code_after_an_error_is_reported_with_that_error(
 )
 class TestTorchrunLauncher(LauncherTestSuite):
     """Hydra's launcher suite, in this process: sweeps, configs, job dirs, a resolver registered just before launch."""
+
+    @pytest.fixture(autouse=True)
+    def hydra_version_base_as_hydra_tests_expect(self, hydra_restore_singletons: Any) -> None:
+        """The suite's apps set no version_base, so Hydra assumes 1.1 (jobs chdir into their dirs and
+        verify_dir_outputs looks for the job's log there). Earlier tests in this pytest process compose
+        ddplab's config with version_base="1.3", which Hydra keeps in a singleton: reset it for each
+        case (hydra_restore_singletons puts the process's state back afterwards)."""
+        VersionBase.instance().setbase(hydra_version.__compat_version__)
 
 
 @pytest.mark.slow
