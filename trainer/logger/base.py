@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
 
 
 class MetricLogger(Protocol):
@@ -18,3 +19,23 @@ class MetricLogger(Protocol):
 
     def close(self, exit_code: int = 0) -> None:
         """Flush and finish; safe to call twice. A non-zero code marks the run as failed."""
+
+
+@runtime_checkable
+class ResumableLogger(Protocol):
+    """A sink whose rows outlive an attempt (the JSONL file): told where a resumed run starts.
+
+    After a crash the sink holds rows past the checkpoint that the resumed run logs again; a sink
+    with this method drops them, so each step is recorded once. The trainer calls it on every rank,
+    right after a successful resume, on the loggers that have it.
+    """
+
+    def resumed_at(self, step: int) -> None:
+        """Training continues after optimizer step `step` (the checkpoint's)."""
+
+
+def resumed_at(loggers: Sequence[MetricLogger], step: int) -> None:
+    """Tell each logger that keeps rows across attempts where the resumed run starts."""
+    for logger in loggers:
+        if isinstance(logger, ResumableLogger):
+            logger.resumed_at(step)

@@ -1,0 +1,157 @@
+"""A resumed run's metrics/rank{r}.jsonl holds each step once: the rewrite on resume (drops the rows
+after the checkpoint, a torn last line, never the file itself) and, slow, a crash -> elastic restart ->
+re-run of the finished job under the real torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.cli import CPU, TORCHRUN, TRAIN, env, jsonl, output, torchrun
+from tests.report_helpers import eval_row, run_cli, train_row, write_job
+from tests.test_reliability import BASE
+from trainer.logger.base import ResumableLogger, resumed_at
+from trainer.logger.jsonl import JsonlLogger, truncate_after
+from trainer.logger.none import NullLogger
+from trainer.tools.report import load_job
+
+
+def row(step: int, loss: float = 1.0) -> dict[str, Any]:
+    return {"step": step, "epoch": 0, "train/loss": loss}
+
+
+def write(path: Path, rows: list[dict[str, Any]], tail: str = "") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + tail)
+    return path
+
+
+def steps_and_kinds(path: Path) -> list[tuple[int, str]]:
+    return [(r["step"], "eval" if "eval/loss" in r else "train") for r in jsonl(path)]
+
+
+def test_resume_drops_the_rows_after_the_checkpoint_and_appends_after_the_kept_ones(tmp_path: Path) -> None:
+    path = write(tmp_path / "metrics" / "rank0.jsonl", [row(2), row(4), eval_row(4, 0.5), row(6, 0.25), row(8)])
+    logger = JsonlLogger(path)
+    logger.resumed_at(4)
+    assert steps_and_kinds(path) == [(2, "train"), (4, "train"), (4, "eval")]
+    logger.log(row(6, 0.25))  # the resumed run logs step 6 again (bit-identical: the same values)
+    logger.close()
+    assert steps_and_kinds(path) == [(2, "train"), (4, "train"), (4, "eval"), (6, "train")]
+    assert jsonl(path)[-1] == row(6, 0.25)
+    assert not list(path.parent.glob("*.tmp"))  # no temporary file left behind
+
+
+def test_a_finished_run_resumed_again_logs_its_final_eval_once(tmp_path: Path) -> None:
+    """Resumed at its final step, fit() evaluates again at that step: the file already has that row."""
+    path = write(tmp_path / "rank0.jsonl", [row(2), row(4), eval_row(4, 0.5)])
+    before = path.read_bytes()
+    logger = JsonlLogger(path)
+    logger.resumed_at(4)
+    logger.log(eval_row(4, 0.5))
+    logger.close()
+    assert path.read_bytes() == before
+    # A kind the file does not hold at that step is still written (a step's train row and eval row).
+    path = write(tmp_path / "rank1.jsonl", [row(2), row(4)])
+    logger = JsonlLogger(path)
+    logger.resumed_at(4)
+    logger.log(row(4))
+    logger.log(eval_row(4, 0.5))
+    logger.close()
+    assert steps_and_kinds(path) == [(2, "train"), (4, "train"), (4, "eval")]
+
+
+def test_a_torn_last_line_and_rows_logged_twice_before_are_dropped(tmp_path: Path) -> None:
+    """A killed process leaves half a row; files from before this fix hold the replayed rows twice."""
+    rows = [row(2), row(4), row(6), row(4), row(6), row(8)]
+    path = write(tmp_path / "rank0.jsonl", rows, tail='{"step": 10, "epoch": 0, "train/lo')
+    logger = JsonlLogger(path)
+    logger.resumed_at(6)
+    logger.log(row(8))
+    logger.close()
+    assert steps_and_kinds(path) == [(2, "train"), (4, "train"), (6, "train"), (8, "train")]
+    assert path.read_text().endswith("}\n")  # the new row did not glue onto the torn one
+
+
+def test_the_report_reads_a_torn_job_before_and_after_the_rewrite(tmp_path: Path) -> None:
+    rows = [train_row(s, 0.01, 0.001, 1000.0, 2.0 - s / 10) for s in (2, 4, 6)]
+    job = write_job(tmp_path / "sweep" / "0", [rows, rows], "trainer.sync.ddp.DDPSync", [], tail='{"step": 8, "ep')
+    assert [len(r) for r in load_job(job).rows.values()] == [3, 3]
+    for rank in (0, 1):
+        truncate_after(job / "metrics" / f"rank{rank}.jsonl", 4)
+    assert [[r["step"] for r in rows] for rows in load_job(job).rows.values()] == [[2, 4], [2, 4]]
+    proc = run_cli(str(tmp_path / "sweep"))
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_the_file_is_unchanged_if_the_rewrite_fails_midway(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write(tmp_path / "rank0.jsonl", [row(2), row(4), row(6)], tail='{"step": 8')
+    before = path.read_bytes()
+
+    def fail(*_: object) -> None:
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(os, "replace", fail)
+    logger = JsonlLogger(path)
+    with pytest.raises(OSError, match="disk gone"):
+        logger.resumed_at(4)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["rank0.jsonl"]  # the temporary file is removed
+    logger.close()
+
+
+def test_a_missing_or_untouched_file_is_not_rewritten(tmp_path: Path) -> None:
+    assert truncate_after(tmp_path / "absent.jsonl", 4) == set()
+    path = write(tmp_path / "rank0.jsonl", [row(2), row(4), eval_row(4, 0.5)])
+    inode = path.stat().st_ino
+    assert truncate_after(path, 4) == {"train", "eval"}
+    assert path.stat().st_ino == inode
+
+
+def test_the_trainer_tells_the_loggers_that_keep_rows(tmp_path: Path) -> None:
+    path = write(tmp_path / "rank0.jsonl", [row(2), row(4)])
+    jsonl_logger, null_logger = JsonlLogger(path), NullLogger()
+    assert isinstance(jsonl_logger, ResumableLogger) and not isinstance(null_logger, ResumableLogger)
+    resumed_at([jsonl_logger, null_logger], 2)  # what Trainer.__init__ calls after a resume
+    jsonl_logger.close()
+    assert steps_and_kinds(path) == [(2, "train")]
+
+
+@pytest.mark.slow
+def test_crash_restart_and_rerun_leave_each_step_once_in_every_ranks_jsonl(tmp_path: Path) -> None:
+    """12 steps, checkpoints every 4, rank 1 crashes at step 7 (rows to step 6 written): torchrun restarts,
+    the job resumes at step 4 and finishes; then the same command again resumes the finished run at 12."""
+    run_dir = tmp_path / "run"
+    args = [
+        *BASE,
+        CPU,
+        "trainer.max_steps=12",
+        "trainer.checkpoint_every_n_steps=4",
+        "trainer.eval_every_n_steps=4",
+        f"hydra.run.dir={run_dir}",
+    ]
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1", TRAIN, *args]
+    crashed = subprocess.run(
+        [*cmd, "trainer.fault.rank=1", "trainer.fault.at_step=7"],
+        cwd=tmp_path,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert crashed.returncode == 0, output(crashed)
+    assert "injected fault" in output(crashed) and "at step 4" in output(crashed)
+    again = torchrun(args, cwd=tmp_path)  # the finished run, resumed at its last step: evaluates again
+    assert again.returncode == 0, output(again)
+    assert "at step 12" in output(again)
+    expected = [(s, "train") for s in range(2, 13, 2)] + [(4, "eval"), (8, "eval"), (12, "eval")]
+    for rank in (0, 1):
+        found = steps_and_kinds(run_dir / "metrics" / f"rank{rank}.jsonl")
+        assert Counter(found) == Counter(expected), (rank, found)
+        assert found == sorted(found, key=lambda sk: sk[0])  # in step order
