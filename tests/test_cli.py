@@ -83,8 +83,8 @@ def test_torchrun_ddp_leaves_the_documented_files_and_wandb_runs(tmp_path: Path)
     for rank in (0, 1):
         run = runs[f"rank-{rank}"]
         assert run.exit_code == 0 and run.project == "ddplab"
-        assert run.config["run"]["rank"] == rank and run.config["run"]["world_size"] == 2
-        assert run.config["sync"]["bucket_cap_mb"] == 5
+        assert run.config["run.rank"] == rank and run.config["run.world_size"] == 2  # flat, Hydra's keys
+        assert run.config["sync.bucket_cap_mb"] == 5
         logged = {row["_step"]: row["train/loss"] for row in run.history if "train/loss" in row}
         mine = {row["step"]: row["train/loss"] for row in train_rows(run_dir / "metrics" / f"rank{rank}.jsonl")}
         assert logged == mine  # W&B and JSONL hold the same numbers

@@ -73,7 +73,7 @@ def test_option_composes_and_instantiates(group: str, option: str, tmp_path: Pat
     elif group == "trainer":
         assert isinstance(instantiate(cfg.trainer), TrainSettings)
     elif group == "logger":
-        logger = instantiate(cfg.logger, dir=str(tmp_path), name="rank-0", group="g", run_config={"a": 1})
+        logger = instantiate(cfg.logger, dir=str(tmp_path), name="rank-0", group="g", run_config={"a": 1}, rank=0)
         logger.log({"step": 1, "train/loss": 1.0})
         logger.close()
         if option == "wandb":

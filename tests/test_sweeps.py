@@ -167,7 +167,7 @@ def test_two_nodes_on_loopback_form_one_job(tmp_path: Path) -> None:
     runs = {run.name: run for run in find_runs(run_dir)}
     assert sorted(runs) == ["rank-0", "rank-1", "rank-2", "rank-3"]
     # Global ranks 0..3, local ranks 0,1 on each node; one group for the whole job.
-    local = sorted((run.config["run"]["rank"], run.config["run"]["local_rank"]) for run in runs.values())
+    local = sorted((run.config["run.rank"], run.config["run.local_rank"]) for run in runs.values())
     assert local[0][0] == 0 and sorted(r for r, _ in local) == [0, 1, 2, 3]
     assert sorted(lr for _, lr in local) == [0, 0, 1, 1] and len({run.group for run in runs.values()}) == 1
     # Only global rank 0 announces results, though each node has a local rank 0.

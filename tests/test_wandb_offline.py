@@ -40,6 +40,8 @@ import wandb
 root, losses, config, big = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]
 run = wandb.init(mode="offline", dir=root, project="p", group="g", name="rank-0", job_type="train",
                  config=config)
+run.define_metric("step", hidden=True)
+run.define_metric("train/*", step_metric="step", summary="min,last")
 for i, loss in enumerate(losses):
     run.log({"train/loss": loss, "step": i})
 run.config.update({"late": {"x": 1}})
@@ -103,7 +105,11 @@ def test_round_trip(root: Path, runs: dict) -> None:
     assert [row["step"] for row in run.history] == list(range(5))
     assert [row["_step"] for row in run.history] == list(range(5))
     assert run.summary["best"] == min(LOSSES)
-    assert run.summary["train/loss"] == LOSSES[-1]
+    assert run.summary["train/loss"] == {"min": min(LOSSES), "last": LOSSES[-1]}  # as defined
+    assert run.metrics == {
+        "step": {"step_metric": None, "summary": [], "hidden": True, "step_sync": False},
+        "train/*": {"step_metric": "step", "summary": ["last", "min"], "hidden": False, "step_sync": True},
+    }
     assert run.summary["nest"] == {"a": 1, "b": 2} and "tmp" not in run.summary  # nested update, removal
     assert run.exit_code == 0
 
@@ -178,3 +184,4 @@ def test_cli_prints_runs(root: Path) -> None:
     assert "group=g" in rank0 and "history_rows=5" in rank0
     assert f"last train/loss = {LOSSES[-1]!r}" in rank0
     assert '"best": 0.2' in rank0
+    assert 'metrics = {"step": {' in rank0 and '"train/*": {"hidden": false' in rank0

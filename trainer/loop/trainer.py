@@ -31,7 +31,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from data.base import DataModule, ResumableSampler
 from trainer.errors import from_leaves
-from trainer.logger.base import MetricLogger
+from trainer.logger.base import MetricLogger, resumed_at
 from trainer.loop.metrics import Window, evaluate
 from trainer.loop.profiling import StepProfiler
 from trainer.loop.rows import TrainRows
@@ -121,6 +121,7 @@ class Trainer:
         state = self._state()  # trainer.resume: the state of a checkpoint, if there is one
         if resume.resume_if_any(ctx, run_dir, settings.resume, state, config):
             self.step, self.epoch = state.step, state.epoch
+            resumed_at(self.loggers, state.step)  # the JSONL drops the interrupted attempt's later rows
             # The next pass over this epoch starts where the checkpoint stopped: skip the sample
             # indices of the micro-batches already trained on (no data is read to get there).
             self._sampler.skip_next(state.batches_into_epoch * data.batch_size)
@@ -252,7 +253,7 @@ class Trainer:
         facts |= {"global_batch_size": self.global_batch_size, "wall_time_s": wall_s, **final_eval}
         summary = gather_summary(mine, self.ctx, str(self.run_dir), facts)
         for logger in self.loggers:
-            logger.log_summary({k: v for k, v in summary.items() if k != "ranks"} | {"rank": mine})
+            logger.log_summary(summary | {"rank": mine})  # W&B: rank 0's run makes "ranks" a table
         self.save_checkpoint()
         if self.ctx.is_main_process:
             write_json(self.run_dir / "summary.json", summary)

@@ -82,7 +82,8 @@ def run_info(ctx: DistContext) -> dict[str, Any]:
 def add_loggers(
     loggers: list[MetricLogger], cfg: DictConfig, config: dict[str, Any], ctx: DistContext, run_dir: Path, group: str
 ) -> None:
-    """Every rank: its JSONL file, then its own W&B run (or the null logger).
+    """Every rank: its JSONL file, then its own W&B run (or the null logger), the same run on a
+    restart or resume (its id comes from the run dir and the rank).
 
     Appends as it goes, so whatever was opened gets closed even if a later one fails to start.
     """
@@ -94,6 +95,7 @@ def add_loggers(
             name=f"rank-{ctx.rank}",
             group=group,
             run_config={**config, "run": run_info(ctx)},
+            rank=ctx.rank,  # with the run dir, names this rank's W&B run for every attempt of the job
         )
     )
 

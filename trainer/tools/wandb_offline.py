@@ -40,7 +40,10 @@ INTERNAL = "_wandb"  # W&B bookkeeping key in config/summary; not the user's dat
 
 @dataclass
 class OfflineRun:
-    """One offline run as written to disk; config/summary merged, history one dict per logged step."""
+    """One offline run directory as written to disk; config/summary merged, history one dict per logged step.
+
+    One directory per attempt: a run continued after a restart or resume (same run_id) has several.
+    """
 
     path: Path  # the offline-run-* directory
     run_id: str = ""
@@ -52,6 +55,9 @@ class OfflineRun:
     config: dict[str, Any] = field(default_factory=dict)
     history: list[dict[str, Any]] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
+    # define_metric calls, by name (or glob, e.g. "time/*"): step_metric, summary (a sorted list of
+    # aggregations), hidden, goal; the ones wandb-core expands from a glob are not repeated here.
+    metrics: dict[str, dict[str, Any]] = field(default_factory=dict)
     exit_code: int | None = None  # None: no exit record (run still going, or killed before finish())
 
 
@@ -152,6 +158,20 @@ def _history_value(item: HistoryItem) -> Any:
     return json.loads(value) if kind == "json" else value
 
 
+def _metric(record: Any) -> tuple[str, dict[str, Any]]:
+    """One define_metric record as (name or glob, plain definition); later calls for a name merge."""
+    summary = sorted(f.name for f, on in record.summary.ListFields() if on)
+    definition: dict[str, Any] = {
+        "step_metric": record.step_metric or None,
+        "summary": summary,
+        "hidden": record.options.hidden,
+        "step_sync": record.options.step_sync,
+    }
+    if record.goal:
+        definition["goal"] = "minimize" if record.goal == 1 else "maximize"
+    return record.glob_name or record.name, definition
+
+
 def read_run(run_dir: Path, tail_ok: bool = False) -> OfflineRun:
     """Read one offline run (an offline-run-* directory or its .wandb file); tail_ok as in iter_records."""
     run_dir = Path(run_dir)
@@ -187,6 +207,9 @@ def read_run(run_dir: Path, tail_ok: bool = False) -> OfflineRun:
             if record.history.HasField("step"):
                 row.setdefault("_step", record.history.step.num)
             run.history.append(row)
+        elif kind == "metric" and not record.metric.expanded_from_glob:
+            name, definition = _metric(record.metric)
+            run.metrics[name] = definition
         elif kind == "exit":
             run.exit_code = record.exit.exit_code
     run.config.pop(INTERNAL, None)
@@ -223,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
         for key in sorted(last):
             print(f"    last {key} = {last[key]!r}")
         print(f"    summary = {json.dumps(run.summary, sort_keys=True, default=str)}")
+        if run.metrics:
+            print(f"    metrics = {json.dumps(run.metrics, sort_keys=True)}")
     return 0
 
 
