@@ -1,11 +1,13 @@
 """Sweep report: one row per job of a Hydra multirun (or one job dir), as a table, CSV and plot.
 
     python -m trainer.tools.report <sweep dir | job dir> [--out DIR]     (writes report.md/.csv/.png)
+    python -m trainer.tools.report <dir> --wandb [--wandb-mode offline|online|disabled]
+        (also logs the table and the figure as a W&B run "report", grouped under the sweep's name)
 
 Read only from the files a job leaves behind (metrics/rank{r}.jsonl, .hydra/, summary.json), so it
 works on finished, failed and copied runs alike. This module is the entry point and the reading of
 those files; the numbers and their definitions (report.md's legend) are in report_rows.py, the
-table, report.md and CSV in report_table.py, the figure in report_plot.py.
+table, report.md and CSV in report_table.py, the figure in report_plot.py, the W&B run in report_wandb.py.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import yaml
 from trainer.tools.report_plot import plot
 from trainer.tools.report_rows import Job, build_rows
 from trainer.tools.report_table import format_markdown, format_table, write_csv
+from trainer.tools.report_wandb import MODES, log_report  # wandb itself is imported only by log_report
 
 
 class ReportError(Exception):
@@ -82,9 +85,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.tools.report", description=__doc__.splitlines()[0])
     parser.add_argument("dir", type=Path, help="a Hydra sweep dir (numbered job dirs) or one job dir")
     parser.add_argument("--out", type=Path, default=None, help="where report.md/.csv/.png go (default: dir)")
+    parser.add_argument("--wandb", action="store_true", help="also log the table and figure as a W&B run")
+    parser.add_argument(
+        "--wandb-mode", choices=MODES, default="offline", help="offline runs land in <out>/wandb (default: offline)"
+    )
     args = parser.parse_args(argv)
     try:
-        rows = build_rows(find_jobs(args.dir))
+        jobs = find_jobs(args.dir)
+        rows = build_rows(jobs)
     except ReportError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -109,6 +117,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     write_csv(rows, out / "report.csv")
     plot(rows, title).savefig(out / "report.png", dpi=110)
     print(f"wrote {out / 'report.md'}, {out / 'report.csv'}, {out / 'report.png'}")
+    if args.wandb:
+        sweep = args.dir.resolve().name
+        where = log_report(
+            rows, jobs, sweep=sweep, image=out / "report.png", out=out, mode=args.wandb_mode, title=title
+        )
+        print(f"W&B run 'report' (group {sweep}, {args.wandb_mode}): {where}")
     return 0
 
 
