@@ -9,19 +9,14 @@ import torch
 
 from tests.compose import compose_config
 from tests.dist_helpers import run_on_ranks
-from tests.train_helpers import assert_same_model, build, case_results, max_abs_diff, params_of, train_each
+from tests.train_helpers import SIX_STEPS, assert_same_model, build, case_results, max_abs_diff, params_of, train_each
 from trainer.setup.build import build_parts, instantiate
 
 # 64 samples, 2 ranks x 8 = 4 steps per epoch: 6 steps cross an epoch boundary (set_epoch reshuffles).
 COMMON = [
     "logger=none",
     "model.hidden_sizes=[32,32]",
-    "data.num_samples=64",
-    "data.num_val_samples=16",
-    "trainer.max_steps=6",
-    "trainer.log_every_n_steps=2",
-    "trainer.eval_every_n_steps=0",
-    "trainer.progress_bar=false",
+    *SIX_STEPS,
 ]
 
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from tests.compose import compose_config
 from tests.dist_helpers import run_on_ranks
-from tests.train_helpers import bit_identical, build, case_results, max_abs_diff, train_each
+from tests.train_helpers import SIX_STEPS, bit_identical, build, case_results, max_abs_diff, train_each
 from trainer.errors import ConfigError
 from trainer.loop.metrics import optimizer_state_mb
 from trainer.setup.build import build_parts, check_device, instantiate
@@ -26,12 +26,7 @@ from trainer.setup.build import build_parts, check_device, instantiate
 COMMON = [
     "logger=none",
     "model.hidden_sizes=[32,32]",
-    "data.num_samples=64",
-    "data.num_val_samples=16",
-    "trainer.max_steps=6",
-    "trainer.log_every_n_steps=2",
-    "trainer.eval_every_n_steps=0",
-    "trainer.progress_bar=false",
+    *SIX_STEPS,
 ]
 
 

@@ -19,7 +19,7 @@ from torch import nn
 from models.cnn import CNN
 from tests.compose import compose_config
 from tests.dist_helpers import run_on_ranks
-from tests.train_helpers import bit_identical, build, case_results, max_abs_diff, params_of, train_each
+from tests.train_helpers import SIX_STEPS, bit_identical, build, case_results, max_abs_diff, params_of, train_each
 from trainer.errors import ConfigError
 from trainer.setup.build import build_parts, convert_sync_batchnorm, instantiate, split_sync_batchnorm
 
@@ -33,12 +33,7 @@ CNN_BN = [
     "model.batchnorm=true",
     "data=fake",
     "data.image_shape=[3,8,8]",
-    "data.num_samples=64",
-    "data.num_val_samples=16",
-    "trainer.max_steps=6",
-    "trainer.log_every_n_steps=2",
-    "trainer.eval_every_n_steps=0",
-    "trainer.progress_bar=false",
+    *SIX_STEPS,
 ]
 
 

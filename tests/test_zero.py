@@ -18,6 +18,7 @@ from torch import nn
 from tests.compose import compose_config
 from tests.dist_helpers import run_on_ranks
 from tests.train_helpers import (
+    SIX_STEPS,
     assert_same_model,
     bit_identical,
     build,
@@ -38,12 +39,7 @@ from trainer.sync.zero import ZeroSync
 COMMON = [
     "logger=none",
     "model.hidden_sizes=[32,31]",
-    "data.num_samples=64",
-    "data.num_val_samples=16",
-    "trainer.max_steps=6",
-    "trainer.log_every_n_steps=2",
-    "trainer.eval_every_n_steps=0",
-    "trainer.progress_bar=false",
+    *SIX_STEPS,
     "trainer.check_replicas_every_n_steps=1",  # the trainer's own replica check, after every step
 ]
 NUMEL = 32 * 32 + 32 + 31 * 32 + 31 + 31 * 10 + 10

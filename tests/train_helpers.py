@@ -15,6 +15,17 @@ from trainer.loop.trainer import Trainer
 from trainer.setup.build import build_parts, build_trainer, instantiate, prepare_data
 from trainer.setup.dist import DistContext
 
+# The equivalence tests' run: 64 samples, 2 ranks x 8 = 4 steps per epoch, so 6 steps cross an epoch
+# boundary (set_epoch reshuffles); a row every 2 steps, no evaluation.
+SIX_STEPS = [
+    "data.num_samples=64",
+    "data.num_val_samples=16",
+    "trainer.max_steps=6",
+    "trainer.log_every_n_steps=2",
+    "trainer.eval_every_n_steps=0",
+    "trainer.progress_bar=false",
+]
+
 
 def build(
     rank: int,
