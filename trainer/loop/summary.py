@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from torch import nn
 
 from trainer.setup.dist import DistContext
 
@@ -50,6 +51,16 @@ def job_summary(ranks: Sequence[dict[str, Any]], **facts: Any) -> dict[str, Any]
         "throughput/global_samples_per_s": job_throughput([r["samples_per_s"] for r in ranks]),
         "ranks": list(ranks),
     }
+
+
+def parameter_layout(model: nn.Module) -> dict[str, Any]:
+    """The trainable parameters in registration order (name, bytes): what gradient sync moves, for
+    tools that predict communication without the model (python -m trainer.scaling). Sizes are the
+    full tensors' even where a strategy shards them (a DTensor's numel is its global one)."""
+    tensors = [
+        {"name": name, "bytes": p.numel() * p.element_size()} for name, p in model.named_parameters() if p.requires_grad
+    ]
+    return {"parameter_bytes": sum(t["bytes"] for t in tensors), "parameter_tensors": tensors}
 
 
 def gather_summary(mine: dict[str, Any], ctx: DistContext, run_dir: str, facts: dict[str, Any]) -> dict[str, Any]:

@@ -43,7 +43,7 @@ from trainer.loop.steps import (
     steps_per_epoch,
     total_steps,
 )
-from trainer.loop.summary import gather_summary, write_json
+from trainer.loop.summary import gather_summary, parameter_layout, write_json
 from trainer.loop.timing import StepTimer
 from trainer.reliability import resume
 from trainer.reliability.exits import StepBoundary, Terminated
@@ -249,7 +249,8 @@ class Trainer:
 
     def _finish(self, final_eval: dict[str, float], wall_s: float) -> dict[str, Any]:
         mine = self._rows.rank_record()
-        facts = {"sync": self.sync.describe(), "steps": self.step, "epochs": self.step / self.steps_per_epoch}
+        facts = {"sync": self.sync.describe(), "model": parameter_layout(self.model), "steps": self.step}
+        facts["epochs"] = self.step / self.steps_per_epoch
         facts |= {"global_batch_size": self.global_batch_size, "wall_time_s": wall_s, **final_eval}
         summary = gather_summary(mine, self.ctx, str(self.run_dir), facts)
         for logger in self.loggers:
