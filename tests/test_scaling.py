@@ -1,0 +1,138 @@
+"""The scaling model's arithmetic: collective costs, the alpha-beta fit, buckets and overlap."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from trainer.errors import ConfigError
+from trainer.scaling.costs import Link, Network, Topology, ring_s
+from trainer.scaling.networks import fit_link, parse_network
+from trainer.scaling.predict import buckets, layered, overlapped, predict
+from trainer.scaling.profile import RunProfile, Tensor
+
+LINK = Link(alpha_s=10e-6, beta_Bps=1e9)
+FAST = Network.uniform("fast", 1e-6, 100e9)
+SLOW = Network.uniform("slow", 5e-6, 10e9)
+
+
+def test_ring_costs_by_hand() -> None:
+    # n = 4, S = 4 MB: every ring step moves 1 MB (1 ms at 1 GB/s) after 10 us of latency.
+    assert ring_s("all_reduce", 4e6, 4, LINK) == pytest.approx(6 * 1.01e-3)
+    assert ring_s("reduce_scatter", 4e6, 4, LINK) == pytest.approx(3 * 1.01e-3)
+    assert ring_s("all_gather", 4e6, 4, LINK) == pytest.approx(3 * 1.01e-3)
+    assert ring_s("all_reduce", 4e6, 1, LINK) == 0.0  # one rank sends nothing
+    with pytest.raises(ValueError, match="unknown collective 'broadcast'"):
+        ring_s("broadcast", 1, 2, LINK)
+
+
+def test_two_levels_by_hand() -> None:
+    # 2 nodes of 8, S = 80 MB: inside each node a reduce_scatter and an all_gather of 80 MB over 8
+    # ranks at 100 GB/s (7 steps of 10 MB: 7 x (1 us + 100 us) each); across nodes an all_reduce of
+    # each rank's 10 MB over 2 nodes at 10 GB/s (2 steps of 5 MB: 2 x (5 us + 500 us)).
+    topo = Topology(16, 8, intra=FAST, inter=SLOW)
+    assert topo.nodes == 2 and topo.per_node == 8
+    assert topo.collective_s("all_reduce", 80e6) == pytest.approx(2 * 7 * 101e-6 + 2 * 505e-6)
+    assert topo.collective_s("reduce_scatter", 80e6) == pytest.approx(7 * 101e-6 + 505e-6)
+    assert topo.collective_s("all_gather", 80e6) == pytest.approx(7 * 101e-6 + 505e-6)
+    # One network everywhere, or one node: one flat ring of every rank.
+    flat = Topology(16, 8, intra=SLOW, inter=SLOW)
+    assert flat.collective_s("all_reduce", 80e6) == pytest.approx(
+        ring_s("all_reduce", 80e6, 16, SLOW.link("all_reduce"))
+    )
+    assert Topology(8, 8, FAST, SLOW).collective_s("all_reduce", 8e6) == pytest.approx(14 * (1e-6 + 1e-5))
+
+
+def test_topology_refuses_partial_nodes() -> None:
+    with pytest.raises(ValueError, match="12 ranks do not fill nodes of 8"):
+        Topology(12, 8, FAST, SLOW)
+    Topology(4, 8, FAST, SLOW)  # fewer ranks than one node holds: one node, partly used
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+@pytest.mark.parametrize("kind", ["all_reduce", "reduce_scatter", "all_gather"])
+def test_fit_recovers_alpha_and_beta(kind: str, world_size: int) -> None:
+    truth = Link(alpha_s=40e-6, beta_Bps=2.5e9)
+    sizes = [1024 * 2**k for k in range(17)]  # 1 KiB .. 64 MiB, as the benchmark sweeps
+    exact = [ring_s(kind, s, world_size, truth) for s in sizes]
+    fitted = fit_link(kind, sizes, exact, world_size)
+    assert fitted.alpha_s == pytest.approx(truth.alpha_s, rel=1e-6)
+    assert fitted.beta_Bps == pytest.approx(truth.beta_Bps, rel=1e-6)
+    noise = random.Random(world_size)  # +-5 % per timing, as a quiet machine gives
+    noisy = [t * noise.uniform(0.95, 1.05) for t in exact]
+    fitted = fit_link(kind, sizes, noisy, world_size)
+    assert fitted.alpha_s == pytest.approx(truth.alpha_s, rel=0.1)
+    assert fitted.beta_Bps == pytest.approx(truth.beta_Bps, rel=0.1)
+
+
+def test_fit_refuses_what_cannot_be_fitted() -> None:
+    with pytest.raises(ConfigError, match="world size 1 measured no communication"):
+        fit_link("all_reduce", [1, 2], [1.0, 2.0], 1)
+    with pytest.raises(ConfigError, match="do not grow with size"):
+        fit_link("all_reduce", [1e3, 1e6, 1e7], [3e-3, 2e-3, 1e-3], 2)
+    # Timings flat in size: no latency to resolve beyond noise is fine, no bandwidth is not.
+    assert fit_link("all_reduce", [1e3, 1e6], [1e-3, 2e-3], 2).alpha_s > 0
+
+
+def test_networks_by_name_or_numbers() -> None:
+    assert parse_network("ib-ndr400").link("all_reduce") == Link(5e-6, 45e9)
+    assert parse_network("3,12.5").link("all_gather") == Link(3e-6, 12.5e9)
+    for bad in ("infiniband", "5", "5,0", "-1,10", "a,b"):
+        with pytest.raises(ConfigError, match=f"network {bad!r} is neither a preset .*loopback.*alpha_us,beta_GBps"):
+            parse_network(bad)
+
+
+def test_buckets_follow_each_rule() -> None:
+    mib = 2**20
+    sizes = [mib // 2, mib // 2, mib // 2, 3 * mib, mib // 4]
+    # ddplab's flat buffers: close before overflowing the cap; a larger tensor alone.
+    assert buckets(sizes, cap_mb=1) == [mib, mib // 2, 3 * mib, mib // 4]
+    # DDP: add, close once the cap is reached; the first bucket has its own cap.
+    assert buckets(sizes, cap_mb=4, first_cap_mb=0.5, ddp=True) == [mib // 2, mib + 3 * mib, mib // 4]
+    assert buckets(sizes, cap_mb=100) == [sum(sizes)]
+
+
+def test_overlap_by_hand() -> None:
+    # Two equal buckets over a 1 s backward: the first is ready at 0.5 s, the second at 1 s.
+    assert overlapped([100, 100], 1.0, lambda s: 0.3) == pytest.approx((0.6, 0.3))  # 0.5-0.8, 1.0-1.3
+    assert overlapped([100, 100], 1.0, lambda s: 0.6) == pytest.approx((1.2, 0.7))  # 0.5-1.1, 1.1-1.7
+    assert overlapped([100], 1.0, lambda s: 0.2) == pytest.approx((0.2, 0.2))  # one bucket: all exposed
+
+
+def test_layered_pass_by_hand() -> None:
+    # Two units of 0.5 s compute, gathers of 0.2 s: gather 0 (0-0.2), unit 0 (0.2-0.7) while gather
+    # 1 is prefetched (0.2-0.4), unit 1 (0.7-1.2).
+    assert layered([1, 1], 1.0, lambda s: 0.2, None) == pytest.approx((1.2, 0.4))
+    # Gathers of 0.4 s: unit 0 at 0.4-0.9, gather 1 prefetched at 0.4-0.8, unit 1 at 0.9-1.4 (not
+    # 1.3-1.8, as a gather issued only after unit 0 would make it).
+    assert layered([1, 3], 2.0, lambda s: 0.4, None) == pytest.approx((2.4, 0.8))
+    # With reduce_scatters of 0.1 s after each unit: 0.7-0.8, then 1.2-1.3 ends the pass.
+    assert layered([1, 1], 1.0, lambda s: 0.2, lambda s: 0.1) == pytest.approx((1.3, 0.6))
+
+
+def test_strategies_by_hand() -> None:
+    mib = 2**20
+    tensors = (Tensor("a.weight", 2 * mib), Tensor("a.bias", mib), Tensor("b.weight", mib))
+    phases = {"data": 0.0, "forward": 0.01, "backward": 0.02, "optimizer": 0.004}
+    profile = RunProfile(Path("run"), 1, "cpu", "none", 32, phases, tensors)
+    topo = Topology(4, 8, SLOW, SLOW)
+    ar = lambda s: ring_s("all_reduce", s, 4, SLOW.link("all_reduce"))  # noqa: E731
+    half = lambda s: ring_s("all_gather", s, 4, SLOW.link("all_gather"))  # noqa: E731  # = reduce_scatter
+    assert predict(profile, topo, "none").step_s == pytest.approx(0.034)
+    manual = predict(profile, topo, "manual")  # one 25 MiB buffer, after backward
+    assert manual.step_s == pytest.approx(0.034 + ar(4 * mib)) and manual.efficiency == pytest.approx(
+        0.034 / manual.step_s
+    )
+    # bucketed, 2 MiB cap, gradient order b.weight, a.bias, a.weight: buckets of 2 MiB (ready at
+    # half of backward, 10 ms) and 2 MiB (at 20 ms); each all_reduce takes ar(2 MiB) ~ 0.35 ms.
+    bucketed = predict(profile, topo, "bucketed", cap_mb=2)
+    assert bucketed.comm_s == pytest.approx(2 * ar(2 * mib)) and bucketed.exposed_s == pytest.approx(ar(2 * mib))
+    assert predict(profile, topo, "bucketed", cap_mb=2, overlap=False).exposed_s == pytest.approx(2 * ar(2 * mib))
+    zero = predict(profile, topo, "zero")  # the optimizer steps on 1/4 of the parameters
+    assert zero.step_s == pytest.approx(0.030 + 0.001 + 2 * half(4 * mib))
+    # fsdp: units a (3 MiB) and b (1 MiB); the forward's gathers, the backward's gathers and reduce_scatters.
+    fsdp = predict(profile, topo, "fsdp")
+    assert fsdp.comm_s == pytest.approx(2 * (half(3 * mib) + half(mib)) + half(3 * mib) + half(mib))
+    assert fsdp.step_s > 0.031 + half(3 * mib)  # the first unit's gather is never hidden

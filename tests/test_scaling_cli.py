@@ -1,0 +1,128 @@
+"""python -m trainer.scaling on a real run: the command, its JSON rows and plot, a fitted network,
+and its refusals. One train.py run (1 rank, sync=ddp with small buckets) serves every test."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed
+
+from tests.cli import CPU, output, python_train
+from tests.compose import REPO
+from trainer.scaling.__main__ import main
+from trainer.scaling.costs import KINDS, Link, ring_s
+from trainer.scaling.predict import DDP_FIRST_BUCKET_MB, STRATEGIES, buckets
+from trainer.scaling.profile import read_profile
+from trainer.tools.collective_ops import bandwidths
+from trainer.tools.collectives import write_results
+
+pytestmark = pytest.mark.slow
+WIDE = "model.hidden_sizes=[512,512,512]"  # two 1 MiB weight matrices: 3 DDP buckets at 0.25 MiB
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("scaling")
+    args = [CPU, "logger=none", WIDE, "sync=ddp", "sync.bucket_cap_mb=0.25", "trainer.max_steps=20"]
+    args += ["trainer.log_every_n_steps=5", "trainer.eval_every_n_steps=0", f"hydra.run.dir={root / 'run'}"]
+    proc = python_train(args, cwd=root)
+    assert proc.returncode == 0, output(proc)
+    return root / "run"
+
+
+def scaling(args: list[str]) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "trainer.scaling", *args]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_summary_records_the_gradients_as_ddp_buckets_them(run_dir: Path) -> None:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    tensors = summary["model"]["parameter_tensors"]
+    assert [t["name"] for t in tensors][:2] == ["net.1.weight", "net.1.bias"]
+    # synthetic data: 32 features, 10 classes
+    assert summary["model"]["parameter_bytes"] == (32 * 512 + 512 + 2 * (512 * 512 + 512) + 512 * 10 + 10) * 4
+    assert sum(t["bytes"] for t in tensors) == summary["model"]["parameter_bytes"]
+    # The model's buckets for DDP's rules are the ones DDP itself built (after its rebuild).
+    grads = [t["bytes"] for t in reversed(tensors)]
+    predicted = buckets(grads, 0.25, DDP_FIRST_BUCKET_MB, ddp=True)
+    assert len(predicted) == 3 and predicted == summary["sync"]["bucket_sizes_bytes"]
+    assert DDP_FIRST_BUCKET_MB * 2**20 == torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
+
+
+def test_command_prints_writes_and_plots(run_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "pred.json"
+    args = ["--run", str(run_dir), "--ranks", "1,2,16", "--network", "100gbe", "--intra-network", "nvlink"]
+    proc = scaling([*args, "--gpus-per-node", "8", "--json", str(out), "--plot", str(tmp_path / "eff.png")])
+    text = output(proc)
+    assert proc.returncode == 0, text
+    assert "note: the compute comes from a sync=ddp run on 1 rank(s)" in text
+    assert "100gbe (alpha 15 us, beta 10 GB/s) between nodes, nvlink (alpha 2 us, beta 360 GB/s) inside" in text
+    assert "best sync.bucket_cap_mb for sync=ddp: N=1:" in text and "N=16:" in text
+    assert (tmp_path / "eff.png").read_bytes()[:4] == b"\x89PNG"
+    rows: list[dict[str, Any]] = json.loads(out.read_text())["rows"]
+    assert [(r["strategy"], r["ranks"]) for r in rows] == [(s, n) for s in STRATEGIES for n in (1, 2, 16)]
+    assert {r["nodes"] for r in rows if r["ranks"] == 16} == {2}
+    compute = read_profile(run_dir).compute_s
+    by = {(r["strategy"], r["ranks"]): r for r in rows}
+    for strategy in STRATEGIES:
+        assert by[strategy, 1]["step_s"] == pytest.approx(compute)  # one rank: nothing to send
+        assert by[strategy, 16]["samples_per_s"] == pytest.approx(16 * 64 / by[strategy, 16]["step_s"])
+    assert by["none", 16]["efficiency"] == 1.0
+    # More ranks, more communication, for every strategy that sends anything; efficiency falls
+    # where every rank still does all the work (zero and fsdp step the optimizer on 1/N of it).
+    for strategy in ("manual", "bucketed", "ddp", "zero", "fsdp"):
+        assert 0 == by[strategy, 1]["comm_s"] < by[strategy, 2]["comm_s"] < by[strategy, 16]["comm_s"]
+    for strategy in ("manual", "bucketed", "ddp"):
+        assert by[strategy, 1]["efficiency"] > by[strategy, 2]["efficiency"] > by[strategy, 16]["efficiency"]
+
+
+def test_network_fitted_to_a_collectives_json(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    truth = Link(alpha_s=50e-6, beta_Bps=2e9)
+    records = []
+    for kind in KINDS:
+        for size in (2**k for k in range(12, 26)):
+            seconds = ring_s(kind, size, 2, truth)
+            algbw, busbw = bandwidths(kind, size, seconds, 2)
+            gbps = {"algbw_GBps": algbw / 1e9, "busbw_GBps": busbw / 1e9}
+            records.append({"op": kind, "size_bytes": size, "seconds": seconds, **gbps})
+    write_results(tmp_path, records, {"world_size": 2, "backend": "gloo", "device": "cpu", "dtype": "float32"})
+    out = tmp_path / "fit.json"
+    args = ["--run", str(run_dir), "--collectives", str(tmp_path / "collectives.json"), "--ranks", "2"]
+    assert main([*args, "--strategies", "manual", "--json", str(out), "--plot", str(tmp_path / "p.png")]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    # manual at 2 ranks: the compute, then one all_reduce of every gradient (one 25 MiB buffer).
+    profile = read_profile(run_dir)
+    expected = profile.compute_s + ring_s("all_reduce", profile.gradient_bytes, 2, truth)
+    assert row["step_s"] == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--network", "infiniband"], "network 'infiniband' is neither a preset (loopback, nvlink, ib-ndr400, 100gbe)"),
+        (["--ranks", "12", "--gpus-per-node", "8"], "12 ranks do not fill nodes of 8"),
+        (["--ranks", "2,x"], "--ranks='2,x' is invalid: a comma-separated list of integers > 0"),
+        (["--strategies", "ddp,horovod"], "--strategies: unknown horovod; accepted: none, manual, bucketed"),
+        (["--compute-ms", "0"], "--compute-ms=0 is invalid: it must be > 0"),
+    ],
+)
+def test_bad_input_is_refused_by_name(
+    run_dir: Path, args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--run", str(run_dir), *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_run_without_summary_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--run", str(tmp_path)]) == 2
+    assert f"--run {tmp_path}: no summary.json" in capsys.readouterr().err
+    (tmp_path / "summary.json").write_text(json.dumps({"ranks": [], "sync": {}}))
+    assert main(["--run", str(tmp_path)]) == 2
+    assert "has no model.parameter_tensors: it was written before" in capsys.readouterr().err

@@ -1,0 +1,9 @@
+"""A scaling model: predicted step time and efficiency of every sync strategy at N ranks on a network.
+
+    python -m trainer.scaling --run <run dir> --ranks 2,8,64,512 --network ib-ndr400 --gpus-per-node 8
+
+costs.py prices one collective (ring algorithms, alpha-beta model, two levels across nodes);
+networks.py holds the presets and fits alpha and beta to the collective benchmark's JSON;
+profile.py reads what a finished run measured; predict.py lays each strategy's collectives over
+that compute; report.py prints, plots and writes the predictions; __main__.py is the command line.
+"""

@@ -1,0 +1,106 @@
+"""What one collective costs: the alpha-beta model of ring algorithms, flat or in two levels.
+
+A ring of n ranks moves a buffer of S bytes in steps of S/n per rank: reduce_scatter and
+all_gather take n-1 steps, all_reduce (a reduce_scatter then an all_gather) 2(n-1). Each step
+pays the link's latency alpha plus S/n bytes at its bandwidth beta:
+
+    all_reduce      2(n-1) (alpha + S / (n beta))
+    reduce_scatter   (n-1) (alpha + S / (n beta))     S = the full input
+    all_gather       (n-1) (alpha + S / (n beta))     S = the full output
+
+beta is per rank and direction, which is what nccl-tests' bus bandwidth measures. When ranks span
+nodes on a slower network, the collective runs in two levels (NCCL's and Horovod's hierarchical
+form): inside each node over the fast network on the whole buffer, across nodes on each rank's
+1/G of it, every rank of a node using the inter-node network at once (one NIC per GPU).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+KINDS = ("all_reduce", "reduce_scatter", "all_gather")
+
+
+@dataclass(frozen=True)
+class Link:
+    """One kind of collective's latency (s per ring step) and bandwidth (bytes/s per rank)."""
+
+    alpha_s: float
+    beta_Bps: float
+
+    def __post_init__(self) -> None:
+        if self.alpha_s < 0 or self.beta_Bps <= 0:
+            raise ValueError(f"need alpha >= 0 s and beta > 0 B/s, got alpha={self.alpha_s}, beta={self.beta_Bps}")
+
+
+@dataclass(frozen=True)
+class Network:
+    """A link per collective kind: a preset uses one for all three; a fit has its own for each."""
+
+    name: str
+    links: dict[str, Link]
+
+    @classmethod
+    def uniform(cls, name: str, alpha_s: float, beta_Bps: float) -> Network:
+        return cls(name, dict.fromkeys(KINDS, Link(alpha_s, beta_Bps)))
+
+    def link(self, kind: str) -> Link:
+        return self.links[kind]
+
+    def describe(self) -> str:
+        if len(set(self.links.values())) == 1:
+            link = self.links[KINDS[0]]
+            return f"{self.name} (alpha {link.alpha_s * 1e6:g} us, beta {link.beta_Bps / 1e9:g} GB/s)"
+        parts = [f"{k} {v.alpha_s * 1e6:.3g} us, {v.beta_Bps / 1e9:.3g} GB/s" for k, v in self.links.items()]
+        return f"{self.name} ({'; '.join(parts)})"
+
+
+def ring_s(kind: str, size_bytes: float, n: int, link: Link) -> float:
+    """One flat ring collective of size_bytes over n ranks; 0 for a single rank."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown collective {kind!r}; one of {', '.join(KINDS)}")
+    if n <= 1 or size_bytes <= 0:
+        return 0.0
+    steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
+    return steps * (link.alpha_s + size_bytes / (n * link.beta_Bps))
+
+
+@dataclass(frozen=True)
+class Topology:
+    """ranks spread over nodes of ranks_per_node; intra connects a node's ranks, inter the nodes."""
+
+    ranks: int
+    ranks_per_node: int
+    intra: Network
+    inter: Network
+
+    def __post_init__(self) -> None:
+        if self.ranks < 1 or self.ranks_per_node < 1:
+            raise ValueError(f"need ranks >= 1 and ranks per node >= 1, got {self.ranks} and {self.ranks_per_node}")
+        if self.ranks > self.ranks_per_node and self.ranks % self.ranks_per_node:
+            raise ValueError(
+                f"{self.ranks} ranks do not fill nodes of {self.ranks_per_node}: "
+                f"use a multiple of {self.ranks_per_node}"
+            )
+
+    @property
+    def nodes(self) -> int:
+        return math.ceil(self.ranks / self.ranks_per_node)
+
+    @property
+    def per_node(self) -> int:
+        return min(self.ranks, self.ranks_per_node)
+
+    def collective_s(self, kind: str, size_bytes: float) -> float:
+        """Seconds for one collective of size_bytes (all_reduce's buffer, reduce_scatter's input,
+        all_gather's output) across all the ranks."""
+        if self.nodes == 1 or self.intra == self.inter:  # one network: one flat ring of every rank
+            return ring_s(kind, size_bytes, self.ranks, self.intra.link(kind))
+        g, m = self.per_node, self.nodes
+        local_rs = ring_s("reduce_scatter", size_bytes, g, self.intra.link("reduce_scatter"))
+        local_ag = ring_s("all_gather", size_bytes, g, self.intra.link("all_gather"))
+        across = ring_s(kind, size_bytes / g, m, self.inter.link(kind))  # each rank's 1/g, all NICs at once
+        if kind == "all_reduce":
+            return local_rs + across + local_ag
+        return local_rs + across if kind == "reduce_scatter" else across + local_ag

@@ -1,0 +1,157 @@
+"""Each strategy's step at N ranks: the run's compute, plus its collectives laid over it.
+
+Assumptions (the README's "Scaling beyond this machine" discusses each):
+- Weak scaling: every rank keeps the run's per-rank batch, so compute per step does not change
+  with N, except the optimizer step of sharded strategies, which updates 1/N of the parameters.
+- Backward produces gradients in reverse registration order, at a rate proportional to their
+  bytes; forward and backward spend time on a module in proportion to its parameter bytes.
+- Collectives run one at a time on their own channel (one NCCL stream, gloo's thread), next to
+  compute; compute never slows down because communication runs. With overlap=False nothing hides:
+  every collective adds its whole time to the step (CPU ranks that fill the machine's cores, where
+  gloo's copies and sums take the cores that compute needs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from itertools import groupby
+
+from trainer.errors import ConfigError
+from trainer.scaling.costs import Topology
+from trainer.scaling.profile import RunProfile
+
+STRATEGIES = ("none", "manual", "bucketed", "ddp", "zero", "fsdp")
+MIB = 2**20
+DEFAULT_CAP_MB = 25.0  # bucket_cap_mb of sync=ddp and sync=bucketed, coalesce_mb of sync=manual
+DDP_FIRST_BUCKET_MB = 1.0  # DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    strategy: str
+    ranks: int
+    nodes: int
+    step_s: float
+    comm_s: float  # every collective's cost, hidden or not
+    exposed_s: float  # what the step waits for beyond compute
+    samples_per_s: float
+    efficiency: float  # samples/s per rank against the 1-rank compute alone
+    bucket_cap_mb: float | None = None
+
+
+def buckets(sizes: Sequence[int], cap_mb: float, first_cap_mb: float | None = None, *, ddp: bool = False) -> list[int]:
+    """Consecutive groups of sizes, as bytes per group. ddp=True: DDP's rule (add a tensor, close the
+    bucket once it reaches the cap, the first bucket's cap being first_cap_mb); else ddplab's flat
+    buffers' rule (close before a tensor would overflow the cap; a larger one goes alone)."""
+    out: list[int] = []
+    current = 0
+    for size in sizes:
+        cap = (first_cap_mb if first_cap_mb is not None and not out else cap_mb) * MIB
+        if not ddp and current and current + size > cap:
+            out.append(current)
+            current = 0
+        current += size
+        if ddp and current >= cap:
+            out.append(current)
+            current = 0
+    return out + ([current] if current else [])
+
+
+def overlapped(groups: Sequence[int], backward_s: float, cost: Callable[[int], float]) -> tuple[float, float]:
+    """(comm, exposed) seconds of buckets reduced during backward, in gradient order: a bucket's
+    collective starts when its last gradient is ready and the previous collective is done."""
+    total, done, free, busy = sum(groups), 0, 0.0, 0.0
+    for size in groups:
+        done += size
+        seconds = cost(size)
+        free = max(free, backward_s * done / total) + seconds
+        busy += seconds
+    return busy, max(0.0, free - backward_s)
+
+
+Cost = Callable[[int], float]
+
+
+def layered(units: Sequence[int], compute_s: float, gather: Cost, scatter: Cost | None) -> tuple[float, float]:
+    """(seconds, comm) of one FSDP pass over units in order: each unit's compute waits for its
+    all_gather, which is issued as the previous unit starts (one unit prefetched); after a unit's
+    backward its reduce_scatter (scatter) queues on the same channel; the pass ends when both are done."""
+    total = sum(units)
+    free, now, busy = 0.0, 0.0, 0.0
+    arrived = [0.0] * len(units)
+
+    def issue(index: int, at: float) -> None:
+        nonlocal free, busy
+        seconds = gather(units[index])
+        free = max(free, at) + seconds
+        busy += seconds
+        arrived[index] = free
+
+    issue(0, 0.0)
+    for i, size in enumerate(units):
+        start = max(now, arrived[i])
+        if i + 1 < len(units):
+            issue(i + 1, start)
+        now = start + compute_s * size / total
+        if scatter is not None:
+            seconds = scatter(size)
+            free = max(free, now) + seconds
+            busy += seconds
+    return max(now, free), busy
+
+
+def _comm(profile: RunProfile, topo: Topology, strategy: str, cap_mb: float) -> tuple[float, float, float]:
+    """(comm, exposed, optimizer) seconds of one strategy's step."""
+    p = profile.phase_s
+    grads = [t.nbytes for t in reversed(profile.tensors)]  # gradient-ready order
+    all_reduce = lambda s: topo.collective_s("all_reduce", s)  # noqa: E731
+    if strategy == "none":
+        return 0.0, 0.0, p["optimizer"]
+    if strategy == "manual":  # flat buffers in registration order, all reduced after backward
+        comm = sum(all_reduce(s) for s in buckets([t.nbytes for t in profile.tensors], cap_mb))
+        return comm, comm, p["optimizer"]
+    if strategy in ("bucketed", "ddp"):
+        first = DDP_FIRST_BUCKET_MB if strategy == "ddp" else None
+        comm, exposed = overlapped(buckets(grads, cap_mb, first, ddp=strategy == "ddp"), p["backward"], all_reduce)
+        return comm, exposed, p["optimizer"]
+    shard_opt = p["optimizer"] / topo.ranks
+    if strategy == "zero":  # reduce_scatter after backward, all_gather after the sharded step
+        total = profile.gradient_bytes
+        comm = topo.collective_s("reduce_scatter", total) + topo.collective_s("all_gather", total)
+        return comm, comm, shard_opt
+    if strategy == "fsdp":  # one unit per module that owns parameters; resharded after forward
+        units = [sum(t.nbytes for t in ts) for _, ts in groupby(profile.tensors, key=lambda t: t.module)]
+        gather = lambda s: topo.collective_s("all_gather", s)  # noqa: E731
+        forward, comm_f = layered(units, p["forward"], gather, None)
+        backward, comm_b = layered(units[::-1], p["backward"], gather, lambda s: topo.collective_s("reduce_scatter", s))
+        return comm_f + comm_b, forward - p["forward"] + backward - p["backward"], shard_opt
+    raise ConfigError(f"unknown strategy {strategy!r}; one of {', '.join(STRATEGIES)}")
+
+
+def predict(
+    profile: RunProfile, topo: Topology, strategy: str, cap_mb: float = DEFAULT_CAP_MB, *, overlap: bool = True
+) -> Prediction:
+    comm, exposed, optimizer = _comm(profile, topo, strategy, cap_mb)
+    if not overlap:
+        exposed = comm
+    step = profile.compute_s - profile.phase_s["optimizer"] + optimizer + exposed
+    bucketing = strategy in ("manual", "bucketed", "ddp")
+    return Prediction(
+        strategy=strategy,
+        ranks=topo.ranks,
+        nodes=topo.nodes,
+        step_s=step,
+        comm_s=comm,
+        exposed_s=exposed,
+        samples_per_s=topo.ranks * profile.batch_per_rank / step,
+        efficiency=profile.compute_s / step,
+        bucket_cap_mb=cap_mb if bucketing else None,
+    )
+
+
+def best_cap(profile: RunProfile, topo: Topology, caps_mb: Sequence[float], *, overlap: bool = True) -> Prediction:
+    """sync=ddp's fastest predicted step over the bucket caps; a tie (the same buckets) goes to the
+    larger cap, whose buckets will stay fewer when the model grows."""
+    options = [predict(profile, topo, "ddp", cap, overlap=overlap) for cap in caps_mb]
+    return min(options, key=lambda p: (p.step_s, -(p.bucket_cap_mb or 0.0)))
