@@ -176,10 +176,10 @@ def main() -> None:
     parser.add_argument("--strategies", help=f"default: {','.join(STRATEGIES)} (on CUDA without time_buckets)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="as trainer.device")
     parser.add_argument("--json", type=Path, help="also write the rows here")
-    parser.add_argument("--quick", action="store_true", help="2 rounds of 3 steps on the cnn only")
+    parser.add_argument("--quick", action="store_true", help="2 rounds of 3 steps on mlp-tiny only")
     args = parser.parse_args()
     if args.quick:
-        args.rounds, args.steps, args.warmup, args.models = 2, 3, 2, "cnn"
+        args.rounds, args.steps, args.warmup, args.models = 2, 3, 2, "mlp-tiny"
     env = ddist.read_launch_env()
     device = ddist.resolve_device(args.device, env)
     args.strategies = args.strategies or ",".join(CUDA_STRATEGIES if device.type == "cuda" else STRATEGIES)
