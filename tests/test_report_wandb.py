@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,20 +11,13 @@ from pathlib import Path
 import yaml
 
 from tests.compose import REPO
+from tests.network_audit import run_audited
 from tests.report_helpers import BUCKETED, DDP, comm_keys, eval_row, run_cli, train_row, write_job
 from trainer.tools.wandb_offline import find_runs
 
-# The CLI in a fresh interpreter with WANDB_MODE unset: an audit hook records every non-loopback
-# network lookup or connection, wandb's background threads and exit included (test_wandb_logger.py).
-PROBE = """
-import atexit, runpy, sys
-hits = []
-def hook(event, args):
-    if event in ("socket.getaddrinfo", "socket.connect") and not isinstance(args[1], str):
-        if not any(local in str(args[1]) for local in ("127.0.0.1", "localhost", "::1")):
-            hits.append((event, str(args[1])[:80]))
-sys.addaudithook(hook)
-atexit.register(lambda: print("NETWORK", hits))
+# The CLI under the network audit (tests/network_audit.py), as `python -m trainer.tools.report`.
+REPORT = """
+import runpy
 sys.argv = ["report", *sys.argv[1:]]
 try:
     runpy.run_module("trainer.tools.report", run_name="__main__")
@@ -53,16 +45,7 @@ def sweep(root: Path) -> Path:
 
 def test_wandb_logs_the_report_as_one_offline_run_without_network(tmp_path: Path) -> None:
     root = sweep(tmp_path / "bucket-sweep")
-    env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}
-    env["PYTHONPATH"] = str(REPO)
-    proc = subprocess.run(
-        [sys.executable, "-c", PROBE, str(root), "--wandb"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    proc = run_audited(REPORT, [str(root), "--wandb"], timeout_s=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "NETWORK []" in proc.stdout, proc.stdout
     (run,) = find_runs(root)

@@ -13,20 +13,12 @@ from pathlib import Path
 import pytest
 
 from tests.compose import REPO
+from tests.network_audit import run_audited
 from trainer.logger.wandb import final_keys, flatten, ranks_table_data, run_id
 from trainer.tools.wandb_offline import find_runs
 
-# Runs in a fresh interpreter: an audit hook records every non-loopback network lookup or
-# connection, including the ones wandb makes from background threads and at exit.
-PROBE = """
-import atexit, os, sys
-hits = []
-def hook(event, args):
-    if event in ("socket.getaddrinfo", "socket.connect") and not isinstance(args[1], str):
-        if not any(local in str(args[1]) for local in ("127.0.0.1", "localhost", "::1")):
-            hits.append((event, str(args[1])[:80]))
-sys.addaudithook(hook)
-atexit.register(lambda: print("NETWORK", hits))  # registered first, so it runs last
+# Under the network audit (tests/network_audit.py): open, log and close an offline run.
+LOGGER = """
 from trainer.logger.wandb import WandbLogger
 logger = WandbLogger("offline", "p", None, dir=sys.argv[1], name="rank-0", group="g", run_config={"a": 1}, rank=0)
 logger.log({"step": 1, "train/loss": 1.0})
@@ -36,11 +28,7 @@ logger.close()  # closing twice is harmless
 
 
 def test_offline_logger_never_touches_the_network(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}
-    env["PYTHONPATH"] = str(REPO)
-    out = subprocess.run(
-        [sys.executable, "-c", PROBE, str(tmp_path)], env=env, capture_output=True, text=True, timeout=120
-    )
+    out = run_audited(LOGGER, [str(tmp_path)], timeout_s=120)
     assert out.returncode == 0, out.stderr
     assert "NETWORK []" in out.stdout, out.stdout
     assert list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
