@@ -74,6 +74,11 @@ def test_fit_refuses_what_cannot_be_fitted() -> None:
         fit_link("all_reduce", [1e3, 1e6, 1e7], [3e-3, 2e-3, 1e-3], 2)
     # Timings flat in size: no latency to resolve beyond noise is fine, no bandwidth is not.
     assert fit_link("all_reduce", [1e3, 1e6], [1e-3, 2e-3], 2).alpha_s > 0
+    # Small messages faster than bandwidth alone allows (a negative intercept): alpha is 0, and
+    # beta comes from the bandwidth term alone. At 2 ranks an all_reduce's t = S / beta, so each
+    # timing says beta = S / t: 2, 1 and 1 GB/s, and 1 / beta = sum(S/t) / sum((S/t)^2) = 4 / 6 ns.
+    fitted = fit_link("all_reduce", [1e3, 1e6, 1e7], [0.5e-6, 1e-3, 1e-2], 2)
+    assert fitted.alpha_s == 0.0 and fitted.beta_Bps == pytest.approx(1.5e9)
 
 
 def test_networks_by_name_or_numbers() -> None:
@@ -132,7 +137,22 @@ def test_strategies_by_hand() -> None:
     assert predict(profile, topo, "bucketed", cap_mb=2, overlap=False).exposed_s == pytest.approx(2 * ar(2 * mib))
     zero = predict(profile, topo, "zero")  # the optimizer steps on 1/4 of the parameters
     assert zero.step_s == pytest.approx(0.030 + 0.001 + 2 * half(4 * mib))
-    # fsdp: units a (3 MiB) and b (1 MiB); the forward's gathers, the backward's gathers and reduce_scatters.
+    # fsdp: units a (3 MiB, 3/4 of each pass's compute) and b (1 MiB). Forward: a's gather is
+    # exposed, b's hides under a. Backward (b, then a): b's gather is exposed, a's hides under b,
+    # b's reduce_scatter under a, and a's reduce_scatter comes after all compute.
+    g3, g1 = half(3 * mib), half(mib)
     fsdp = predict(profile, topo, "fsdp")
-    assert fsdp.comm_s == pytest.approx(2 * (half(3 * mib) + half(mib)) + half(3 * mib) + half(mib))
-    assert fsdp.step_s > 0.031 + half(3 * mib)  # the first unit's gather is never hidden
+    assert fsdp.comm_s == pytest.approx(3 * g3 + 3 * g1)
+    assert fsdp.exposed_s == pytest.approx(g3 + g1 + g3)
+    assert fsdp.step_s == pytest.approx(0.031 + 2 * g3 + g1)
+    # manual with 2 MiB buffers in registration order: a.weight alone, then a.bias with b.weight.
+    assert predict(profile, topo, "manual", cap_mb=2).comm_s == pytest.approx(2 * ar(2 * mib))
+
+
+def test_what_if_compute_keeps_each_phase_share() -> None:
+    phases = {"data": 0.001, "forward": 0.002, "backward": 0.004, "optimizer": 0.001}
+    profile = RunProfile(Path("run"), 1, "cpu", "none", 32, phases, (Tensor("w", 4),))
+    faster = profile.with_compute(0.004)
+    assert faster.phase_s == pytest.approx({"data": 0.0005, "forward": 0.001, "backward": 0.002, "optimizer": 0.0005})
+    with pytest.raises(ConfigError, match="--compute-ms=0 is invalid"):
+        profile.with_compute(0.0)

@@ -17,7 +17,7 @@ from tests.compose import REPO
 from trainer.scaling.__main__ import main
 from trainer.scaling.costs import KINDS, Link, ring_s
 from trainer.scaling.predict import DDP_FIRST_BUCKET_MB, STRATEGIES, buckets
-from trainer.scaling.profile import read_profile
+from trainer.scaling.profile import measured_step_s, read_profile
 from trainer.tools.collective_ops import bandwidths
 from trainer.tools.collectives import write_results
 
@@ -68,6 +68,10 @@ def test_command_prints_writes_and_plots(run_dir: Path, tmp_path: Path) -> None:
     assert [(r["strategy"], r["ranks"]) for r in rows] == [(s, n) for s in STRATEGIES for n in (1, 2, 16)]
     assert {r["nodes"] for r in rows if r["ranks"] == 16} == {2}
     compute = read_profile(run_dir).compute_s
+    (rank,) = json.loads((run_dir / "summary.json").read_text())["ranks"]
+    phases = ("data", "forward", "backward", "optimizer")  # the sync phase is the strategy's, not compute
+    assert compute == pytest.approx(sum(rank[f"median_time/{p}_s"] for p in phases))
+    assert measured_step_s(run_dir) == rank["median_time/step_s"]
     by = {(r["strategy"], r["ranks"]): r for r in rows}
     for strategy in STRATEGIES:
         assert by[strategy, 1]["step_s"] == pytest.approx(compute)  # one rank: nothing to send
