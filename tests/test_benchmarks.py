@@ -50,4 +50,5 @@ def test_step_costs_counts_every_piece_of_the_step_path(tmp_path: Path) -> None:
     assert list(cells)[0].startswith("window.add") and list(cells)[-1] == "total", proc.stdout
     pieces = [float(us) for name, us in cells.items() if name != "total"]
     assert len(pieces) == 6 and all(us > 0 for us in pieces)  # each piece does real work, and was timed
-    assert abs(sum(pieces) - float(cells["total"])) < 0.2
+    # Each cell is rounded to 0.1 µs, so the pieces' sum may miss the total by up to 0.05 per piece.
+    assert abs(sum(pieces) - float(cells["total"])) <= 0.05 * len(pieces) + 1e-9
