@@ -54,6 +54,15 @@ def test_summary_records_the_gradients_as_ddp_buckets_them(run_dir: Path) -> Non
     assert DDP_FIRST_BUCKET_MB * 2**20 == torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
 
 
+def test_caps_that_tie_are_said_to_tie(run_dir: Path, tmp_path: Path) -> None:
+    # The run's 2.2 MB of gradients fit in one bucket at 100 and at 200 MiB: the same layout.
+    proc = scaling(
+        ["--run", str(run_dir), "--ranks", "2", "--bucket-caps", "100,200", "--plot", str(tmp_path / "e.png")]
+    )
+    assert proc.returncode == 0, output(proc)
+    assert "all caps give the same buckets (" in proc.stdout and "best sync.bucket_cap_mb" not in proc.stdout
+
+
 def test_command_prints_writes_and_plots(run_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "pred.json"
     args = ["--run", str(run_dir), "--ranks", "1,2,16", "--network", "100gbe", "--intra-network", "nvlink"]
