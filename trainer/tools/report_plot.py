@@ -16,7 +16,7 @@ from matplotlib.ticker import NullFormatter
 
 from trainer.tools.report_plot_time import draw_time_split
 from trainer.tools.report_points import Point, gather_points
-from trainer.tools.report_rows import CAP_KEY, REPEAT_KEY, JobRow, _key
+from trainer.tools.report_rows import CAP_KEY, REPEAT_KEY, JobRow, override_key
 
 FIELDS = ("step_ms", "samples_per_s")
 YLABELS = ("median step time (ms)", "global throughput (samples/s)")
@@ -29,7 +29,7 @@ def _values(row: JobRow, field: str) -> list[float]:
 def _other_overrides(row: JobRow) -> list[str]:
     """The row's overrides besides the strategy, model, bucket size and repeat: they tell its series apart."""
     keys = ("sync", "model", CAP_KEY, REPEAT_KEY)
-    return [o for o in row.overrides.split() if _key(o) not in keys]
+    return [o for o in row.overrides.split() if override_key(o) not in keys]
 
 
 def _layout_line(row: JobRow) -> str:
@@ -98,14 +98,18 @@ def _per_point(ax: Axes, marks: Axes, field: str, points: Sequence[Point]) -> No
         _error_bars(ax, xs, points, field, fmt="none", color="black", label="min-max over repeats")
     ranks = [(x, v) for x, p in zip(xs, points, strict=True) for j in p.jobs for v in _values(j, field)]
     marks.plot(*zip(*ranks, strict=True), "x", color="black")
+    # Many points (a strategy sweep has eleven) would overlap their labels: one slanted line each instead.
+    slant = len(points) > 4
     labels = []
     for p in points:
-        words = [o for o in p.first.overrides.split() if _key(o) != REPEAT_KEY]
-        jobs = ",".join(j.job for j in p.jobs)
-        labels.append(f"job{'s' * (len(p.jobs) > 1)} {jobs}\n" + "\n".join(words) + _layout_line(p.first))
-    # Many points (a strategy sweep has eleven) would overlap their labels: slant them instead.
+        words = [o for o in p.first.overrides.split() if override_key(o) != REPEAT_KEY]
+        jobs = f"job{'s' * (len(p.jobs) > 1)} {','.join(j.job for j in p.jobs)}"
+        if slant:
+            labels.append(" ".join(words) + f" ({jobs}" + _layout_line(p.first).replace("\n", ", ") + ")")
+        else:
+            labels.append(f"{jobs}\n" + "\n".join(words) + _layout_line(p.first))
     ax.set_xticks(xs, labels, fontsize=8)
-    if len(points) > 4:
+    if slant:
         ax.tick_params(axis="x", labelrotation=30)
         for text in ax.get_xticklabels():
             text.set(ha="right", rotation_mode="anchor")

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from matplotlib.axes import Axes
 
-from trainer.tools.report_rows import REPEAT_KEY, JobRow, _key
+from trainer.tools.report_rows import REPEAT_KEY, JobRow, override_key
 
 
 def stack(row: JobRow) -> list[tuple[str, float]]:
@@ -26,7 +26,7 @@ def stack(row: JobRow) -> list[tuple[str, float]]:
 
 
 def _label(row: JobRow) -> str:
-    words = [o.replace("sync.bucket_cap_mb=", "cap ") for o in row.overrides.split() if _key(o) != REPEAT_KEY]
+    words = [o.replace("sync.bucket_cap_mb=", "cap ") for o in row.overrides.split() if override_key(o) != REPEAT_KEY]
     return f"{row.job}: " + " ".join(words) + (f" (repeat {row.repeat})" if row.repeat else "")
 
 
@@ -44,7 +44,8 @@ def draw_time_split(ax: Axes, done: Sequence[JobRow]) -> None:
             drawn.add(name)
             bottom += value
     unknown = [r.job for r in done if not stack(r)]
-    ax.set_xticks(xs, [_label(r) for r in done], fontsize=7, rotation=35, ha="right", rotation_mode="anchor")
+    slant = 35 if len(done) <= 10 else 60  # a repeated strategy sweep has 22 jobs
+    ax.set_xticks(xs, [_label(r) for r in done], fontsize=7, rotation=slant, ha="right", rotation_mode="anchor")
     ax.set(ylabel="ms per step (medians)", ylim=(0, 1.25 * ax.get_ylim()[1]))
     title = "per job: step | compute + hidden + exposed comm"
     ax.set_title(title + (f"\n(no comm timing: job {', '.join(unknown)})" if unknown else ""), fontsize=9)

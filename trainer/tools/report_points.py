@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from trainer.tools.report_layout import cap_label
-from trainer.tools.report_rows import CAP_KEY, REPEAT_KEY, JobRow, _key
+from trainer.tools.report_rows import CAP_KEY, REPEAT_KEY, JobRow, override_key
 
 
 @dataclass
@@ -53,8 +53,8 @@ class Point:
 
 def point_label(row: JobRow) -> str:
     """The job's differing overrides without its repeat, the cap written as `cap 5`."""
-    words = [o for o in row.overrides.split() if _key(o) != REPEAT_KEY]
-    named = [cap_label(o.split("=", 1)[1]) if _key(o) == CAP_KEY else o for o in words]
+    words = [o for o in row.overrides.split() if override_key(o) != REPEAT_KEY]
+    named = [cap_label(o.split("=", 1)[1]) if override_key(o) == CAP_KEY else o for o in words]
     return " ".join(named) or f"job {row.job}"
 
 

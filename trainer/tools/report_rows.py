@@ -173,7 +173,7 @@ def _bucket(setting: Any) -> tuple[float | None, str]:
 
 
 def _value_of(overrides: Sequence[str], key: str) -> str:
-    return next((o.split("=", 1)[1] for o in overrides if "=" in o and _key(o) == key), "")
+    return next((o.split("=", 1)[1] for o in overrides if "=" in o and override_key(o) == key), "")
 
 
 def job_row(job: Job, overrides: Sequence[str]) -> JobRow:
@@ -209,7 +209,7 @@ def job_row(job: Job, overrides: Sequence[str]) -> JobRow:
         comm_ms=_median([r.comm_ms for r in ranks]),
         bucket_sizes=bucket_layout(job.summary),
         repeat=_value_of(job.overrides, REPEAT_KEY),
-        context=" ".join(o for o in overrides if _key(o) not in (REPEAT_KEY, CAP_KEY)),
+        context=" ".join(o for o in overrides if override_key(o) not in (REPEAT_KEY, CAP_KEY)),
     )
 
 
@@ -219,18 +219,19 @@ def _step_ms(stats: RankStats) -> float:
     return stats.step_ms
 
 
-def _key(override: str) -> str:
+def override_key(override: str) -> str:
+    """`+sync.bucket_cap_mb=5` -> `sync.bucket_cap_mb`: the key an override sets, however it adds or deletes."""
     return override.split("=", 1)[0].lstrip("+~")
 
 
 def differing_overrides(per_job: Sequence[Sequence[str]]) -> list[list[str]]:
     """Each job's overrides whose value is not the same in every job (one job: all of them)."""
-    shown = [[o for o in job if not _key(o).startswith(HIDDEN_OVERRIDES)] for job in per_job]
+    shown = [[o for o in job if not override_key(o).startswith(HIDDEN_OVERRIDES)] for job in per_job]
     if len(shown) <= 1:
         return shown
-    values = [{_key(o): o for o in job} for job in shown]
+    values = [{override_key(o): o for o in job} for job in shown]
     keys = {k for v in values for k in v if len({job.get(k) for job in values}) > 1}
-    return [[o for o in job if _key(o) in keys] for job in shown]
+    return [[o for o in job if override_key(o) in keys] for job in shown]
 
 
 def build_rows(jobs: Sequence[Job]) -> list[JobRow]:
