@@ -87,10 +87,13 @@ def _lines(rows: Sequence[JobRow]) -> list[list[str]]:
     return [names, *(table_cells(row, CUDA_HEADER in names) for row in rows)]
 
 
-def format_table(rows: Sequence[JobRow]) -> str:
-    cells = _lines(rows)
+def _aligned(cells: Sequence[Sequence[str]]) -> str:
     widths = [max(len(line[i]) for line in cells) for i in range(len(cells[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=False)).rstrip() for line in cells)
+
+
+def format_table(rows: Sequence[JobRow]) -> str:
+    return _aligned(_lines(rows))
 
 
 POINT_HEADERS = (
@@ -129,9 +132,7 @@ def point_cells(point: Point) -> list[str]:
 
 
 def format_points(points: Sequence[Point]) -> str:
-    cells = [list(POINT_HEADERS), *(point_cells(p) for p in points)]
-    widths = [max(len(line[i]) for line in cells) for i in range(len(cells[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=False)).rstrip() for line in cells)
+    return _aligned([list(POINT_HEADERS), *(point_cells(p) for p in points)])
 
 
 def _markdown_table(names: Sequence[str], cells: Sequence[Sequence[str]]) -> list[str]:
