@@ -72,7 +72,9 @@ def write_job(
     complete: bool = True,
     tail: str = "",
     sync_knobs: dict[str, Any] | None = None,
+    bucket_sizes: list[int] | None = None,
 ) -> Path:
+    """One job dir; `bucket_sizes` go to summary.json as the strategy's `sync.bucket_sizes_bytes`."""
     (path / "metrics").mkdir(parents=True)
     for rank, rows in enumerate(ranks):
         lines = "".join(json.dumps(row) + "\n" for row in rows)
@@ -87,7 +89,9 @@ def write_job(
         (path / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
         (path / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
     if complete:
-        summary = {"steps": 30, "sync": {"strategy": target}}
+        summary: dict[str, Any] = {"steps": 30, "sync": {"strategy": target}}
+        if bucket_sizes is not None:
+            summary["sync"]["bucket_sizes_bytes"] = bucket_sizes
         (path / "summary.json").write_text(json.dumps(summary))
     return path
 

@@ -179,4 +179,4 @@ def test_strategy_sweep_bytes_exposed_time_and_peak_memory(
     fig = plot(build_rows(find_jobs(strategy_sweep)), "title")
     assert fig.axes[0].get_xscale() == "linear"
     ticks = [t.get_text() for t in fig.axes[0].get_xticklabels()]
-    assert ticks[2] == "job 2\nsync=ddp\nsync.comm_hook=fp16" and len(ticks) == 5
+    assert ticks[2] == "sync=ddp sync.comm_hook=fp16 (job 2)" and len(ticks) == 5  # five: one slanted line each

@@ -4,6 +4,7 @@ and its refusals. One train.py run (1 rank, sync=ddp with small buckets) serves 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -52,6 +53,27 @@ def test_summary_records_the_gradients_as_ddp_buckets_them(run_dir: Path) -> Non
     predicted = buckets(grads, 0.25, DDP_FIRST_BUCKET_MB, ddp=True)
     assert len(predicted) == 3 and predicted == summary["sync"]["bucket_sizes_bytes"]
     assert DDP_FIRST_BUCKET_MB * 2**20 == torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
+
+
+def test_caps_that_tie_are_said_to_tie(run_dir: Path, tmp_path: Path) -> None:
+    # The run's 2.2 MB of gradients fit in one bucket at 100 and at 200 MiB: the same layout.
+    proc = scaling(
+        ["--run", str(run_dir), "--ranks", "2", "--bucket-caps", "100,200", "--plot", str(tmp_path / "e.png")]
+    )
+    assert proc.returncode == 0, output(proc)
+    assert "all caps give the same buckets (" in proc.stdout and "best sync.bucket_cap_mb" not in proc.stdout
+
+
+def test_a_noisy_run_is_warned_about(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The same run with its logged step times spread like an unpinned 1-rank run's (1.4 to 11 ms).
+    noisy = tmp_path / "noisy"
+    shutil.copytree(run_dir, noisy)
+    rows = [json.loads(line) for line in (noisy / "metrics" / "rank0.jsonl").read_text().splitlines()]
+    times = iter([0.0014, 0.011, 0.002, 0.009, 0.005, 0.0016] * 4)
+    rows = [r | {"time/step_s": next(times)} if "time/step_s" in r else r for r in rows]
+    (noisy / "metrics" / "rank0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["--run", str(noisy), "--ranks", "2", "--plot", str(tmp_path / "p.png")]) == 0
+    assert "warning: the run's step times are noisy" in capsys.readouterr().out
 
 
 def test_command_prints_writes_and_plots(run_dir: Path, tmp_path: Path) -> None:

@@ -77,7 +77,7 @@ def test_route1_multirun_inside_torchrun(tmp_path: Path) -> None:
 
 def test_strategy_sweep_runs_each_strategy_variant_as_a_job(tmp_path: Path) -> None:
     # Two of experiment=strategy_sweep's variants, each a sync choice with a knob; the report reads them.
-    args = ["-m", CPU, "logger=none", "experiment=strategy_sweep", "+strategy=bucketed_rs_ag,ddp_fp16"]
+    args = ["-m", CPU, "logger=none", "experiment=strategy_sweep", "+strategy=bucketed_rs_ag,ddp_fp16", "+repeat=1"]
     proc = torchrun([*args, "model.hidden_sizes=[64]", *QUICK], cwd=tmp_path)
     assert proc.returncode == 0, output(proc)
     sweep = sweep_dir(tmp_path)
@@ -92,6 +92,26 @@ def test_strategy_sweep_runs_each_strategy_variant_as_a_job(tmp_path: Path) -> N
     )
     assert report.returncode == 0, report.stderr
     assert "Strategy sweep" in report.stdout and "+strategy=ddp_fp16" in report.stdout
+
+
+def test_bucket_sweep_builds_different_buckets_and_reports_repeats(tmp_path: Path) -> None:
+    # experiment=bucket_sweep as shipped (its 52-tensor model, two repeats interleaved), two of its caps.
+    args = ["-m", CPU, "logger=none", "experiment=bucket_sweep", "sync.bucket_cap_mb=0.25,25", *QUICK]
+    proc = torchrun(args, cwd=tmp_path)
+    assert proc.returncode == 0, output(proc)
+    sweep = sweep_dir(tmp_path)
+    summaries = [json.loads((sweep / str(j) / "summary.json").read_text()) for j in range(4)]
+    assert len(summaries[0]["model"]["parameter_tensors"]) == 52
+    assert [s["sync"]["bucket_cap_mb"] for s in summaries] == [0.25, 25.0, 0.25, 25.0]  # interleaved
+    assert [s["sync"]["num_buckets"] for s in summaries] == [22, 1, 22, 1]
+    report = subprocess.run(
+        [sys.executable, "-m", "trainer.tools.report", str(sweep)], cwd=REPO, capture_output=True, text=True
+    )
+    assert report.returncode == 0, report.stderr
+    points = [line.split() for line in report.stdout.splitlines() if line.startswith("cap ") and " MB" in line]
+    assert [p[:4] for p in points] == [["cap", "0.25", "0,2", "22:"], ["cap", "25", "1,3", "1:"]]
+    assert all("-" in p[-5] for p in points)  # a spread min-max for each cap
+    assert "warning" not in report.stdout and ("distinguishable" in report.stdout or "No two" in report.stdout)
 
 
 def test_route1_a_job_failing_on_one_rank_stops_the_sweep(tmp_path: Path) -> None:

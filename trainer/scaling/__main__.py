@@ -10,9 +10,10 @@ from pathlib import Path
 
 from trainer.errors import ConfigError
 from trainer.scaling import report
+from trainer.scaling.caps import cap_advice, logged_step_s, noise_warning
 from trainer.scaling.costs import Topology
 from trainer.scaling.networks import PRESETS, fit_network, parse_network
-from trainer.scaling.predict import STRATEGIES, best_cap, predict
+from trainer.scaling.predict import STRATEGIES, predict
 from trainer.scaling.profile import RunProfile, read_profile
 
 
@@ -87,6 +88,8 @@ def _profile(args: argparse.Namespace) -> RunProfile:
     )
     if note := measured.caveat():
         print(f"note: {note}")
+    if warning := noise_warning(logged_step_s(args.run)):
+        print(warning)
     return measured
 
 
@@ -104,11 +107,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"network: {where}; {args.gpus_per_node} ranks per node; {overlap}")
     predictions = [predict(profile, topo, s, overlap=args.overlap) for s in strategies for topo in topologies]
     print(report.format_table(predictions))
-    best = [best_cap(profile, topo, caps, overlap=args.overlap) for topo in topologies]
-    print(
-        "best sync.bucket_cap_mb for sync=ddp: "
-        + ", ".join(f"N={b.ranks}: {b.bucket_cap_mb:g} ({b.step_s * 1e3:.3f} ms)" for b in best)
-    )
+    advice, best = cap_advice(profile, topologies, caps, overlap=args.overlap)
+    print(advice)
     meta = {
         "run": str(args.run),
         "network": inter.describe(),
@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         "overlap": args.overlap,
         "compute_s": profile.compute_s,
         "gradient_bytes": profile.gradient_bytes,
-        "best_bucket_cap_mb": {str(b.ranks): b.bucket_cap_mb for b in best},
+        "best_bucket_cap_mb": None if best is None else {str(b.ranks): b.bucket_cap_mb for b in best},
     }
     if args.json:
         report.write_json(args.json, predictions, meta)

@@ -37,20 +37,52 @@ def write_json(path: Path, predictions: Sequence[Prediction], meta: dict[str, ob
     path.write_text(json.dumps({"meta": meta, "rows": rows(predictions)}, indent=2) + "\n")
 
 
-def plot(predictions: Sequence[Prediction], title: str, path: Path) -> None:
-    """Efficiency against N (log scale), one line per strategy."""
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+
+
+def plot(predictions: Sequence[Prediction], title: str, path: Path) -> Figure:
+    """Efficiency against N (log scale), one line per strategy.
+
+    The y range covers every point (sharded strategies can pass 1); a strategy whose curve is
+    another's is drawn with its own marker and named in the legend as equal to it, so it stays visible.
+    """
     fig = Figure(figsize=(8, 5))
     FigureCanvasAgg(fig)
     ax = fig.subplots()
     strategies = list(dict.fromkeys(p.strategy for p in predictions))
+    drawn: dict[str, list[tuple[int, float]]] = {}
     for i, strategy in enumerate(strategies):
         points = sorted((p.ranks, p.efficiency) for p in predictions if p.strategy == strategy)
-        ax.plot(*zip(*points, strict=True), "o-", ms=4, color=f"C{i}", label=strategy)
+        same = next((name for name, other in drawn.items() if _coincide(points, other)), None)
+        drawn[strategy] = points
+        label = strategy if same is None else f"{strategy} (= {same})"
+        # Later lines are thinner with smaller hollow markers: one drawn over another leaves both in sight.
+        later = i / max(1, len(strategies) - 1)  # 0 for the first strategy, 1 for the last
+        ax.plot(
+            *zip(*points, strict=True),
+            marker=MARKERS[i % len(MARKERS)],
+            ms=9 - 4 * later,
+            mfc="none",
+            lw=2.2 - 1.2 * later,
+            color=f"C{i}",
+            label=label,
+        )
+    top = max((p.efficiency for p in predictions), default=1.0)
     ax.set_xscale("log", base=2)
-    ax.set(xlabel="ranks N (log scale)", ylabel="scaling efficiency (1 = no communication cost)", ylim=(0, 1.05))
+    ax.set(xlabel="ranks N (log scale)", ylabel="scaling efficiency (1 = no communication cost)")
+    ax.set_ylim(0, 1.08 * max(1.0, top))
+    ax.axhline(1.0, color="0.5", lw=0.8, ls=":")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=9)
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
+    return fig
+
+
+def _coincide(a: Sequence[tuple[int, float]], b: Sequence[tuple[int, float]]) -> bool:
+    """Two curves at the same N within 0.5 % of each other: one would hide the other."""
+    return [n for n, _ in a] == [n for n, _ in b] and all(
+        abs(x - y) <= 0.005 * max(abs(y), 1e-12) for (_, x), (_, y) in zip(a, b, strict=True)
+    )

@@ -21,9 +21,11 @@ from typing import Any
 
 import yaml
 
+from trainer.tools.report_layout import axis_warning
 from trainer.tools.report_plot import plot
-from trainer.tools.report_rows import Job, build_rows
-from trainer.tools.report_table import format_markdown, format_table, write_csv
+from trainer.tools.report_points import Point, gather_points, spread_sentences
+from trainer.tools.report_rows import Job, JobRow, build_rows
+from trainer.tools.report_table import format_markdown, format_points, format_table, write_csv
 from trainer.tools.report_wandb import MODES, log_report  # wandb itself is imported only by log_report
 
 
@@ -81,6 +83,12 @@ def find_jobs(root: Path) -> list[Job]:
     return jobs
 
 
+def notes(rows: Sequence[JobRow], points: Sequence[Point]) -> list[str]:
+    """The warning when the swept cap changed nothing, then what the repeats allow one to say."""
+    warning = axis_warning(rows)
+    return ([warning] if warning else []) + (spread_sentences(points) if len(points) > 1 else [])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.tools.report", description=__doc__.splitlines()[0])
     parser.add_argument("dir", type=Path, help="a Hydra sweep dir (numbered job dirs) or one job dir")
@@ -110,12 +118,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         kind = "Job" if len(rows) == 1 else "Sweep"
     title = f"{kind} {args.dir.resolve().name}, {max(len(r.ranks) for r in rows)} ranks"
+    points = gather_points(rows)
+    repeated = [p for p in points if len(p.jobs) > 1]
+    said = notes(rows, points)
     print(f"{title}\n{format_table(rows)}")
+    if repeated:
+        print(f"\nPoints (median over repeats, spread = min-max of the jobs' medians):\n{format_points(points)}")
+    for line in said:
+        print(line)
     if any(0 < min((r.timed_steps for r in row.ranks), default=0) < 5 for row in rows):
         print("note: some ranks have fewer than 5 logged rows: their medians rest on few samples")
-    (out / "report.md").write_text(format_markdown(rows, title, "report.png"), encoding="utf-8")
+    markdown = format_markdown(rows, title, "report.png", points if repeated else (), said)
+    (out / "report.md").write_text(markdown, encoding="utf-8")
     write_csv(rows, out / "report.csv")
-    plot(rows, title).savefig(out / "report.png", dpi=110)
+    plot(rows, title, points).savefig(out / "report.png", dpi=110)
     print(f"wrote {out / 'report.md'}, {out / 'report.csv'}, {out / 'report.png'}")
     if args.wandb:
         sweep = args.dir.resolve().name

@@ -1,18 +1,25 @@
-"""The sweep report's figure (report.png): step time and throughput per job or against bucket size.
+"""The sweep report's figure (report.png): step time and throughput per point, and where each job's time went.
 
 Kept apart from the text outputs (report_table.py) because it is the only part that needs
-matplotlib, and its layout choices (log x, a 1/N right axis, rank marks) are a topic of their own.
+matplotlib, and its layout choices (log x, a 1/N right axis, error bars over repeats, the stacked
+time bars) are a topic of their own.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import NullFormatter
 
-from trainer.tools.report_rows import JobRow
+from trainer.tools.report_plot_time import draw_time_split
+from trainer.tools.report_points import Point, gather_points
+from trainer.tools.report_rows import CAP_KEY, REPEAT_KEY, JobRow, override_key
+
+FIELDS = ("step_ms", "samples_per_s")
+YLABELS = ("median step time (ms)", "global throughput (samples/s)")
 
 
 def _values(row: JobRow, field: str) -> list[float]:
@@ -20,72 +27,119 @@ def _values(row: JobRow, field: str) -> list[float]:
 
 
 def _other_overrides(row: JobRow) -> list[str]:
-    """The row's overrides besides the strategy, model and bucket size: they tell its series apart."""
-    keys = ("sync", "model", "sync.bucket_cap_mb")
-    return [o for o in row.overrides.split() if o.split("=", 1)[0].lstrip("+~") not in keys]
+    """The row's overrides besides the strategy, model, bucket size and repeat: they tell its series apart."""
+    keys = ("sync", "model", CAP_KEY, REPEAT_KEY)
+    return [o for o in row.overrides.split() if override_key(o) not in keys]
 
 
-def plot(rows: Sequence[JobRow], title: str) -> Figure:
-    """Step time and throughput against bucket size (log x) when it varies, else per job."""
-    done = [r for r in rows if r.status == "ok" and r.step_ms is not None and r.samples_per_s is not None]
-    bucketed = sorted((r for r in done if r.bucket_cap_mb is not None), key=lambda r: r.bucket_cap_mb or 0.0)
-    if len({r.bucket_cap_mb for r in bucketed}) < 2:  # e.g. a strategy sweep: bars per job, not one x value
-        bucketed = []
+def _layout_line(row: JobRow) -> str:
+    if row.bucket_sizes is None:
+        return ""
+    same = f"\n= {row.same_buckets_as}" if row.same_buckets_as else ""
+    return f"\n{len(row.bucket_sizes)} bucket{'s' * (len(row.bucket_sizes) != 1)}{same}"
+
+
+def _median(point: Point, field: str) -> float:
+    """The points drawn all have this field (plot() keeps finished, timed jobs only)."""
+    value = point.median(field)
+    assert value is not None
+    return value
+
+
+def _errors(point: Point, field: str) -> tuple[float, float]:
+    """Distances from the point's median down to its min and up to its max (0, 0 for one run)."""
+    spread = point.spread if field == "step_ms" else point.samples_spread
+    middle = point.median(field)
+    if spread is None or middle is None:
+        return 0.0, 0.0
+    return middle - spread[0], spread[1] - middle
+
+
+def _error_bars(ax: Axes, xs: Sequence[float], points: Sequence[Point], field: str, **style: object) -> None:
+    errors = [_errors(p, field) for p in points]
+    lows, highs = [e[0] for e in errors], [e[1] for e in errors]
+    ax.errorbar(xs, [p.median(field) for p in points], yerr=[lows, highs], capsize=4, **style)  # type: ignore[arg-type]
+
+
+def _against_cap(ax: Axes, marks: Axes, field: str, points: Sequence[Point], done: Sequence[JobRow]) -> None:
+    """Points on a log cap axis, one line per series, error bars = spread over repeats."""
     vary = [f for f in ("sync", "model") if len({getattr(r, f) for r in done}) > 1]
-    series: dict[str, list[JobRow]] = {}
-    for r in bucketed:
-        series.setdefault(" ".join([getattr(r, f) for f in vary] + _other_overrides(r)) or r.sync, []).append(r)
-    colors = [f"C{i % 10}" for i in range(len(done) + 1)]
-    fig = Figure(figsize=(13, 5))
+    series: dict[str, list[Point]] = {}
+    capped = sorted((p for p in points if p.first.bucket_cap_mb is not None), key=lambda p: p.first.bucket_cap_mb or 0)
+    for p in capped:
+        name = " ".join([getattr(p.first, f) for f in vary] + _other_overrides(p.first)) or p.first.sync
+        series.setdefault(name, []).append(p)
+    colors = [f"C{i % 10}" for i in range(len(points) + 1)]
+    for color, (label, members) in zip(colors, series.items(), strict=False):
+        xs = [p.first.bucket_cap_mb or 0.0 for p in members]
+        _error_bars(ax, xs, members, field, fmt="o-", mfc="none", color=color, label=label)
+        ranks = [(x, v) for x, p in zip(xs, members, strict=True) for j in p.jobs for v in _values(j, field)]
+        marks.plot(*zip(*ranks, strict=True), "x", color=color)
+    others = [p for p in points if p.first.bucket_cap_mb is None]
+    for color, p in zip(colors[len(series) :], others, strict=False):
+        r = p.first
+        what = f"buckets {r.bucket_setting}" if r.bucket_setting else "no buckets"
+        ax.axhline(_median(p, field), ls="--", color=color, label=f"{r.sync} (job {r.job}, {what})")
+        if field == "step_ms":  # rank spread; on throughput the ranks sit at 1/N of the line
+            values = [v for j in p.jobs for v in _values(j, field)]
+            ax.axhspan(min(values), max(values), color=color, alpha=0.12)
+    ax.set_xscale("log")
+    ticks = {p.first.bucket_cap_mb or 0.0: p.first for p in capped}
+    ax.set_xticks(list(ticks), [f"{t:g}{_layout_line(r)}" for t, r in ticks.items()], fontsize=8)
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("bucket_cap_mb (MiB, log scale) and the buckets built")
+
+
+def _per_point(ax: Axes, marks: Axes, field: str, points: Sequence[Point]) -> None:
+    """One bar per point (the median over its repeats) with its spread as an error bar."""
+    xs = list(range(len(points)))
+    ax.bar(xs, [_median(p, field) for p in points], color="C0", alpha=0.6, label="median over repeats")
+    if any(len(p.jobs) > 1 for p in points):
+        _error_bars(ax, xs, points, field, fmt="none", color="black", label="min-max over repeats")
+    ranks = [(x, v) for x, p in zip(xs, points, strict=True) for j in p.jobs for v in _values(j, field)]
+    marks.plot(*zip(*ranks, strict=True), "x", color="black")
+    # Many points (a strategy sweep has eleven) would overlap their labels: one slanted line each instead.
+    slant = len(points) > 4
+    labels = []
+    for p in points:
+        words = [o for o in p.first.overrides.split() if override_key(o) != REPEAT_KEY]
+        jobs = f"job{'s' * (len(p.jobs) > 1)} {','.join(j.job for j in p.jobs)}"
+        if slant:
+            labels.append(" ".join(words) + f" ({jobs}" + _layout_line(p.first).replace("\n", ", ") + ")")
+        else:
+            labels.append(f"{jobs}\n" + "\n".join(words) + _layout_line(p.first))
+    ax.set_xticks(xs, labels, fontsize=8)
+    if slant:
+        ax.tick_params(axis="x", labelrotation=30)
+        for text in ax.get_xticklabels():
+            text.set(ha="right", rotation_mode="anchor")
+    ax.set_xlabel("job (overrides)")
+
+
+def plot(rows: Sequence[JobRow], title: str, points: Sequence[Point] | None = None) -> Figure:
+    """Step time and throughput against bucket size (log x) when it varies, else per point; then the time split."""
+    done = [r for r in rows if r.status == "ok" and r.step_ms is not None and r.samples_per_s is not None]
+    points = [p for p in (gather_points(rows) if points is None else points) if all(j in done for j in p.jobs)]
+    on_cap_axis = len({r.bucket_cap_mb for r in done if r.bucket_cap_mb is not None}) >= 2
+    fig = Figure(figsize=(19, 5.5))
     FigureCanvasAgg(fig)  # Agg renders to files only, and without pyplot no figure stays alive globally
-    axes = fig.subplots(1, 2)
+    axes = fig.subplots(1, 3)
     num_ranks = max((len(r.ranks) for r in done), default=1)
-    fields = ("step_ms", "samples_per_s"), ("median step time (ms)", "global throughput (samples/s)")
-    for ax, field, ylabel in zip(axes, *fields, strict=True):
+    for ax, field, ylabel in zip(axes[:2], FIELDS, YLABELS, strict=True):
         # Per-rank throughput goes on a right axis scaled 1/N: balanced ranks sit on the job's line.
         marks = ax if field == "step_ms" else ax.twinx()
-        if bucketed:
-            for color, (label, members) in zip(colors, series.items(), strict=False):
-                ax.plot(
-                    [r.bucket_cap_mb for r in members],
-                    [getattr(r, field) for r in members],
-                    "o-",
-                    mfc="none",
-                    color=color,
-                    label=label,
-                )
-                marks.plot(
-                    *zip(*[(r.bucket_cap_mb, v) for r in members for v in _values(r, field)], strict=True),
-                    "x",
-                    color=color,
-                )
-            others = [r for r in done if all(r is not b for b in bucketed)]
-            for color, r in zip(colors[len(series) :], others, strict=False):
-                what = f"buckets {r.bucket_setting}" if r.bucket_setting else "no buckets"
-                ax.axhline(getattr(r, field), ls="--", color=color, label=f"{r.sync} (job {r.job}, {what})")
-                if field == "step_ms":  # rank spread; on throughput the ranks sit at 1/N of the line
-                    ax.axhspan(min(_values(r, field)), max(_values(r, field)), color=color, alpha=0.12)
-            ax.set_xscale("log")
-            ticks = sorted({r.bucket_cap_mb for r in bucketed if r.bucket_cap_mb is not None})
-            ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
-            ax.xaxis.set_minor_formatter(NullFormatter())
-            ax.set_xlabel("DDP bucket_cap_mb (MiB, log scale)")
-        else:
-            ax.bar(range(len(done)), [getattr(r, field) for r in done], color="C0", alpha=0.6, label="job")
-            marks.plot(
-                *zip(*[(x, v) for x, r in enumerate(done) for v in _values(r, field)], strict=True), "x", color="black"
-            )
-            labels = [f"job {r.job}\n" + r.overrides.replace(" ", "\n") for r in done]
-            # Many jobs (a strategy sweep has eight) would overlap their labels: slant them instead.
-            slant = {"rotation": 30, "ha": "right", "rotation_mode": "anchor"} if len(done) > 4 else {}
-            ax.set_xticks(range(len(done)), labels, fontsize=8, **slant)
-            ax.set_xlabel("job (overrides)")
+        if points:
+            if on_cap_axis:
+                _against_cap(ax, marks, field, points, done)
+            else:
+                _per_point(ax, marks, field, points)
         ax.plot([], [], "x", color="gray", label="per-rank median" + ("" if marks is ax else " (right axis)"))
-        ax.set(ylabel=ylabel, ylim=(0, 1.2 * ax.get_ylim()[1]))  # headroom for the legend
+        ax.set(ylabel=ylabel, ylim=(0, 1.25 * ax.get_ylim()[1]))  # headroom for the legend
         if marks is not ax:
             marks.set(ylabel=f"per-rank samples/s (= left / {num_ranks})", ylim=(0, ax.get_ylim()[1] / num_ranks))
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
+    draw_time_split(axes[2], done)
     fig.suptitle(title)
     skipped = [r.job for r in rows if all(r is not d for d in done)]
     if skipped:

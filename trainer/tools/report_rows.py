@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from trainer.tools.report_layout import bucket_layout, mark_same_layouts
+
 LEGEND = """\
 - step ms: per rank the median of `time/step_s` over its training rows; the job's value is the
   median over ranks. A row's `time/step_s` is the mean over the steps since the previous row.
@@ -24,6 +26,18 @@ LEGEND = """\
 - exposed ms: `time/comm_exposed_s`, the communication not hidden under backward, per step: per rank
   the median over the rows that carry it (ddp times one step in `sync.time_every_n_steps`), then
   the median over ranks; `-` when no row has it.
+- buckets: the gradient buckets the strategy really built (summary.json's `sync.bucket_sizes_bytes`;
+  DDP's as rebuilt after its first iteration; zero's one flat buffer): their number, then their
+  sizes in MB (past 4 buckets the smallest-largest and the total). `same as`: an earlier cap of
+  the sweep built exactly these buckets, for jobs that differ in nothing else; such jobs are the
+  same configuration, and their difference is noise.
+- compute / hidden / exposed ms (the plot's stacked bars): exposed = exposed ms; hidden =
+  median `time/comm_s` (per rank over its rows, then over ranks) minus exposed, communication
+  that ran under backward; compute = step ms minus exposed. compute + exposed is the step; the
+  stack is taller than the step by what overlap hid.
+- points (when jobs repeat, `+repeat=...`): the jobs that differ only in `repeat`; step ms is the
+  median of their job medians, spread the min-max of those medians. Spreads that overlap mean the
+  sweep cannot tell those points apart.
 - peak RSS MB / peak CUDA MB: the maximum of `memory/rss_mb` / `memory/cuda_max_allocated_mb` over
   every row of every rank (the CUDA column only when some job ran on CUDA).
 - opt state MB: the maximum of `memory/optimizer_state_mb` (MiB of optimizer state a rank holds;
@@ -34,6 +48,8 @@ LEGEND = """\
 - status: `incomplete` when the job dir has no (readable) summary.json, i.e. the job did not
   finish: its numbers are shown in parentheses, are not valid results, and are not plotted."""
 HIDDEN_OVERRIDES = ("run_name", "hydra.")  # naming, not an experimental variable
+REPEAT_KEY = "repeat"  # `+repeat=1,2,3`: the same point again, interleaved with the others
+CAP_KEY = "sync.bucket_cap_mb"
 
 
 @dataclass
@@ -58,6 +74,7 @@ class RankStats:
     peak_rss_mb: float | None = None
     peak_cuda_mb: float | None = None
     opt_state_mb: float | None = None
+    comm_ms: float | None = None
 
 
 @dataclass
@@ -82,6 +99,27 @@ class JobRow:
     peak_rss_mb: float | None = None
     peak_cuda_mb: float | None = None
     opt_state_mb: float | None = None
+    comm_ms: float | None = None
+    bucket_sizes: tuple[int, ...] | None = None  # what the strategy built, in bytes; None: no buckets
+    same_buckets_as: str = ""  # "cap 5": an earlier cap of the sweep built the same buckets
+    repeat: str = ""  # the `repeat` override's value, "" when the sweep has none
+    context: str = ""  # the differing overrides besides the cap and the repeat
+
+    @property
+    def hidden_comm_ms(self) -> float | None:
+        """Communication that ran under backward (comm minus exposed); 0 when all of it was exposed."""
+        if self.comm_ms is None or self.comm_exposed_ms is None:
+            return None
+        return max(0.0, self.comm_ms - self.comm_exposed_ms)
+
+    @property
+    def compute_ms(self) -> float | None:
+        """The step without the exposed communication; the whole step when the job sent nothing."""
+        if self.step_ms is None:
+            return None
+        if self.comm_exposed_ms is None:
+            return self.step_ms if self.mb_per_step is None else None  # sent bytes, timed none: unknown
+        return max(0.0, self.step_ms - self.comm_exposed_ms)
 
 
 def _median(values: Sequence[float | None], scale: float = 1.0) -> float | None:
@@ -116,6 +154,7 @@ def rank_stats(rank: int, rows: Sequence[dict[str, Any]]) -> RankStats:
         peak_rss_mb=_max(_column(rows, "memory/rss_mb")),
         peak_cuda_mb=_max(_column(rows, "memory/cuda_max_allocated_mb")),
         opt_state_mb=_max(_column(rows, "memory/optimizer_state_mb")),
+        comm_ms=_median(_column(train, "time/comm_s"), 1000.0),
     )
 
 
@@ -131,6 +170,10 @@ def _bucket(setting: Any) -> tuple[float | None, str]:
     if isinstance(setting, int | float) and not isinstance(setting, bool):
         return float(setting), format(setting, "g")
     return None, str(setting)
+
+
+def _value_of(overrides: Sequence[str], key: str) -> str:
+    return next((o.split("=", 1)[1] for o in overrides if "=" in o and override_key(o) == key), "")
 
 
 def job_row(job: Job, overrides: Sequence[str]) -> JobRow:
@@ -163,6 +206,10 @@ def job_row(job: Job, overrides: Sequence[str]) -> JobRow:
         peak_rss_mb=_max([r.peak_rss_mb for r in ranks]),
         peak_cuda_mb=_max([r.peak_cuda_mb for r in ranks]),
         opt_state_mb=_max([r.opt_state_mb for r in ranks]),
+        comm_ms=_median([r.comm_ms for r in ranks]),
+        bucket_sizes=bucket_layout(job.summary),
+        repeat=_value_of(job.overrides, REPEAT_KEY),
+        context=" ".join(o for o in overrides if override_key(o) not in (REPEAT_KEY, CAP_KEY)),
     )
 
 
@@ -172,20 +219,23 @@ def _step_ms(stats: RankStats) -> float:
     return stats.step_ms
 
 
-def _key(override: str) -> str:
+def override_key(override: str) -> str:
+    """`+sync.bucket_cap_mb=5` -> `sync.bucket_cap_mb`: the key an override sets, however it adds or deletes."""
     return override.split("=", 1)[0].lstrip("+~")
 
 
 def differing_overrides(per_job: Sequence[Sequence[str]]) -> list[list[str]]:
     """Each job's overrides whose value is not the same in every job (one job: all of them)."""
-    shown = [[o for o in job if not _key(o).startswith(HIDDEN_OVERRIDES)] for job in per_job]
+    shown = [[o for o in job if not override_key(o).startswith(HIDDEN_OVERRIDES)] for job in per_job]
     if len(shown) <= 1:
         return shown
-    values = [{_key(o): o for o in job} for job in shown]
+    values = [{override_key(o): o for o in job} for job in shown]
     keys = {k for v in values for k in v if len({job.get(k) for job in values}) > 1}
-    return [[o for o in job if _key(o) in keys] for job in shown]
+    return [[o for o in job if override_key(o) in keys] for job in shown]
 
 
 def build_rows(jobs: Sequence[Job]) -> list[JobRow]:
     shown = differing_overrides([job.overrides for job in jobs])
-    return [job_row(job, overrides) for job, overrides in zip(jobs, shown, strict=True)]
+    rows = [job_row(job, overrides) for job, overrides in zip(jobs, shown, strict=True)]
+    mark_same_layouts(rows)
+    return rows

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from trainer.tools.report_layout import format_layout
+from trainer.tools.report_points import Point
 from trainer.tools.report_rows import LEGEND, JobRow, RankStats
 
 
@@ -28,6 +30,8 @@ HEADERS = (
     "overrides",
     "sync",
     "bucket_mb",
+    "buckets",
+    "same as",
     "step ms",
     "samples/s",
     "sync %",
@@ -73,7 +77,8 @@ def table_cells(row: JobRow, cuda: bool = False) -> list[str]:
     ]
     if row.status != "ok":
         numbers = [f"({n})" if n not in ("", "-") else n for n in numbers]
-    return [row.job, row.status, row.overrides, row.sync, row.bucket_setting, *numbers]
+    layout = [format_layout(row.bucket_sizes), row.same_buckets_as]
+    return [row.job, row.status, row.overrides, row.sync, row.bucket_setting, *layout, *numbers]
 
 
 def _lines(rows: Sequence[JobRow]) -> list[list[str]]:
@@ -82,16 +87,72 @@ def _lines(rows: Sequence[JobRow]) -> list[list[str]]:
     return [names, *(table_cells(row, CUDA_HEADER in names) for row in rows)]
 
 
-def format_table(rows: Sequence[JobRow]) -> str:
-    cells = _lines(rows)
+def _aligned(cells: Sequence[Sequence[str]]) -> str:
     widths = [max(len(line[i]) for line in cells) for i in range(len(cells[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=False)).rstrip() for line in cells)
 
 
-def format_markdown(rows: Sequence[JobRow], title: str, image: str) -> str:
+def format_table(rows: Sequence[JobRow]) -> str:
+    return _aligned(_lines(rows))
+
+
+POINT_HEADERS = (
+    "point",
+    "jobs",
+    "buckets",
+    "step ms",
+    "spread ms",
+    "samples/s",
+    "compute ms",
+    "hidden ms",
+    "exposed ms",
+)
+
+
+def point_cells(point: Point) -> list[str]:
+    """A point's medians over its repeats; `-` for the spread of a point that ran once."""
+    spread = point.spread
+    first = point.first
+
+    def med(name: str) -> str:
+        return _num(point.median(name), ".2f") or "-"
+
+    same = f" (same as {first.same_buckets_as})" if first.same_buckets_as else ""
+    return [
+        point.label,
+        ",".join(j.job for j in point.jobs),
+        format_layout(first.bucket_sizes) + same,
+        _num(point.step_ms, ".2f"),
+        "-" if spread is None else f"{spread[0]:.2f}-{spread[1]:.2f}",
+        _num(point.samples_per_s, ".0f"),
+        med("compute_ms"),
+        med("hidden_comm_ms"),
+        med("comm_exposed_ms"),
+    ]
+
+
+def format_points(points: Sequence[Point]) -> str:
+    return _aligned([list(POINT_HEADERS), *(point_cells(p) for p in points)])
+
+
+def _markdown_table(names: Sequence[str], cells: Sequence[Sequence[str]]) -> list[str]:
+    lines = ["| " + " | ".join(names) + " |", "|" + "---|" * len(names)]
+    return lines + ["| " + " | ".join(c.replace("|", "\\|") for c in line) + " |" for line in cells]
+
+
+def format_markdown(
+    rows: Sequence[JobRow],
+    title: str,
+    image: str,
+    points: Sequence[Point] = (),
+    notes: Sequence[str] = (),
+) -> str:
+    """Points (medians and spread over repeats) and what they allow one to say, then every job, then the legend."""
     names, *cells = _lines(rows)
-    lines = [f"# {title}", "", "| " + " | ".join(names) + " |", "|" + "---|" * len(names)]
-    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in line) + " |" for line in cells]
+    lines = [f"# {title}", ""]
+    if points:
+        lines += ["## Points", "", *_markdown_table(POINT_HEADERS, [point_cells(p) for p in points]), ""]
+    lines += [*(f"- {note}" for note in notes), *([""] if notes else []), "## Jobs", "", *_markdown_table(names, cells)]
     return "\n".join([*lines, "", "## Legend", "", LEGEND, "", f"![{title}]({image})", ""])
 
 
@@ -106,12 +167,19 @@ def csv_records(rows: Sequence[JobRow]) -> list[dict[str, Any]]:
             "sync": row.sync,
             "model": row.model,
             "bucket_cap_mb": row.bucket_cap_mb if row.bucket_cap_mb is not None else row.bucket_setting or None,
+            "repeat": row.repeat or None,
+            "num_buckets": None if row.bucket_sizes is None else len(row.bucket_sizes),
+            "bucket_sizes_bytes": None if row.bucket_sizes is None else " ".join(map(str, row.bucket_sizes)),
+            "same_buckets_as": row.same_buckets_as or None,
             "num_ranks": len(row.ranks),
             "step_ms": row.step_ms,
             "samples_per_s": row.samples_per_s,
             "sync_share_pct": row.sync_share_pct,
             "mb_per_step": row.mb_per_step,
             "comm_exposed_ms": row.comm_exposed_ms,
+            "comm_ms": row.comm_ms,
+            "compute_ms": row.compute_ms,
+            "hidden_comm_ms": row.hidden_comm_ms,
             "peak_rss_mb": row.peak_rss_mb,
             "peak_cuda_mb": row.peak_cuda_mb,
             "opt_state_mb": row.opt_state_mb,

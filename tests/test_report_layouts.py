@@ -1,0 +1,157 @@
+"""The sweep report's honesty: the buckets each job built, identical layouts marked and warned about,
+repeats gathered into points with their spread, the overlap sentence, and the per-job time split.
+Every expected number below is worked by hand from the hand-written rows."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+
+from tests.report_helpers import DDP, MANUAL, NONE, comm_keys, markdown_rows, train_row, write_job
+from trainer.tools.report import find_jobs, main
+from trainer.tools.report_layout import axis_warning, bucket_layout
+from trainer.tools.report_plot import plot
+from trainer.tools.report_plot_time import stack
+from trainer.tools.report_points import gather_points, spread_sentences
+from trainer.tools.report_rows import build_rows
+
+THREE = [37883944, 37761024, 405504]  # the old bucket_sweep's layout at caps 1, 5 and 25
+
+
+def ddp_job(
+    root: Path, num: int, cap: float, step_s: float, sizes: list[int] | None, repeat: int | None = None
+) -> None:
+    overrides = ([f"+repeat={repeat}"] if repeat is not None else []) + [f"sync.bucket_cap_mb={cap:g}"]
+    ranks = [[train_row(10, step_s, 0.0, 100, 1.0)], [train_row(10, step_s, 0.0, 100, 1.0)]]
+    write_job(root / str(num), ranks, DDP, ["sync=ddp", *overrides, "logger=none"], cap, bucket_sizes=sizes)
+
+
+def test_identical_layouts_are_marked_and_warned(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "sweep"
+    for num, (cap, ms) in enumerate([(1, 0.18), (5, 0.31), (25, 0.19)]):
+        ddp_job(root, num, cap, ms, THREE)
+    rows = build_rows(find_jobs(root))
+    assert [r.bucket_sizes for r in rows] == [tuple(THREE)] * 3
+    assert [r.same_buckets_as for r in rows] == ["", "cap 1", "cap 1"]
+    warning = axis_warning(rows)
+    assert warning is not None and "bucket_cap_mb 1, 5 and 25 all give the same buckets" in warning
+    assert main([str(root)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("warning: bucket_cap_mb") == 1
+    cells = markdown_rows((root / "report.md").read_text())
+    assert cells["1"][5:7] == ["3: 37.88 37.76 0.41 MB", "cap 1"]
+    assert "all give the same buckets" in (root / "report.md").read_text()
+    with (root / "report.csv").open() as f:
+        records = {r["job"]: r for r in csv.DictReader(f)}
+    assert records["2"]["num_buckets"] == "3" and records["2"]["bucket_sizes_bytes"] == "37883944 37761024 405504"
+    assert records["2"]["same_buckets_as"] == "cap 1" and records["0"]["same_buckets_as"] == ""
+
+
+def test_a_cap_that_changes_the_layout_is_not_warned_about(tmp_path: Path) -> None:
+    root = tmp_path / "sweep"
+    ddp_job(root, 0, 1, 0.1, THREE)
+    ddp_job(root, 1, 5, 0.1, THREE)
+    ddp_job(root, 2, 100, 0.1, [sum(THREE)])
+    rows = build_rows(find_jobs(root))
+    assert [r.same_buckets_as for r in rows] == ["", "cap 1", ""]
+    assert axis_warning(rows) is None
+
+
+def test_layouts_of_other_strategies_are_not_compared(tmp_path: Path) -> None:
+    # The same sizes under manual (no cap) and under ddp: no mark, no warning; zero's flat buffer is read.
+    root = tmp_path / "sweep"
+    ddp_job(root, 0, 25, 0.1, THREE)
+    write_job(root / "1", [[train_row(10, 0.1, 0.0, 100, 1.0)]], MANUAL, ["sync=manual"], bucket_sizes=THREE)
+    rows = build_rows(find_jobs(root))
+    assert [r.same_buckets_as for r in rows] == ["", ""] and axis_warning(rows) is None
+    summary = {"sync": {"numel": 10, "padded_numel": 12}, "model": {"parameter_bytes": 40}}
+    assert bucket_layout(summary) == (48,) and bucket_layout({"sync": {}}) is None and bucket_layout(None) is None
+
+
+def markdown_cells(text: str) -> list[list[str]]:
+    return [[c.strip() for c in line.strip("|").split(" | ")] for line in text.splitlines() if line.startswith("| ")]
+
+
+@pytest.fixture
+def repeated(tmp_path: Path) -> Path:
+    """Caps 1, 4 and 25, three repeats interleaved; cap 4 is clearly faster, caps 1 and 25 overlap."""
+    root = tmp_path / "sweep"
+    times = {1: [0.100, 0.130, 0.110], 4: [0.060, 0.070, 0.065], 25: [0.120, 0.140, 0.125]}
+    sizes = {1: [1, 2, 3], 4: [3, 3], 25: [6]}
+    num = 0
+    for repeat in range(3):
+        for cap in (1, 4, 25):
+            ddp_job(root, num, cap, times[cap][repeat], sizes[cap], repeat + 1)
+            num += 1
+    return root
+
+
+def test_repeats_become_points_with_median_and_spread(repeated: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    points = gather_points(build_rows(find_jobs(repeated)))
+    assert [p.label for p in points] == ["cap 1", "cap 4", "cap 25"]
+    assert [[j.job for j in p.jobs] for p in points] == [["0", "3", "6"], ["1", "4", "7"], ["2", "5", "8"]]
+    assert [p.step_ms for p in points] == pytest.approx([110.0, 65.0, 125.0])
+    assert [p.spread for p in points] == [
+        pytest.approx((100.0, 130.0)),
+        pytest.approx((60.0, 70.0)),
+        pytest.approx((120.0, 140.0)),
+    ]
+    assert spread_sentences(points) == ["cap 1 and cap 25 are not distinguishable here (their spreads overlap)."]
+    assert main([str(repeated)]) == 0
+    printed = capsys.readouterr().out
+    assert "cap 1 and cap 25 are not distinguishable here" in printed and "warning" not in printed
+    markdown = (repeated / "report.md").read_text()
+    point_rows = {cells[0]: cells for cells in markdown_cells(markdown) if cells[0].startswith("cap ")}
+    assert point_rows["cap 4"][:5] == ["cap 4", "1,4,7", "2: 0.00 0.00 MB", "65.00", "60.00-70.00"]
+
+
+def test_error_bars_span_each_points_spread(repeated: Path) -> None:
+    fig = plot(build_rows(find_jobs(repeated)), "title")
+    step_ax = fig.axes[0]
+    (bars,) = [c for c in step_ax.containers if hasattr(c, "lines") and c.lines[2]]
+    segments = sorted((float(s[0][0]), float(s[0][1]), float(s[1][1])) for s in bars.lines[2][0].get_segments())
+    assert segments == [
+        pytest.approx((1.0, 100.0, 130.0)),
+        pytest.approx((4.0, 60.0, 70.0)),
+        pytest.approx((25.0, 120.0, 140.0)),
+    ]
+    ticks = [t.get_text() for t in step_ax.get_xticklabels()]
+    assert ticks == ["1\n3 buckets", "4\n2 buckets", "25\n1 bucket"]
+
+
+def test_spreads_that_do_not_overlap_and_a_sweep_without_repeats(repeated: Path, tmp_path: Path) -> None:
+    points = [p for p in gather_points(build_rows(find_jobs(repeated))) if p.label != "cap 25"]
+    assert spread_sentences(points) == ["No two points' spreads overlap: their order held in every repeat."]
+    root = tmp_path / "once"
+    ddp_job(root, 0, 1, 0.1, [1, 2])
+    ddp_job(root, 1, 25, 0.2, [3])
+    (sentence,) = spread_sentences(gather_points(build_rows(find_jobs(root))))
+    assert sentence.startswith("Every point ran once: this sweep has no spread")
+    assert main([str(root)]) == 0
+    assert "## Points" not in (root / "report.md").read_text() and "no spread" in (root / "report.md").read_text()
+
+
+def test_time_split_stacks_compute_hidden_and_exposed(tmp_path: Path) -> None:
+    # ddp: step 100 ms, comm 30 ms of which 10 exposed -> compute 90, hidden 20, exposed 10 (stack 120).
+    # manual: step 80 ms, comm 25 ms all exposed -> compute 55, hidden 0, exposed 25. none: all compute.
+    root = tmp_path / "sweep"
+    ddp_rows = [train_row(10, 0.100, 0.0, 100, 1.0, comm_keys(1e6, 0.030, 0.010))]
+    write_job(root / "0", [ddp_rows, ddp_rows], DDP, ["sync=ddp"], 25, bucket_sizes=[1000])
+    manual_rows = [train_row(10, 0.080, 0.025, 100, 1.0, comm_keys(1e6, 0.025, 0.025))]
+    write_job(root / "1", [manual_rows, manual_rows], MANUAL, ["sync=manual"])
+    none_rows = [train_row(10, 0.050, 0.0, 100, 1.0)]
+    write_job(root / "2", [none_rows, none_rows], NONE, ["sync=none"])
+    rows = build_rows(find_jobs(root))
+    assert [[v for _, v in stack(r)] for r in rows] == [
+        pytest.approx([90.0, 20.0, 10.0]),
+        pytest.approx([55.0, 0.0, 25.0]),
+        pytest.approx([50.0, 0.0, 0.0]),
+    ]
+    time_ax = plot(rows, "title").axes[2]
+    heights = [round(p.get_height(), 6) for p in time_ax.patches]
+    # Three step bars, then each job's three stacked pieces.
+    assert heights == [100.0, 80.0, 50.0, 90.0, 20.0, 10.0, 55.0, 0.0, 25.0, 50.0, 0.0, 0.0]
+    bottoms = [round(p.get_y(), 6) for p in time_ax.patches[3:6]]
+    assert bottoms == [0.0, 90.0, 110.0]

@@ -1,0 +1,85 @@
+"""Which sync.bucket_cap_mb to use for sync=ddp, said honestly: caps that build the same buckets tie.
+
+A cap only matters through the buckets it builds. When every cap gives the model the same
+buckets, naming the largest as "best" would present a tie-break as a finding; so this says that
+the caps tie, and names the caps that share a layout when only some do.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+
+from trainer.scaling.costs import Topology
+from trainer.scaling.predict import DDP_FIRST_BUCKET_MB, Prediction, best_cap, buckets
+from trainer.scaling.profile import RunProfile
+
+NOISE_BOUND = 0.2  # interquartile range of the run's step times over their median above which it warns
+
+
+def ddp_layout(profile: RunProfile, cap_mb: float) -> tuple[int, ...]:
+    """The buckets (bytes) the model predicts DDP builds at this cap, in gradient-ready order."""
+    grads = [t.nbytes for t in reversed(profile.tensors)]
+    return tuple(buckets(grads, cap_mb, DDP_FIRST_BUCKET_MB, ddp=True))
+
+
+def tied_caps(profile: RunProfile, caps_mb: Sequence[float]) -> list[list[float]]:
+    """The caps grouped by the layout they build, groups in the order of their first cap."""
+    groups: dict[tuple[int, ...], list[float]] = {}
+    for cap in caps_mb:
+        groups.setdefault(ddp_layout(profile, cap), []).append(cap)
+    return list(groups.values())
+
+
+def _caps(caps: Sequence[float]) -> str:
+    words = [f"{c:g}" for c in caps]
+    return ", ".join(words[:-1]) + f" and {words[-1]}" if len(words) > 1 else words[0]
+
+
+def cap_advice(
+    profile: RunProfile, topologies: Sequence[Topology], caps_mb: Sequence[float], *, overlap: bool
+) -> tuple[str, list[Prediction] | None]:
+    """The line to print, and the best cap per N (None when every cap ties)."""
+    groups = tied_caps(profile, caps_mb)
+    if len(groups) == 1:
+        count = len(ddp_layout(profile, caps_mb[0]))
+        return f"sync.bucket_cap_mb for sync=ddp: all caps give the same buckets ({count}), so none is best", None
+    best = [best_cap(profile, topo, caps_mb, overlap=overlap) for topo in topologies]
+    line = "best sync.bucket_cap_mb for sync=ddp: " + ", ".join(
+        f"N={b.ranks}: {b.bucket_cap_mb:g} ({b.step_s * 1e3:.3f} ms)" for b in best
+    )
+    ties = [g for g in groups if len(g) > 1]
+    if ties:
+        line += "; " + "; ".join(f"caps {_caps(g)} give the same buckets" for g in ties)
+    return line, best
+
+
+def noise_warning(step_s: Sequence[float], bound: float = NOISE_BOUND) -> str | None:
+    """A warning when the run's logged step times spread too much to serve as its compute, else None."""
+    if len(step_s) < 4:
+        return None
+    q1, _, q3 = statistics.quantiles(step_s, n=4)
+    median = statistics.median(step_s)
+    if median <= 0 or (q3 - q1) / median <= bound:
+        return None
+    return (
+        f"warning: the run's step times are noisy (interquartile range {(q3 - q1) * 1e3:.3f} ms is "
+        f"{(q3 - q1) / median:.0%} of the median {median * 1e3:.3f} ms, above {bound:.0%}): its compute is not a "
+        "stable base for predictions; rerun it on a quieter machine, with OMP_NUM_THREADS=1 and more steps"
+    )
+
+
+def logged_step_s(run_dir: Path) -> list[float]:
+    """Every rank's logged `time/step_s` values (metrics/rank*.jsonl), unreadable lines skipped."""
+    values: list[float] = []
+    for path in sorted((run_dir / "metrics").glob("rank*.jsonl")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and isinstance(row.get("time/step_s"), int | float) and "train/loss" in row:
+                values.append(float(row["time/step_s"]))
+    return values

@@ -1,0 +1,86 @@
+"""The buckets each job of a sweep really built, and which jobs built the same ones.
+
+A bucket cap is a request; the layout is what the strategy made of it for this model (DDP cannot
+split a tensor, so every cap below the largest gradient gives one tensor per bucket). The report
+shows the layout beside the cap, marks jobs whose layouts are identical, and warns when the swept
+cap changed nothing, so that noise between identical configurations is not read as a finding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+
+class HasLayout(Protocol):
+    status: str
+    sync: str
+    model: str
+    bucket_setting: str
+    bucket_sizes: tuple[int, ...] | None
+    same_buckets_as: str
+    context: str
+
+
+def bucket_layout(summary: dict[str, Any] | None) -> tuple[int, ...] | None:
+    """Bucket sizes in bytes from summary.json's `sync` facts; None when the strategy has no buckets.
+
+    DDP and `bucketed` list theirs (`bucket_sizes_bytes`, DDP's after its first-iteration rebuild);
+    `zero` keeps one flat buffer, padded to a multiple of the world size (`padded_numel` elements
+    of the model's parameter bytes per element).
+    """
+    facts = (summary or {}).get("sync") or {}
+    sizes = facts.get("bucket_sizes_bytes")
+    if isinstance(sizes, list) and sizes:
+        return tuple(int(s) for s in sizes)
+    model = (summary or {}).get("model") or {}
+    if facts.get("padded_numel") and facts.get("numel") and model.get("parameter_bytes"):
+        bytes_per_element = int(model["parameter_bytes"]) // int(facts["numel"])
+        return (int(facts["padded_numel"]) * bytes_per_element,)
+    return None
+
+
+def format_layout(sizes: tuple[int, ...] | None, limit: int = 4) -> str:
+    """`3: 36.13 36.01 0.39 MB`; past `limit` buckets the range and total instead of every size."""
+    if sizes is None:
+        return ""
+    mb = [s / 1e6 for s in sizes]
+    if len(sizes) <= limit:
+        return f"{len(sizes)}: " + " ".join(f"{m:.2f}" for m in mb) + " MB"
+    return f"{len(sizes)}: {min(mb):.2f}-{max(mb):.2f} MB, {sum(mb):.2f} in all"
+
+
+def cap_label(setting: str) -> str:
+    return f"cap {setting}" if setting else "no cap"
+
+
+def mark_same_layouts(rows: Sequence[HasLayout]) -> None:
+    """Set `same_buckets_as` on each finished job whose layout an earlier cap (in sweep order) already built.
+
+    Only jobs that differ in nothing but the cap (and the repeat) are compared: the same layout
+    under another strategy or model is a different experiment.
+    """
+    first: dict[tuple[str, str, str, tuple[int, ...]], str] = {}
+    for row in rows:
+        if row.status != "ok" or row.bucket_sizes is None or not row.bucket_setting:
+            continue
+        key = (row.sync, row.model, row.context, row.bucket_sizes)
+        setting = first.setdefault(key, row.bucket_setting)
+        row.same_buckets_as = "" if setting == row.bucket_setting else cap_label(setting)
+
+
+def axis_warning(rows: Sequence[HasLayout]) -> str | None:
+    """One line when the swept cap gave every job of a comparable set the same buckets, else None."""
+    groups: dict[tuple[str, str, str], list[HasLayout]] = {}
+    for row in rows:
+        if row.status == "ok" and row.bucket_sizes is not None and row.bucket_setting:
+            groups.setdefault((row.sync, row.model, row.context), []).append(row)
+    for members in groups.values():
+        settings = list(dict.fromkeys(r.bucket_setting for r in members))
+        if len(settings) > 1 and len({r.bucket_sizes for r in members}) == 1:
+            caps = ", ".join(settings[:-1]) + f" and {settings[-1]}"
+            return (
+                f"warning: bucket_cap_mb {caps} all give the same buckets ({format_layout(members[0].bucket_sizes)}): "
+                f"the swept axis changed nothing {members[0].sync} does, so any difference between these jobs is noise"
+            )
+    return None
