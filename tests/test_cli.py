@@ -10,8 +10,8 @@ import torch
 
 from tests.cli import CPU, jsonl, output, python_train, torchrun, train_rows
 from tests.compose import compose_config
+from trainer.logger.wandb_files import find_runs
 from trainer.setup.build import build_parts, instantiate
-from trainer.tools.wandb_offline import find_runs
 
 pytestmark = pytest.mark.slow
 

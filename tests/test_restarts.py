@@ -16,7 +16,7 @@ import torch
 
 from tests.cli import CPU, TORCHRUN, TRAIN, env, jsonl, output, torchrun, train_rows
 from tests.test_reliability import BASE, same
-from trainer.tools.wandb_offline import find_runs
+from trainer.logger.wandb_files import find_runs
 
 SLOW_BASE = [*BASE, "trainer.max_steps=30", "trainer.checkpoint_every_n_steps=10"]
 

@@ -16,8 +16,8 @@ import torch
 
 from tests.cli import CPU, TORCHRUN, TRAIN, env, train_rows
 from tests.test_reliability import BASE
+from trainer.logger.wandb_files import find_runs
 from trainer.loop.progress import progress_bar
-from trainer.tools.wandb_offline import find_runs
 
 INTERRUPT = re.compile(r"\[rank(\d)\] interrupted at step (\d+); checkpoint written at step (\d+)")
 
