@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.cli import CPU, jsonl, output, python_train, torchrun, train_rows
-from tests.compose import compose_config
+from tests.compose import REPO, compose_config
+from trainer.logger.wandb_files import find_runs
 from trainer.setup.build import build_parts, instantiate
-from trainer.tools.wandb_offline import find_runs
 
 pytestmark = pytest.mark.slow
 
@@ -33,6 +34,25 @@ DESIGN_KEYS = {
 QUICK = ["trainer.progress_bar=false", "data.num_samples=1024", "data.num_val_samples=128"]
 
 
+def screen(text: str) -> list[str]:
+    """Console lines as templates: numbers, paths and the bar's fill replaced, so what is left is
+    the fields and words a reader of the README's sample expects."""
+    lines = []
+    for line in text.splitlines():
+        line = re.sub(r"\|[^|]*\|", "|<bar>|", line.strip())
+        line = re.sub(r"\S*/\S*", "<path>", line)
+        line = re.sub(r"\d[\d.]*", "<n>", line)
+        if line:
+            lines.append(line)
+    return lines
+
+
+def readme_screen_sample() -> str:
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("### What appears on screen") :]
+    return section[section.index("```\n") + 4 : section.index("\n```", section.index("```\n") + 4)]
+
+
 def test_torchrun_ddp_leaves_the_documented_files_and_wandb_runs(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = torchrun(
@@ -44,12 +64,18 @@ def test_torchrun_ddp_leaves_the_documented_files_and_wandb_runs(tmp_path: Path)
             "trainer.log_every_n_steps=5",
             "trainer.eval_every_n_steps=10",
             f"hydra.run.dir={run_dir}",
-            *QUICK,
+            *QUICK[1:],  # with the progress bar: the README's sample shows it
         ],
         cwd=tmp_path,
     )
     assert proc.returncode == 0, output(proc)
     assert "done: 20 steps" in proc.stdout and "wandb sync" in proc.stdout
+
+    # The README's screen sample is what a run prints, field by field (numbers and paths aside).
+    sample = screen(readme_screen_sample())
+    bars = [line for line in screen(proc.stderr) if line.startswith("train:")]
+    assert bars and bars[-1] == next(line for line in sample if line.startswith("train:"))
+    assert screen(proc.stdout) == [line for line in sample if not line.startswith("train:")]
 
     # Hydra's files from rank 0 only; one console log per rank.
     assert (run_dir / ".hydra" / "config.yaml").is_file()

@@ -29,6 +29,7 @@ from trainer.tools.collective_ops import (
     measure,
     sweep_sizes,
 )
+from trainer.tools.collectives import format_table
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 
@@ -56,6 +57,28 @@ def test_bandwidths_and_all_reduce_floor() -> None:
     assert all_reduce_floor_s(100_000_000, 1, 0.0) == 0.0
     with pytest.raises(ValueError, match="busbw=0"):
         all_reduce_floor_s(100, 2, 0.0)
+
+
+def test_the_table_is_one_per_operation_with_the_spread_over_repeats() -> None:
+    records = [
+        {
+            "op": op,
+            "size_bytes": size,
+            "seconds": 2e-3,
+            "seconds_per_repeat": [1e-3, 2e-3, 4e-3],
+            "algbw_GBps": size / 2e-3 / 1e9,
+            "busbw_GBps": size / 2e-3 / 1e9,
+        }
+        for op in ("broadcast", "all_reduce")
+        for size in (4096, 1 << 20)
+    ]
+    text = format_table(records)
+    broadcast, all_reduce = text.split("\n\n")
+    assert broadcast.splitlines()[0] == "broadcast" and all_reduce.splitlines()[0] == "all_reduce"
+    row = broadcast.splitlines()[-1].split()
+    # 1 MiB: median 2000 us (1000-4000); busbw median 0.524, from the slowest repeat 0.262 to the fastest 1.049
+    assert row[:3] == ["1", "MiB", "2000.0"] and row[3] == "(1000.0-4000.0)"
+    assert row[4:] == ["0.524", "(0.262-1.049)"]
 
 
 def test_sweep_sizes_are_whole_elements_divisible_by_world_size() -> None:
@@ -172,7 +195,10 @@ def test_cli_under_torchrun_writes_every_op_at_every_size(tmp_path: Path) -> Non
         assert r["busbw_GBps"] > 0 and len(r["seconds_per_repeat"]) == REPEATS, r
         assert r["algbw_GBps"] == pytest.approx(r["size_bytes"] / r["seconds"] / 1e9)
         assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * bus_factor(r["op"], 2))
-    assert "latency us" in proc.stdout and proc.stdout.count("all_reduce_composed") == len(sizes)
+    lines = proc.stdout.splitlines()  # one table per op: its name, a header, then a row per size
+    for op in OPS:
+        start = lines.index(op) + 2
+        assert all(line.strip().endswith(")") for line in lines[start : start + len(sizes)]), lines
     with Image.open(tmp_path / "collectives.png") as image:
         assert image.format == "PNG" and image.size[0] > 300 and image.size[1] > 200
 

@@ -12,7 +12,7 @@ import pytest
 
 from tests.cli import CPU, assert_every_rank_stopped, env, output, torchrun, torchrun_cmd, train_rows
 from tests.compose import REPO
-from trainer.tools.wandb_offline import find_runs
+from trainer.logger.wandb_files import find_runs
 
 pytestmark = pytest.mark.slow
 

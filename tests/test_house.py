@@ -48,6 +48,14 @@ def test_leaves_import_nothing_from_the_trainer(leaf: str) -> None:
     assert offenders == {}, f"{leaf}/ must know nothing of training: {offenders}"
 
 
+def test_sinks_depend_on_no_command() -> None:
+    # trainer/tools/ holds the python -m commands: a logger needing one would pull a command's
+    # imports (argparse, matplotlib) into every rank's training process.
+    offenders = {m: sorted(i) for m, imps in our_modules().items() if m.startswith("trainer.logger") for i in imps}
+    offenders = {m: [i for i in imps if i.startswith("trainer.tools")] for m, imps in offenders.items()}
+    assert {m: i for m, i in offenders.items() if i} == {}
+
+
 def test_no_import_circles() -> None:
     graph = our_modules()
     for package in {m.rsplit(".", 1)[0] for m in graph if "." in m}:  # a package's __init__ is not an edge

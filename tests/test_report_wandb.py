@@ -13,7 +13,7 @@ import yaml
 from tests.compose import REPO
 from tests.network_audit import run_audited
 from tests.report_helpers import BUCKETED, DDP, comm_keys, eval_row, run_cli, train_row, write_job
-from trainer.tools.wandb_offline import find_runs
+from trainer.logger.wandb_files import find_runs
 
 # The CLI under the network audit (tests/network_audit.py), as `python -m trainer.tools.report`.
 REPORT = """

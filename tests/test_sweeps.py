@@ -14,7 +14,7 @@ import pytest
 
 from tests.cli import CPU, TRAIN, env, output, torchrun, train_rows
 from tests.compose import REPO
-from trainer.tools.wandb_offline import find_runs
+from trainer.logger.wandb_files import find_runs
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ import pytest
 from tests.compose import REPO
 from tests.network_audit import run_audited
 from trainer.logger.wandb import final_keys, flatten, ranks_table_data, run_id
-from trainer.tools.wandb_offline import find_runs
+from trainer.logger.wandb_files import find_runs
 
 # Under the network audit (tests/network_audit.py): open, log and close an offline run.
 LOGGER = """

@@ -1,4 +1,4 @@
-"""trainer.tools.wandb_offline against real wandb offline runs (no mocks, no network).
+"""The W&B offline-run reader (trainer/logger/wandb_files.py) and its command, on real offline runs (no network).
 
 The runs are written by a child process running the real wandb SDK in offline mode: that keeps wandb's
 stdout wrapping, atexit hooks and wandb-core service out of the pytest process, and one module-scoped
@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from trainer.tools.wandb_offline import BLOCK, find_runs, iter_records, read_run
+from trainer.logger.wandb_files import BLOCK, find_runs, iter_records, read_run
+from trainer.tools import wandb_offline
 
 ROOT = Path(__file__).resolve().parents[1]
 LOSSES = [1.0 / (i + 1) for i in range(5)]
@@ -168,7 +171,7 @@ def test_tail_ok_keeps_what_was_flushed(runs, tmp_path) -> None:
     assert run.exit_code is None  # the exit record was the one cut off
 
 
-def test_cli_prints_runs(root: Path) -> None:
+def test_cli_prints_runs_as_aligned_key_value_lines(root: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "trainer.tools.wandb_offline", str(root)],
         env=_env(root),
@@ -182,6 +185,26 @@ def test_cli_prints_runs(root: Path) -> None:
     assert first < second
     rank0 = out.stdout[first:second]
     assert "group=g" in rank0 and "history_rows=5" in rank0
-    assert f"last train/loss = {LOSSES[-1]!r}" in rank0
-    assert '"best": 0.2' in rank0
-    assert 'metrics = {"step": {' in rank0 and '"train/*": {"hidden": false' in rank0
+    assert re.search(rf"^    train/loss  {LOSSES[-1]:.6g}$", rank0, re.M), rank0
+    assert re.search(r"^    best        0.2$", rank0, re.M), rank0  # padded to the longest key (nest, best)
+    assert "_step" not in rank0 and "_runtime" not in rank0 and "metric definitions" not in rank0
+
+
+def test_cli_all_shows_internal_keys_and_a_sweep_dir_lists_each_job(root: Path, tmp_path: Path, capsys) -> None:
+    for job in ("0", "1"):  # a sweep dir: numbered job dirs, each a run dir
+        shutil.copytree(root / "wandb", tmp_path / job / "wandb")
+    assert wandb_offline.main([str(tmp_path), "--all"]) == 0
+    text = capsys.readouterr().out
+    assert text.index(f"== job {tmp_path / '0'}") < text.index(f"== job {tmp_path / '1'}")
+    assert text.count("history_rows=5") == 2
+    assert re.search(r"^    _step +4$", text, re.M) and "metric definitions:" in text
+
+
+def test_cli_help_and_bad_paths(tmp_path: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as done:
+        wandb_offline.main(["--help"])
+    assert done.value.code == 0 and "usage: python -m trainer.tools.wandb_offline" in capsys.readouterr().out
+    assert wandb_offline.main([str(tmp_path / "nope")]) == 2
+    assert f"{tmp_path / 'nope'} does not exist" in capsys.readouterr().err
+    assert wandb_offline.main([str(tmp_path)]) == 1
+    assert "no W&B offline runs" in capsys.readouterr().err

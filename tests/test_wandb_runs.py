@@ -19,7 +19,7 @@ import pytest
 from tests.cli import CPU, TORCHRUN, TRAIN, env, jsonl, output
 from tests.test_reliability import BASE
 from trainer.logger.wandb import run_id
-from trainer.tools.wandb_offline import OfflineRun, find_runs
+from trainer.logger.wandb_files import OfflineRun, find_runs
 
 pytestmark = pytest.mark.slow
 

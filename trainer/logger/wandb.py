@@ -87,7 +87,7 @@ def last_offline_step(run_dir: str | Path, run_id: str) -> int | None:
     the killed process never flushed (wandb-core writes every ~15 s and at finish) are not in
     it, so a restarted run logs those steps again, once.
     """
-    from trainer.tools.wandb_offline import read_run
+    from trainer.logger.wandb_files import read_run
 
     steps: list[Any] = []
     for path in sorted(Path(run_dir).glob(f"wandb/offline-run-*/run-{run_id}.wandb")):

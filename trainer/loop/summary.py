@@ -88,7 +88,8 @@ def format_report(summary: dict[str, Any]) -> str:
         f"  train/loss {_fmt(summary['train/loss'], '.4f')}   train/accuracy {_fmt(summary['train/accuracy'], '.3f')}"
         f"   eval/loss {_fmt(summary.get('eval/loss'), '.4f')}"
         f"   eval/accuracy {_fmt(summary.get('eval/accuracy'), '.3f')}",
-        f"  throughput {summary['throughput/global_samples_per_s']:.0f} samples/s (all ranks)",
+        # A mean over the whole run (the report's column is a median of logged rows: it can differ)
+        f"  throughput {summary['throughput/global_samples_per_s']:.0f} samples/s (all ranks, whole-run mean)",
         f"  run dir  {summary['run_dir']}   (summary.json, checkpoints/, metrics/rank*.jsonl, train_rank*.log)",
     ]
     offline = [(r["rank"], loc) for r in summary["ranks"] for loc in r.get("outputs", []) if "offline-run-" in loc]

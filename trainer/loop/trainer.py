@@ -27,13 +27,13 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
-from tqdm.contrib.logging import logging_redirect_tqdm
 
 from data.base import DataModule, ResumableSampler
 from trainer.errors import from_leaves
 from trainer.logger.base import MetricLogger, resumed_at
 from trainer.loop.metrics import Window, evaluate
 from trainer.loop.profiling import StepProfiler
+from trainer.loop.progress import logging_above, progress_bar
 from trainer.loop.rows import TrainRows
 from trainer.loop.step import StepRunner
 from trainer.loop.steps import (
@@ -118,9 +118,11 @@ class Trainer:
             timer=self._timer,
             window=self._window,
         )
+        self._checkpoint_step: int | None = None  # the newest checkpoint this run can resume from
         state = self._state()  # trainer.resume: the state of a checkpoint, if there is one
         if resume.resume_if_any(ctx, run_dir, settings.resume, state, config):
             self.step, self.epoch = state.step, state.epoch
+            self._checkpoint_step = state.step
             resumed_at(self.loggers, state.step)  # the JSONL drops the interrupted attempt's later rows
             # The next pass over this epoch starts where the checkpoint stopped: skip the sample
             # indices of the micro-batches already trained on (no data is read to get there).
@@ -146,9 +148,9 @@ class Trainer:
         )
         started = time.perf_counter()
         show_bar = self.settings.progress_bar and self.ctx.is_main_process
-        bar = tqdm(total=self.total_steps, disable=not show_bar, desc="train", unit="step", dynamic_ncols=True)
+        bar = progress_bar(self.total_steps, self.step, show_bar)  # a resumed run starts at its step
         profiler = StepProfiler(self.settings.profile, self.ctx.device, self.ctx.rank, self.run_dir / "profiler")
-        with bar, logging_redirect_tqdm(), profiler:
+        with bar, logging_above(bar), profiler:
             self.train(self.total_steps, bar, profiler)
         final_eval = self.evaluate()
         return self._finish(final_eval, time.perf_counter() - started)
@@ -168,10 +170,28 @@ class Trainer:
                 # rank stops having run the same collectives, at the same step.
                 with StepBoundary():
                     self.run_iteration(bar, profiler)
-        except Terminated:
-            if self.settings.checkpoint_on_sigterm:
-                resume.stop_together(self.ctx, lambda: self.step, self._write_checkpoint, self._one_more_step)
+        except Terminated as stop:
+            saved = self.settings.checkpoint_on_sigterm and resume.stop_together(
+                self.ctx, lambda: self.step, self._write_checkpoint, self._one_more_step
+            )
+            self._say_stopped(stop, saved)
             raise
+
+    def _say_stopped(self, stop: Terminated, saved: bool) -> None:
+        """One line for the job (rank 0's console; every rank's log file): where it stopped, what is kept."""
+        if saved:
+            last = f"checkpoint written at step {self._checkpoint_step} (trainer.checkpoint_on_sigterm)"
+        elif self._checkpoint_step is not None:
+            last = f"last checkpoint step {self._checkpoint_step}"
+        else:
+            last = "no checkpoint"
+        how = "interrupted" if stop.interrupted else f"terminated by signal (exit code {stop.code})"
+        resume_hint = "resume with the same command" if self._checkpoint_step is not None else "nothing to resume from"
+        line = f"{how} at step {self.step}; {last}; {resume_hint}"
+        # Console: rank 0 speaks for an interrupt every rank received; for a SIGTERM every rank
+        # says it (a launcher may have stopped only some).
+        log.log(logging.WARNING if self.ctx.is_main_process or not stop.interrupted else logging.INFO, line)
+        stop.reported = True
 
     def run_iteration(self, bar: tqdm | None = None, profiler: StepProfiler | None = None) -> None:
         """One optimizer step and whatever is due after it."""
@@ -203,7 +223,7 @@ class Trainer:
             epoch = epoch_of(self.step, self.steps_per_epoch)
             loss = self._rows.log(self.step, epoch, self._window, totals, self._timer, self._steps)
             if bar is not None:
-                bar.set_postfix(loss=f"{loss:.4f}")
+                bar.set_postfix(loss=f"{loss:.4f}", refresh=False)  # drawn at the next update
         every = s.check_replicas_every_n_steps
         if every and self.sync.keeps_replicas_equal and self.step % every == 0:
             check_replicas(self.model, self.step)
@@ -228,6 +248,7 @@ class Trainer:
 
     def _write_checkpoint(self) -> None:
         resume.save(self.ctx, self.run_dir / "checkpoints", self.settings.keep_checkpoints, self._state(), self.config)
+        self._checkpoint_step = self.step
 
     def _one_more_step(self) -> bool:
         """For a SIGTERM that found the ranks a step apart: one more step, unless training is over."""

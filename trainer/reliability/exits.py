@@ -1,8 +1,11 @@
-"""How a job ends: exit codes, a flushed logger on every path, and SIGTERM as an exception.
+"""How a job ends: exit codes, a flushed logger on every path, and SIGTERM / SIGINT as an exception.
 
 torchrun stops the surviving ranks with SIGTERM when one fails (Slurm does the same on
 preemption). Python's default action kills the process on the spot, and W&B's offline run,
-written only by finish(), would be lost; raising instead lets every `finally` run.
+written only by finish(), would be lost; raising instead lets every `finally` run. Ctrl-C is the
+same event from a person: the terminal sends SIGINT to torchrun and every rank (and torchrun
+passes its own SIGINT on), so it takes the same path, exit code 130, and no KeyboardInterrupt
+traceback from deep inside backward.
 """
 
 from __future__ import annotations
@@ -22,7 +25,17 @@ CONFIG_ERROR_EXIT = 2
 
 
 class Terminated(SystemExit):
-    """The launcher asked this rank to stop; the exit code is 128 + the signal number, as a shell reports it."""
+    """A launcher or a person asked this rank to stop; the exit code is 128 + the signal, as a shell says."""
+
+    reported = False  # the trainer already said at which step it stopped
+
+    @property
+    def interrupted(self) -> bool:
+        """Ctrl-C (SIGINT) rather than a launcher's SIGTERM."""
+        return self.code == 128 + signal.SIGINT
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 # How long a SIGTERM waits for the current step to end. torchrun kills a worker 30 s after its
@@ -35,9 +48,11 @@ _pending: int | None = None
 
 def _raise_terminated(signum: int, frame: FrameType | None) -> None:
     global _pending
-    # Ignore repeats: a second SIGTERM must not interrupt the flush the first one started.
-    signal.signal(signum, signal.SIG_IGN)
-    if _in_step and signum == signal.SIGTERM:
+    # Ignore repeats of either: a second signal must not interrupt the flush the first one started
+    # (a Ctrl-C reaches each rank twice: from the terminal, then forwarded by torchrun).
+    for stop in STOP_SIGNALS:
+        signal.signal(stop, signal.SIG_IGN)
+    if _in_step and signum in STOP_SIGNALS:
         _pending = signum  # stop at the end of this step, with a consistent state...
         signal.signal(signal.SIGALRM, _raise_terminated)
         signal.setitimer(signal.ITIMER_REAL, STEP_GRACE_S)  # ...unless it does not end in time
@@ -76,7 +91,7 @@ def exit_cleanly(loggers: Sequence[MetricLogger]) -> Iterator[None]:
     job always ends its process and the launcher sees it.
     """
     code = 0
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    previous = {stop: signal.signal(stop, _raise_terminated) for stop in STOP_SIGNALS}
     try:
         yield
     except ConfigError as err:
@@ -85,8 +100,11 @@ def exit_cleanly(loggers: Sequence[MetricLogger]) -> Iterator[None]:
         raise SystemExit(code) from None
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
-        if isinstance(exc, Terminated):
-            log.warning("terminated by signal (exit code %d): flushing logs and finishing the W&B run", code)
+        if isinstance(exc, Terminated) and not exc.reported:
+            if exc.interrupted:  # Ctrl-C outside the training loop (set-up, evaluation): rank 0 says so once
+                log.info("interrupted (exit code %d): flushing logs and finishing the W&B run", code)
+            else:
+                log.warning("terminated by signal (exit code %d): flushing logs and finishing the W&B run", code)
         raise
     except KeyboardInterrupt:
         code = 130
@@ -97,7 +115,9 @@ def exit_cleanly(loggers: Sequence[MetricLogger]) -> Iterator[None]:
         log.exception("training failed: %s: %s", type(err).__name__, err)
         raise SystemExit(code) from None
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a late SIGTERM must not cut the flush short
+        for stop in STOP_SIGNALS:  # a late signal must not cut the flush short
+            signal.signal(stop, signal.SIG_IGN)
         for logger in loggers:
             logger.close(code)
-        signal.signal(signal.SIGTERM, previous)
+        for stop, handler in previous.items():
+            signal.signal(stop, handler)

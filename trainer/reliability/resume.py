@@ -111,9 +111,7 @@ def stop_together(
         # Others wait longer than rank 0 polls, so a decision is never missed for being late.
         decision = _poll(partial(_peek, store, f"ddplab/stop/decision-{step}"), 3 * wait_s)
         if decision == "save":
-            save_now()
-            if ctx.is_main_process:
-                log.warning("checkpoint written at step %d on SIGTERM (trainer.checkpoint_on_sigterm)", step)
+            save_now()  # the caller's one line about the stop says so
             return True
         if not one_more_step():  # "step", or no decision: rank 0 may be blocked inside the next step
             break

@@ -39,13 +39,27 @@ def format_bytes(num_bytes: int) -> str:
 
 
 def format_table(records: Sequence[Record]) -> str:
-    lines = [f"{'op':<20} {'size':>10} {'latency us':>12} {'algbw GB/s':>11} {'busbw GB/s':>11}"]
-    for r in records:
-        lines.append(
-            f"{r['op']:<20} {format_bytes(r['size_bytes']):>10} {r['seconds'] * 1e6:>12.1f} "
-            f"{r['algbw_GBps']:>11.3f} {r['busbw_GBps']:>11.3f}"
-        )
-    return "\n".join(lines)
+    """One table per operation, sizes as rows: the median over the repeats and its min-max spread.
+
+    busbw's spread comes from the repeats' times (the fastest repeat gives the highest busbw).
+    """
+    tables = []
+    for op in dict.fromkeys(r["op"] for r in records):  # in the order measured
+        lines = [
+            f"{op}",
+            f"  {'size':>10} {'time us':>10} {'(min-max)':>19} {'busbw GB/s':>11} {'(min-max)':>17}",
+        ]
+        for r in (r for r in records if r["op"] == op):
+            times = r.get("seconds_per_repeat") or [r["seconds"]]
+            scale = r["busbw_GBps"] * r["seconds"]  # busbw x seconds is the same for every repeat
+            lo, hi = min(times), max(times)
+            lines.append(
+                f"  {format_bytes(r['size_bytes']):>10} {r['seconds'] * 1e6:>10.1f} "
+                f"{f'({lo * 1e6:.1f}-{hi * 1e6:.1f})':>19} {r['busbw_GBps']:>11.3f} "
+                f"{f'({scale / hi:.3f}-{scale / lo:.3f})':>17}"
+            )
+        tables.append("\n".join(lines))
+    return "\n\n".join(tables)
 
 
 def plot(records: Sequence[Record], title: str) -> Figure:
