@@ -73,6 +73,8 @@ def _mean(ranks: list[dict[str, Any]], key: str, path: Path) -> float:
 
 def read_profile(run_dir: Path) -> RunProfile:
     """The profile of a finished run; a ConfigError that says what is missing otherwise."""
+    if not run_dir.exists():
+        raise ConfigError(f"--run {run_dir} does not exist; pass a finished run's directory")
     path = run_dir / "summary.json"
     try:
         summary = json.loads(path.read_text())

@@ -69,6 +69,8 @@ def load_job(path: Path) -> Job:
 
 def find_jobs(root: Path) -> list[Job]:
     """A dir with metrics/ is one job; otherwise its numbered subdirs are the sweep's jobs."""
+    if not root.exists():
+        raise ReportError(f"{root} does not exist")
     if not root.is_dir():
         raise ReportError(f"{root}: not a directory")
     if (root / "metrics").is_dir():

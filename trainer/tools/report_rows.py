@@ -16,8 +16,10 @@ from trainer.tools.report_layout import bucket_layout, mark_same_layouts
 LEGEND = """\
 - step ms: per rank the median of `time/step_s` over its training rows; the job's value is the
   median over ranks. A row's `time/step_s` is the mean over the steps since the previous row.
-- samples/s: sum over ranks of the median of each rank's `throughput/samples_per_s` (ranks work
-  concurrently). It is window wall-clock, so it includes time between steps that step ms omits.
+- samples/s (median row): sum over ranks of the median of each rank's `throughput/samples_per_s`
+  (ranks work concurrently). It is window wall-clock, so it includes time between steps that step
+  ms omits. The end-of-run line's throughput is another figure, the whole-run mean (all samples
+  over the training time, evaluations and the first slow steps included): the two can differ.
 - sync %: per rank sum(time/sync_s) / sum(time/step_s), then the mean over ranks. It is the time in
   the strategy's after_backward hook: DDP all-reduces inside backward, so for ddp it is ~0 and
   its communication is counted in time/backward_s (marked with a dagger).
