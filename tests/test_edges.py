@@ -1,0 +1,145 @@
+"""The equivalence promise at its edges (issue 26), on 2 real gloo ranks against one process in float64:
+tied weights under every strategy, a layer reused under reentrant checkpointing, a parameter unused
+on every rank or on one, every grouping of manual, zero after a plain optimizer.zero_grad(), and the
+timed collective's future. One launch serves every case (torch start-up is the cost)."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import pytest
+import torch
+
+from tests.dist_helpers import run_on_ranks
+from tests.edge_models import Case, make, reference, train
+from trainer.sync import averaging
+from trainer.sync.bucketed import BucketedSync, Clock
+from trainer.sync.ddp import DDPSync
+from trainer.sync.flat import FlatGrads
+from trainer.sync.fsdp import FSDPSync
+from trainer.sync.manual import ManualSync
+from trainer.sync.none import NoSync
+from trainer.sync.zero import ZeroSync
+
+TINY_MB = 300 / 2**20  # below the branch's 8x8 float64 weight (512 bytes): that tensor makes a group alone
+FIND = {"find_unused_parameters": True}
+
+EVERY_STRATEGY = {
+    "none": NoSync,
+    "manual": ManualSync,
+    "manual-rs_ag": partial(ManualSync, collective="rs_ag"),
+    "manual-alone": partial(ManualSync, coalesce_mb=0),
+    "bucketed": partial(BucketedSync, bucket_cap_mb=TINY_MB),
+    "bucketed-rs_ag": partial(BucketedSync, bucket_cap_mb=TINY_MB, collective="rs_ag"),
+    "ddp": DDPSync,
+    "zero": ZeroSync,
+    "fsdp": FSDPSync,  # wrap=auto: the blocks are units, the tied embedding and head in the root
+    "fsdp-module": partial(FSDPSync, wrap="module"),  # the tied modules are left to the root
+}
+MANUAL_GROUPINGS = {
+    "manual": (partial(ManualSync, **FIND), "branchy"),
+    "manual-rs_ag": (partial(ManualSync, collective="rs_ag", **FIND), "branchy"),
+    "manual-coalesce0": (partial(ManualSync, coalesce_mb=0, **FIND), "branchy"),
+    "manual-above-cap": (partial(ManualSync, coalesce_mb=TINY_MB, **FIND), "branchy"),
+    "manual-mixed-dtypes": (partial(ManualSync, **FIND), "branchy-mixed"),
+    "zero": (partial(ZeroSync, **FIND), "branchy"),
+    "ddp": (partial(DDPSync, **FIND), "branchy"),
+}
+
+CASES: dict[str, Case] = {
+    **{f"tied-{name}": Case("tied", make, replicas=name not in ("none",)) for name, make in EVERY_STRATEGY.items()},
+    # A layer reused under reentrant checkpointing: its hook fires three times per backward.
+    "reused-manual": Case("reused", ManualSync),
+    "reused-bucketed": Case("reused", partial(BucketedSync, bucket_cap_mb=TINY_MB)),
+    "reused-bucketed-one-bucket": Case("reused", BucketedSync),
+    "reused-bucketed-rs_ag": Case("reused", partial(BucketedSync, bucket_cap_mb=TINY_MB, collective="rs_ag")),
+    "reused-bucketed-timed": Case("reused", partial(BucketedSync, bucket_cap_mb=TINY_MB, time_every_n_steps=1)),
+    "reused-nonreentrant-bucketed": Case("reused-nonreentrant", partial(BucketedSync, bucket_cap_mb=TINY_MB)),
+    "reused-ddp-static": Case("reused", partial(DDPSync, static_graph=True)),
+    "reused-zero": Case("reused", ZeroSync),
+    **{f"unused-all-{n}": Case(m, s) for n, (s, m) in MANUAL_GROUPINGS.items()},
+    **{f"unused-one-{n}": Case(m, s, branch_ranks=(1,)) for n, (s, m) in MANUAL_GROUPINGS.items()},
+    "unused-all-fsdp": Case("branchy", FSDPSync),
+    # zero after a plain optimizer.zero_grad() (set_to_none), and the flat-buffer strategies too
+    "zero-grad-zero": Case("tied", ZeroSync, plain_zero_grad=True),
+    "zero-grad-manual": Case("tied", ManualSync, plain_zero_grad=True),
+    "zero-grad-bucketed": Case("tied", partial(BucketedSync, bucket_cap_mb=TINY_MB), plain_zero_grad=True),
+}
+# Refused on every rank alike, naming the parameter, before the first optimizer step.
+REFUSED = {
+    "unused-all-manual-noflag": (Case("branchy", ManualSync), "'branch.weight'"),
+    "unused-one-manual-noflag": (Case("branchy", partial(ManualSync, coalesce_mb=0), branch_ranks=(1,)), "1 of 2"),
+    "unused-all-zero-noflag": (Case("branchy", ZeroSync), "'branch.weight'"),
+    "unused-all-bucketed": (Case("branchy", BucketedSync), "'branch.weight'"),
+    "unused-one-bucketed": (Case("branchy", BucketedSync, branch_ranks=(1,)), "'branch.weight'"),
+}
+
+
+def _every_case(rank: int, world_size: int) -> dict[str, Any]:
+    results = {name: train(rank, case) for name, case in CASES.items()}
+    results.update({name: train(rank, case) for name, (case, _) in REFUSED.items()})
+    results["timed-future"] = _timed_future(rank, world_size)
+    return results
+
+
+def _timed_future(rank: int, world_size: int) -> list[torch.Tensor]:
+    """bucketed's timed wait on a real collective: what wait() yields, and the bucket after it."""
+    sync = BucketedSync()
+    sync._clock = Clock(torch.device("cpu"))
+    param = torch.nn.Parameter(torch.zeros(5, dtype=torch.float64))
+    bucket = FlatGrads([[param]], world_size).buckets[0]
+    bucket.grads.copy_(torch.arange(5.0) + rank)
+    waited = sync._timed_work(averaging.start(bucket, "all_reduce"), sync._clock.now()).wait()
+    assert len(sync._spans) == 1, "the arrival was noted"
+    return [*waited, bucket.grads.clone()]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_on_ranks(_every_case, 2, tmp_path_factory.mktemp("edges") / "run", timeout_s=600)
+
+
+def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for key in want:
+        tol = 1e-5 if want[key].dtype == torch.float32 else 1e-10
+        diff = (got[key].double() - want[key].double()).abs().max().item()
+        assert diff < tol, f"{key}: off by {diff:.3g}"
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_trains_what_one_process_trains(results: list[dict[str, Any]], name: str) -> None:
+    case = CASES[name]
+    if not case.replicas:  # none: each rank trains one process's model on its own samples
+        for rank in (0, 1):
+            _close(results[rank][name]["params"], reference(case, ranks=(rank,)))
+        return
+    assert "error" not in results[0][name], results[0][name].get("error")
+    _close(results[0][name]["params"], reference(case))
+    if not isinstance(case.strategy(), FSDPSync):  # fsdp: rank 0 holds the full state
+        _close(results[1][name]["params"], results[0][name]["params"])
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_refused_on_every_rank_naming_the_parameter(results: list[dict[str, Any]], name: str) -> None:
+    _, names = REFUSED[name]
+    messages = [results[rank][name].get("error") for rank in (0, 1)]
+    assert messages[0] is not None and messages[0] == messages[1], messages
+    assert names in messages[0] and "sync." in messages[0], messages[0]
+
+
+def test_unused_parameter_gets_no_update(results: list[dict[str, Any]]) -> None:
+    """What the reference comparison implies, said directly: the branch no rank used kept its start."""
+    for name, (_, model) in MANUAL_GROUPINGS.items():
+        untouched = make(model).state_dict()
+        for key in ("branch.weight", "branch.bias"):
+            assert torch.equal(results[0][f"unused-all-{name}"]["params"][key], untouched[key]), (name, key)
+
+
+def test_timed_future_yields_the_reduced_tensor(results: list[dict[str, Any]]) -> None:
+    for rank in (0, 1):
+        waited, bucket = results[rank]["timed-future"]
+        expected = (torch.arange(5.0) * 2 + 1).double()
+        assert torch.equal(waited, expected), waited  # the sum: wait() returns the collective's value
+        assert torch.equal(bucket, expected)
