@@ -10,9 +10,11 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tests.dist_helpers import run_on_ranks
-from tests.edge_models import Case, make, reference, train
+from tests.edge_models import Case, batch, make, optimizer_for, reference, train
+from tests.test_fsdp import real_collectives
 from trainer.sync import averaging
 from trainer.sync.bucketed import BucketedSync, Clock
 from trainer.sync.ddp import DDPSync
@@ -80,10 +82,25 @@ def _every_case(rank: int, world_size: int) -> dict[str, Any]:
     results = {name: train(rank, case) for name, case in CASES.items()}
     results.update({name: train(rank, case) for name, (case, _) in REFUSED.items()})
     results["timed-future"] = _timed_future(rank, world_size)
+    results["fsdp-comm"] = {wrap: _fsdp_comm(rank, wrap) for wrap in ("auto", "module")}
     return results
 
 
-def _timed_future(rank: int, world_size: int) -> list[torch.Tensor]:
+def _fsdp_comm(rank: int, wrap: str) -> dict[str, Any]:
+    """One step of the tied model: what fsdp counted from its units, and what FSDP2 really sent."""
+    model = make("tied")
+    sync = FSDPSync(wrap=wrap)
+    sync.wrap(model)
+    optimizer = sync.build_optimizer(model, optimizer_for)
+    with real_collectives() as real:
+        x, y = batch("tied", 0, rank)
+        F.cross_entropy(model(x), y).backward()
+        sync.after_backward(model)
+        sync.optimizer_step(optimizer)
+    return {"counted": sync.take_comm().kinds, "real": real, "describe": sync.describe()}
+
+
+def _timed_future(rank: int, world_size: int) -> tuple[Any, torch.Tensor]:
     """bucketed's timed wait on a real collective: what wait() yields, and the bucket after it."""
     sync = BucketedSync()
     sync._clock = Clock(torch.device("cpu"))
@@ -92,7 +109,7 @@ def _timed_future(rank: int, world_size: int) -> list[torch.Tensor]:
     bucket.grads.copy_(torch.arange(5.0) + rank)
     waited = sync._timed_work(averaging.start(bucket, "all_reduce"), sync._clock.now()).wait()
     assert len(sync._spans) == 1, "the arrival was noted"
-    return [*waited, bucket.grads.clone()]
+    return waited, bucket.grads.clone()
 
 
 @pytest.fixture(scope="module")
@@ -141,5 +158,17 @@ def test_timed_future_yields_the_reduced_tensor(results: list[dict[str, Any]]) -
     for rank in (0, 1):
         waited, bucket = results[rank]["timed-future"]
         expected = (torch.arange(5.0) * 2 + 1).double()
-        assert torch.equal(waited, expected), waited  # the sum: wait() returns the collective's value
+        # wait() yields the collective's value (the sum): on CUDA that is what makes a future's wait
+        # order the waiting stream after the collective's (a value without CUDA tensors records no event)
+        assert isinstance(waited, list) and len(waited) == 1 and torch.equal(waited[0], expected), waited
         assert torch.equal(bucket, expected)
+
+
+def test_fsdp_counts_the_tied_model_units_it_really_sends(results: list[dict[str, Any]]) -> None:
+    """block (auto): two block units and the root (embedding = head, norm); module: the blocks' and
+    the norm's Linear/LayerNorm units, the tied pair left to the root. Counted from the layout = sent."""
+    for rank in results:
+        for wrap, units in (("auto", 3), ("module", 4)):
+            got = rank["fsdp-comm"][wrap]
+            assert got["describe"]["num_units"] == units and got["describe"]["wrap_in_use"] in ("block", "module")
+            assert got["counted"] == got["real"], wrap

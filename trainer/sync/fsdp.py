@@ -47,6 +47,7 @@ class Unit:
     """One fully_shard call's parameters, as they travel (sizes padded the way FSDP2 pads them)."""
 
     module: nn.Module
+    probe: tuple[nn.Module, str]  # (owning module, attribute) of one of its parameters, as FSDP2 registers it
     is_root: bool
     all_gather_bytes: int  # the unsharded, padded parameters in the all-gather dtype
     reduce_scatter_bytes: int  # the unsharded, padded gradients in the reduce dtype
@@ -60,11 +61,12 @@ def padded_numel(shape: torch.Size, world_size: int) -> int:
     return math.ceil(dims[0] / world_size) * world_size * math.prod(dims[1:])
 
 
-def is_sharded(module: nn.Module) -> bool:
+def is_sharded(unit: Unit) -> bool:
     """Whether a unit's parameters are registered as its DTensor shards, i.e. its next forward
-    (or backward) all-gathers; FSDP2 registers the plain unsharded tensors while it holds them."""
-    first = next(module.parameters(recurse=False), None)
-    return isinstance(first, DTensor)
+    (or backward) all-gathers; FSDP2 registers the plain unsharded tensors while it holds them
+    (on the module that owns each parameter, which for a block is one of its submodules)."""
+    owner, name = unit.probe
+    return isinstance(getattr(owner, name), DTensor)
 
 
 class FSDPSync(SyncStrategy):
@@ -117,8 +119,9 @@ class FSDPSync(SyncStrategy):
         layers, rest = plan_units(model, self.wrap_policy)
         self._wrapped = resolve(model, self.wrap_policy)
         recurse = self._wrapped == "block"
-        units = [self._unit(m, list(m.parameters(recurse=recurse)), is_root=False) for m in layers]
-        units.append(self._unit(model, rest, is_root=True))
+        owners = {id(p): (m, n) for m in model.modules() for n, p in m.named_parameters(recurse=False)}
+        units = [self._unit(m, list(m.parameters(recurse=recurse)), owners, is_root=False) for m in layers]
+        units.append(self._unit(model, rest, owners, is_root=True))
         self._units = [u for u in units if u.all_gather_bytes]  # a root without parameters of its own gathers nothing
         for layer in layers:
             fully_shard(layer, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=policy)
@@ -131,13 +134,16 @@ class FSDPSync(SyncStrategy):
         model.register_forward_pre_hook(self._before_forward, prepend=True)
         return model  # sharded in place: the trainer's model and the forward module are one object
 
-    def _unit(self, module: nn.Module, params: list[nn.Parameter], is_root: bool) -> Unit:
+    def _unit(
+        self, module: nn.Module, params: list[nn.Parameter], owners: dict[int, tuple[nn.Module, str]], is_root: bool
+    ) -> Unit:
         dtypes = MIXED_PRECISION[self.mixed_precision]
         gather_size = (lambda p: dtypes[0].itemsize) if dtypes else (lambda p: p.element_size())
         reduce_size = (lambda p: dtypes[1].itemsize) if dtypes else (lambda p: p.element_size())
         n = self._world_size
         return Unit(
             module,
+            owners[id(params[0])] if params else (module, ""),
             is_root,
             sum(padded_numel(p.shape, n) * gather_size(p) for p in params),
             sum(padded_numel(p.shape, n) * reduce_size(p) for p in params if p.requires_grad),
@@ -184,7 +190,7 @@ class FSDPSync(SyncStrategy):
         if self._world_size == 1:  # a single rank gathers nothing
             return
         for unit in self._units:
-            if is_sharded(unit.module):
+            if is_sharded(unit):
                 self._count("all_gather", unit.all_gather_bytes)
             if self.reshard_after_forward and not unit.is_root:
                 self._count("all_gather", unit.all_gather_bytes)
