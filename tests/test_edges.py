@@ -172,3 +172,20 @@ def test_fsdp_counts_the_tied_model_units_it_really_sends(results: list[dict[str
             got = rank["fsdp-comm"][wrap]
             assert got["describe"]["num_units"] == units and got["describe"]["wrap_in_use"] in ("block", "module")
             assert got["counted"] == got["real"], wrap
+
+
+def test_summary_records_each_parameter_block() -> None:
+    """What python -m trainer.scaling --fsdp-wrap reads: the ModuleList element of each parameter."""
+    from tests.edge_models import Tied
+    from trainer.loop.summary import parameter_layout
+
+    tensors = parameter_layout(Tied())["parameter_tensors"]
+    assert [(t["name"], t["block"]) for t in tensors] == [
+        ("emb.weight", None),  # the head's weight is this one: listed once
+        ("blocks.0.0.weight", "blocks.0"),
+        ("blocks.0.0.bias", "blocks.0"),
+        ("blocks.1.0.weight", "blocks.1"),
+        ("blocks.1.0.bias", "blocks.1"),
+        ("norm.weight", None),
+        ("norm.bias", None),
+    ]
