@@ -16,7 +16,8 @@ from tests.dist_helpers import run_on_ranks
 from tests.edge_models import Case, batch, make, optimizer_for, reference, train
 from tests.test_fsdp import real_collectives
 from trainer.sync import averaging
-from trainer.sync.bucketed import BucketedSync, Clock
+from trainer.sync.bucket_clock import Clock
+from trainer.sync.bucketed import BucketedSync
 from trainer.sync.ddp import DDPSync
 from trainer.sync.flat import FlatGrads
 from trainer.sync.fsdp import FSDPSync

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from trainer.sync import averaging
-from trainer.sync.bucketed import BucketedSync, Clock
+from trainer.sync.bucket_clock import Clock
+from trainer.sync.bucketed import BucketedSync
 from trainer.sync.flat import FlatGrads
 
 

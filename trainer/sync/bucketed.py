@@ -26,8 +26,7 @@ is there) or CUDA events on GPU (recorded on the stream that waits for the colle
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from functools import partial
 from typing import Any
@@ -42,30 +41,11 @@ from trainer.errors import ConfigError
 from trainer.sync import averaging
 from trainer.sync.autotune import DEFAULT_CANDIDATES_MB, CapTuner, check_cap
 from trainer.sync.base import SyncStrategy
+from trainer.sync.bucket_clock import Clock, timed
 from trainer.sync.comm import CommCounters, busy_time, check_time_every_n_steps
 from trainer.sync.flat import FlatGrads, plan
 from trainer.sync.manual import broadcast_from_rank0
 from trainer.sync.unused import names_of
-
-
-class Clock:
-    """Marks on host clocks (CPU) or CUDA events (GPU), turned into seconds only when read."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def now(self) -> Any:
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def seconds(self, origin: Any, mark: Any) -> float:
-        if not self.cuda:
-            return float(mark - origin)
-        mark.synchronize()
-        return float(origin.elapsed_time(mark)) / 1000.0
 
 
 class BucketedSync(SyncStrategy):
@@ -189,22 +169,7 @@ class BucketedSync(SyncStrategy):
         """The collective, noting when its result arrived: from its future where the backend has one
         (gloo's all_reduce, NCCL), else when after_backward's wait returns (an upper bound)."""
         assert self._clock is not None
-        clock, spans = self._clock, self._spans
-
-        def note() -> None:
-            spans.append((started, clock.now()))  # on the communication thread (gloo) or its stream (CUDA)
-
-        def arrived(done: torch.futures.Future[Any]) -> Any:
-            note()
-            # The collective's tensors, passed on: a CUDA future records its events on the streams
-            # of the CUDA tensors its value holds, so a chained future whose value held none would
-            # not make the waiting stream wait for the collective.
-            return done.value()
-
-        try:
-            return _WaitBoth(work, work.get_future().then(arrived))
-        except RuntimeError:  # e.g. gloo's reduce_scatter: "Work::getFuture not implemented"
-            return _WaitThenNote(work, note)
+        return timed(work, started, self._clock, self._spans)
 
     def _learned(self) -> None:
         """End of the first step's backward: every rank's hook counts agreed (one small all_reduce), then
@@ -313,28 +278,3 @@ class BucketedSync(SyncStrategy):
             info["bucket_sizes_bytes"] = self._flat.sizes()
             info["total_parameter_bytes"] = self._flat.nbytes
         return info
-
-
-class _WaitBoth:
-    """A timed collective: its chained future (the arrival noted; wait() returns the reduced tensors)
-    and the work itself, also waited on, so the current CUDA stream waits for the collective's."""
-
-    def __init__(self, work: dist.Work, future: torch.futures.Future[Any]) -> None:
-        self._work, self._future = work, future
-
-    def wait(self) -> Any:
-        value = self._future.wait()
-        self._work.wait()
-        return value
-
-
-class _WaitThenNote:
-    """A collective without a future: its arrival is noted when the wait returns."""
-
-    def __init__(self, work: dist.Work, note: Callable[[], None]) -> None:
-        self._work, self._note = work, note
-
-    def wait(self) -> bool:
-        self._work.wait()
-        self._note()
-        return True
