@@ -75,6 +75,7 @@ class BucketedSync(SyncStrategy):
         self._names: list[str] = []
         self._calls: list[int] = []  # per parameter, hook calls in this backward
         self._expected: list[int] | None = None  # per parameter, hook calls per backward (learned in step 1)
+        self._bucket_calls: list[int] = []  # per bucket, the hook calls that complete it (1s while learning)
         self._flat: FlatGrads | None = None
         self._handles: list[RemovableHandle] = []
         self._missing: list[int] = []  # per bucket, gradients not yet ready in this backward
@@ -113,6 +114,7 @@ class BucketedSync(SyncStrategy):
         # Reverse registration order: the last layers' gradients are ready first in backward.
         self._flat = FlatGrads(list(plan(reversed(self._params), int(cap_mb * 2**20))), self._world_size)
         position = {id(p): i for i, p in enumerate(self._params)}
+        self._count_calls()
         self._handles = [
             param.register_post_accumulate_grad_hook(partial(self._grad_ready, index, position[id(param)], view))
             for index, bucket in enumerate(self._flat.buckets)
@@ -120,16 +122,21 @@ class BucketedSync(SyncStrategy):
         ]
         self._reset()
 
+    def _count_calls(self) -> None:
+        """Each bucket's hook calls per backward, from the learned counts (once per build, not per step)."""
+        assert self._flat is not None
+        if self._expected is None:  # the learning step: no bucket starts during backward
+            self._bucket_calls = [1] * len(self._flat.buckets)
+            return
+        position = {id(p): i for i, p in enumerate(self._params)}
+        self._bucket_calls = [
+            sum(self._expected[position[id(p)]] for p in bucket.params) for bucket in self._flat.buckets
+        ]
+
     def _reset(self) -> None:
         assert self._flat is not None
         self._calls = [0] * len(self._params)
-        if self._expected is None:  # the learning step: no bucket starts during backward
-            self._missing = [1 for _ in self._flat.buckets]
-        else:
-            position = {id(p): i for i, p in enumerate(self._params)}
-            self._missing = [
-                sum(self._expected[position[id(p)]] for p in bucket.params) for bucket in self._flat.buckets
-            ]
+        self._missing = list(self._bucket_calls)
         self._next = 0
         self._works = []
         self._marks = []
@@ -193,6 +200,7 @@ class BucketedSync(SyncStrategy):
                 "number of times per backward on different ranks in the first step; use sync=manual"
             )
         self._expected = most
+        self._count_calls()
         for index in range(len(self._missing)):
             self._start(index)
         self._next = len(self._missing)

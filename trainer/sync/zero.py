@@ -222,6 +222,8 @@ def _keep(
 ) -> tuple[list[tuple[int, int]], Kept]:
     """Copies of the shard's parameters and per-element optimizer state in `slices`, to put back after
     the step: one process's optimizer skips a parameter without a gradient."""
+    if not slices:  # the usual step: nothing to keep, nothing looked up
+        return slices, []
     tensors = [shard, *_per_element_state(shard, optimizer).values()]
     return slices, [(t[lo:hi], t[lo:hi].clone()) for t in tensors for lo, hi in slices]
 
