@@ -50,6 +50,7 @@ class Reused(nn.Module):
         self.shared = nn.Linear(DIM, DIM)
         self.out = nn.Linear(DIM, 3)
         self.reentrant = reentrant
+        self.extra = False  # one more checkpointed use of the shared layer: the graph changed
 
     def _layer(self, h: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.shared(h))
@@ -58,6 +59,8 @@ class Reused(nn.Module):
         h = torch.tanh(self.inp(x))
         h = checkpoint(self._layer, h, use_reentrant=self.reentrant)
         h = checkpoint(self._layer, h, use_reentrant=self.reentrant)
+        if self.extra:
+            h = checkpoint(self._layer, h, use_reentrant=self.reentrant)
         return self.out(self._layer(h))  # the same weight outside a checkpoint too
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.dist_helpers import run_on_ranks
@@ -84,7 +85,27 @@ def _every_case(rank: int, world_size: int) -> dict[str, Any]:
     results.update({name: train(rank, case) for name, (case, _) in REFUSED.items()})
     results["timed-future"] = _timed_future(rank, world_size)
     results["fsdp-comm"] = {wrap: _fsdp_comm(rank, wrap) for wrap in ("auto", "module")}
+    results["graph-changed"] = _graph_changed(rank)  # last: it stops a backward midway
     return results
+
+
+def _graph_changed(rank: int) -> str:
+    """bucketed after step 1 learned 3 hook calls for the shared layer: a 4th in step 2 is an error
+    naming it, raised from the hook (on every rank here, as the graph changed on every rank)."""
+    model = make("reused")
+    sync = BucketedSync(bucket_cap_mb=TINY_MB)
+    sync.wrap(model)
+    for step in range(2):
+        model.extra = step == 1
+        x, y = batch("reused", step, rank)
+        try:
+            F.cross_entropy(model(x), y).backward()
+        except RuntimeError as err:
+            dist.barrier()
+            return str(err)
+        sync.after_backward(model)
+        sync.zero_grad(optimizer_for(model.parameters()))
+    return "no error"
 
 
 def _fsdp_comm(rank: int, wrap: str) -> dict[str, Any]:
@@ -190,3 +211,9 @@ def test_summary_records_each_parameter_block() -> None:
         ("norm.weight", None),
         ("norm.bias", None),
     ]
+
+
+def test_a_changed_graph_is_an_error_naming_the_parameter(results: list[dict[str, Any]]) -> None:
+    for rank in results:
+        assert "'shared.bias' got gradient number 4" in rank["graph-changed"], rank["graph-changed"]
+        assert "3 in the first step" in rank["graph-changed"]
