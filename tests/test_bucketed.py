@@ -27,6 +27,12 @@ def _mechanism(rank: int, world_size: int, collective: str) -> dict[str, Any]:
     sync = BucketedSync(bucket_cap_mb=300 / 2**20, collective=collective, time_every_n_steps=1)  # ~300 B buckets
     model = sync.wrap(_model(seed=rank))  # rank 1's different draw is replaced by rank 0's
     buckets = sync.describe()["num_buckets"]
+    # Step 1 learns each parameter's hook calls per backward: its buckets start in after_backward.
+    _backward(model, rank)
+    learning = len(sync._works)
+    sync.after_backward(model)
+    sync.take_comm()
+    sync.zero_grad(torch.optim.SGD(model.parameters(), lr=0.1))
     reference = _model(seed=0)  # rank 0's weights, no sync: this rank's own gradients
     for _ in range(2):
         _backward(reference, rank)
@@ -45,6 +51,7 @@ def _mechanism(rank: int, world_size: int, collective: str) -> dict[str, Any]:
     sync.zero_grad(torch.optim.SGD(model.parameters(), lr=0.1))
     return {
         "buckets": buckets,
+        "learning": learning,
         "started_in_no_sync": started_in_no_sync,
         "started_by_hooks": started_by_hooks,
         "local": [p.grad for p in reference.parameters()],
@@ -60,7 +67,7 @@ def test_buckets_start_during_backward_and_average_in_place(tmp_path: Path) -> N
     rank0, rank1 = run_on_ranks(_mechanism, 2, tmp_path / "run", "all_reduce")
     for rank in (rank0, rank1):
         assert rank["buckets"] >= 3  # 5 of 6 gradient tensors are over 300 bytes: several buckets
-        assert rank["started_in_no_sync"] == 0
+        assert rank["learning"] == 0 and rank["started_in_no_sync"] == 0
         assert rank["started_by_hooks"] == rank["buckets"]  # every bucket left before after_backward
         assert rank["views"] and rank["zeroed"]
     assert all(torch.equal(a, b) for a, b in zip(rank0["params"], rank1["params"], strict=True))  # broadcast

@@ -156,3 +156,26 @@ def test_what_if_compute_keeps_each_phase_share() -> None:
     assert faster.phase_s == pytest.approx({"data": 0.0005, "forward": 0.001, "backward": 0.002, "optimizer": 0.0005})
     with pytest.raises(ConfigError, match="--compute-ms=0 is invalid"):
         profile.with_compute(0.0)
+
+
+def test_fsdp_units_follow_sync_wrap() -> None:
+    """sync.wrap's choice: module units (per owning module), or the root's tensors then one unit per
+    block; auto is block only when the run recorded blocks (older summaries have none)."""
+    from trainer.scaling.predict import FSDP_WRAPS, fsdp_units
+    from trainer.sync.fsdp_units import WRAPS
+
+    assert FSDP_WRAPS == WRAPS
+    tensors = (
+        Tensor("emb.weight", 8),
+        Tensor("blocks.0.lin.weight", 4, "blocks.0"),
+        Tensor("blocks.0.lin.bias", 1, "blocks.0"),
+        Tensor("blocks.1.lin.weight", 4, "blocks.1"),
+        Tensor("norm.weight", 2),
+    )
+    profile = RunProfile(Path("run"), 1, "cpu", "none", 32, {"data": 0.0, "forward": 1.0}, tensors)
+    assert fsdp_units(profile, "module") == [8, 5, 4, 2]
+    assert fsdp_units(profile, "block") == fsdp_units(profile, "auto") == [10, 5, 4]
+    flat = RunProfile(Path("run"), 1, "cpu", "none", 32, {}, tuple(Tensor(t.name, t.nbytes) for t in tensors))
+    assert fsdp_units(flat, "auto") == [8, 5, 4, 2] and fsdp_units(flat, "block") == [19]
+    with pytest.raises(ConfigError, match="--fsdp-wrap='blocks'"):
+        fsdp_units(profile, "blocks")

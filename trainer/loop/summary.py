@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer.setup.dist import DistContext
+from trainer.sync.fsdp_units import blocks_of
 
 MEDIAN_PREFIXES = ("time/", "comm/", "throughput/")  # a rank's typical step
 PEAK_PREFIXES = ("memory/",)  # a rank's worst moment
@@ -56,9 +57,13 @@ def job_summary(ranks: Sequence[dict[str, Any]], **facts: Any) -> dict[str, Any]
 def parameter_layout(model: nn.Module) -> dict[str, Any]:
     """The trainable parameters in registration order (name, bytes): what gradient sync moves, for
     tools that predict communication without the model (python -m trainer.scaling). Sizes are the
-    full tensors' even where a strategy shards them (a DTensor's numel is its global one)."""
+    full tensors' even where a strategy shards them (a DTensor's numel is its global one). `block`
+    names the nn.ModuleList element holding it (sync=fsdp's unit under sync.wrap=block), or null."""
+    block_of = {id(p): name for name, block in blocks_of(model) for p in block.parameters()}
     tensors = [
-        {"name": name, "bytes": p.numel() * p.element_size()} for name, p in model.named_parameters() if p.requires_grad
+        {"name": name, "bytes": p.numel() * p.element_size(), "block": block_of.get(id(p))}
+        for name, p in model.named_parameters()
+        if p.requires_grad
     ]
     return {"parameter_bytes": sum(t["bytes"] for t in tensors), "parameter_tensors": tensors}
 

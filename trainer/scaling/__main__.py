@@ -13,7 +13,7 @@ from trainer.scaling import report
 from trainer.scaling.caps import cap_advice, logged_step_s, noise_warning
 from trainer.scaling.costs import Topology
 from trainer.scaling.networks import PRESETS, fit_network, parse_network
-from trainer.scaling.predict import STRATEGIES, predict
+from trainer.scaling.predict import FSDP_WRAPS, STRATEGIES, predict
 from trainer.scaling.profile import RunProfile, read_profile
 
 
@@ -39,6 +39,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--intra-network", help="inside a node (default: --network, i.e. one flat network)")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node (default 8)")
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="default: all of them")
+    parser.add_argument(
+        "--fsdp-wrap",
+        choices=FSDP_WRAPS,
+        default="auto",
+        help="sync=fsdp's units, as sync.wrap makes them: block (one per nn.ModuleList element, the rest in the "
+        "root), module (one per module owning parameters), auto (block if the run recorded blocks; default)",
+    )
     parser.add_argument("--bucket-caps", default="0.25,1,5,25,100", help="sync=ddp caps (MiB) to choose among")
     parser.add_argument(
         "--compute-ms", type=float, help="what if a step's compute took this long (on a GPU, say); phases keep shares"
@@ -105,7 +112,11 @@ def run(args: argparse.Namespace) -> int:
     where = inter.describe() if intra == inter else f"{inter.describe()} between nodes, {intra.describe()} inside"
     overlap = "communication overlaps compute" if args.overlap else "no overlap: every collective is exposed"
     print(f"network: {where}; {args.gpus_per_node} ranks per node; {overlap}")
-    predictions = [predict(profile, topo, s, overlap=args.overlap) for s in strategies for topo in topologies]
+    predictions = [
+        predict(profile, topo, s, overlap=args.overlap, fsdp_wrap=args.fsdp_wrap)
+        for s in strategies
+        for topo in topologies
+    ]
     print(report.format_table(predictions))
     advice, best = cap_advice(profile, topologies, caps, overlap=args.overlap)
     print(advice)

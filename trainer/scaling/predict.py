@@ -22,6 +22,9 @@ from trainer.scaling.costs import Topology
 from trainer.scaling.profile import RunProfile
 
 STRATEGIES = ("none", "manual", "bucketed", "ddp", "zero", "fsdp")
+# sync.wrap's values (trainer/sync/fsdp_units.py's WRAPS; a test keeps them equal): this package
+# does not import torch.
+FSDP_WRAPS = ("auto", "block", "module")
 MIB = 2**20
 DEFAULT_CAP_MB = 25.0  # bucket_cap_mb of sync=ddp and sync=bucketed, coalesce_mb of sync=manual
 DDP_FIRST_BUCKET_MB = 1.0  # DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
@@ -101,7 +104,24 @@ def layered(units: Sequence[int], compute_s: float, gather: Cost, scatter: Cost 
     return max(now, free), busy
 
 
-def _comm(profile: RunProfile, topo: Topology, strategy: str, cap_mb: float) -> tuple[float, float, float]:
+def fsdp_units(profile: RunProfile, wrap: str) -> list[int]:
+    """Bytes per FSDP unit in forward order, as sync.wrap groups them (trainer/sync/fsdp_units.py):
+    module, one unit per module owning parameters; block, the root's parameters (everything outside
+    the model's nn.ModuleList blocks, gathered first) and then one unit per block; auto, block if the
+    run recorded blocks. A summary written before blocks were recorded has none."""
+    if wrap not in FSDP_WRAPS:
+        raise ConfigError(f"--fsdp-wrap={wrap!r} is invalid; accepted: {', '.join(FSDP_WRAPS)}")
+    blocks = any(t.block is not None for t in profile.tensors)
+    if wrap == "module" or (wrap == "auto" and not blocks):
+        return [sum(t.nbytes for t in ts) for _, ts in groupby(profile.tensors, key=lambda t: t.module)]
+    root = sum(t.nbytes for t in profile.tensors if t.block is None)
+    inner = [sum(t.nbytes for t in ts) for b, ts in groupby(profile.tensors, key=lambda t: t.block) if b is not None]
+    return [root, *inner] if root else inner
+
+
+def _comm(
+    profile: RunProfile, topo: Topology, strategy: str, cap_mb: float, fsdp_wrap: str = "auto"
+) -> tuple[float, float, float]:
     """(comm, exposed, optimizer) seconds of one strategy's step."""
     p = profile.phase_s
     grads = [t.nbytes for t in reversed(profile.tensors)]  # gradient-ready order
@@ -120,8 +140,8 @@ def _comm(profile: RunProfile, topo: Topology, strategy: str, cap_mb: float) -> 
         total = profile.gradient_bytes
         comm = topo.collective_s("reduce_scatter", total) + topo.collective_s("all_gather", total)
         return comm, comm, shard_opt
-    if strategy == "fsdp":  # one unit per module that owns parameters; resharded after forward
-        units = [sum(t.nbytes for t in ts) for _, ts in groupby(profile.tensors, key=lambda t: t.module)]
+    if strategy == "fsdp":  # units as sync.wrap makes them; resharded after forward
+        units = fsdp_units(profile, fsdp_wrap)
         gather = lambda s: topo.collective_s("all_gather", s)  # noqa: E731
         forward, comm_f = layered(units, p["forward"], gather, None)
         backward, comm_b = layered(units[::-1], p["backward"], gather, lambda s: topo.collective_s("reduce_scatter", s))
@@ -130,9 +150,15 @@ def _comm(profile: RunProfile, topo: Topology, strategy: str, cap_mb: float) -> 
 
 
 def predict(
-    profile: RunProfile, topo: Topology, strategy: str, cap_mb: float = DEFAULT_CAP_MB, *, overlap: bool = True
+    profile: RunProfile,
+    topo: Topology,
+    strategy: str,
+    cap_mb: float = DEFAULT_CAP_MB,
+    *,
+    overlap: bool = True,
+    fsdp_wrap: str = "auto",
 ) -> Prediction:
-    comm, exposed, optimizer = _comm(profile, topo, strategy, cap_mb)
+    comm, exposed, optimizer = _comm(profile, topo, strategy, cap_mb, fsdp_wrap)
     if not overlap:
         exposed = comm
     step = profile.compute_s - profile.phase_s["optimizer"] + optimizer + exposed

@@ -22,6 +22,7 @@ PHASES = ("data", "forward", "backward", "optimizer")
 class Tensor:
     name: str
     nbytes: int
+    block: str | None = None  # the nn.ModuleList element holding it (sync.wrap=block's unit), if any
 
     @property
     def module(self) -> str:
@@ -96,7 +97,7 @@ def read_profile(run_dir: Path) -> RunProfile:
         strategy=str(summary["sync"].get("strategy", "?")),
         batch_per_rank=int(summary["global_batch_size"]) // int(summary["world_size"]),
         phase_s={p: _mean(ranks, f"median_time/{p}_s", path) for p in PHASES},
-        tensors=tuple(Tensor(t["name"], int(t["bytes"])) for t in layout),
+        tensors=tuple(Tensor(t["name"], int(t["bytes"]), t.get("block")) for t in layout),
     )
 
 

@@ -10,6 +10,15 @@
 3. after_backward(): waits for every bucket, divides by the world size (rs_ag: then all_gathers).
 4. no_sync(): the hooks do nothing; gradients accumulate locally in the buffers.
 
+A parameter's hook can fire more than once in one backward (a layer reused under reentrant
+checkpointing accumulates its gradient once per backward pass through it), so a bucket is ready
+after a number of hook calls, not of parameters. That number is learned in the first step, as
+DDP's static graph does: its buckets all start only after backward, the ranks agree on every
+parameter's count (one small all_reduce, once), and later steps start a bucket when its count is
+reached. A parameter that got no gradient in the first step on some rank, or whose count differs
+across ranks, is refused then with a ConfigError naming it; a later hook beyond the learned count
+(the graph changed) is an error naming the parameter rather than a bucket sent incomplete.
+
 Communication is timed on one step in `time_every_n_steps` (the logged one by default): each
 bucket's launch and arrival, on host clocks on CPU (where gloo completes the future when the data
 is there) or CUDA events on GPU (recorded on the stream that waits for the collective).
@@ -17,8 +26,7 @@ is there) or CUDA events on GPU (recorded on the stream that waits for the colle
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from functools import partial
 from typing import Any
@@ -29,32 +37,15 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
+from trainer.errors import ConfigError
 from trainer.sync import averaging
 from trainer.sync.autotune import DEFAULT_CANDIDATES_MB, CapTuner, check_cap
 from trainer.sync.base import SyncStrategy
+from trainer.sync.bucket_clock import Clock, timed
 from trainer.sync.comm import CommCounters, busy_time, check_time_every_n_steps
 from trainer.sync.flat import FlatGrads, plan
 from trainer.sync.manual import broadcast_from_rank0
-
-
-class Clock:
-    """Marks on host clocks (CPU) or CUDA events (GPU), turned into seconds only when read."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def now(self) -> Any:
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def seconds(self, origin: Any, mark: Any) -> float:
-        if not self.cuda:
-            return float(mark - origin)
-        mark.synchronize()
-        return float(origin.elapsed_time(mark)) / 1000.0
+from trainer.sync.unused import names_of
 
 
 class BucketedSync(SyncStrategy):
@@ -81,6 +72,10 @@ class BucketedSync(SyncStrategy):
         self.collective = averaging.check_collective(collective)
         self.time_every_n_steps = time_every_n_steps
         self._params: list[nn.Parameter] = []
+        self._names: list[str] = []
+        self._calls: list[int] = []  # per parameter, hook calls in this backward
+        self._expected: list[int] | None = None  # per parameter, hook calls per backward (learned in step 1)
+        self._bucket_calls: list[int] = []  # per bucket, the hook calls that complete it (1s while learning)
         self._flat: FlatGrads | None = None
         self._handles: list[RemovableHandle] = []
         self._missing: list[int] = []  # per bucket, gradients not yet ready in this backward
@@ -100,6 +95,7 @@ class BucketedSync(SyncStrategy):
         broadcast_from_rank0(model)
         self._world_size = dist.get_world_size()
         self._params = [p for p in model.parameters() if p.requires_grad]
+        self._names = names_of(model, self._params)
         device = self._params[0].device
         self._clock = Clock(device)
         if self.bucket_cap_mb == "auto":
@@ -117,22 +113,36 @@ class BucketedSync(SyncStrategy):
         self._cap_mb = cap_mb
         # Reverse registration order: the last layers' gradients are ready first in backward.
         self._flat = FlatGrads(list(plan(reversed(self._params), int(cap_mb * 2**20))), self._world_size)
+        position = {id(p): i for i, p in enumerate(self._params)}
+        self._count_calls()
         self._handles = [
-            param.register_post_accumulate_grad_hook(partial(self._grad_ready, index, view))
+            param.register_post_accumulate_grad_hook(partial(self._grad_ready, index, position[id(param)], view))
             for index, bucket in enumerate(self._flat.buckets)
             for param, view in zip(bucket.params, bucket.views, strict=True)
         ]
         self._reset()
 
+    def _count_calls(self) -> None:
+        """Each bucket's hook calls per backward, from the learned counts (once per build, not per step)."""
+        assert self._flat is not None
+        if self._expected is None:  # the learning step: no bucket starts during backward
+            self._bucket_calls = [1] * len(self._flat.buckets)
+            return
+        position = {id(p): i for i, p in enumerate(self._params)}
+        self._bucket_calls = [
+            sum(self._expected[position[id(p)]] for p in bucket.params) for bucket in self._flat.buckets
+        ]
+
     def _reset(self) -> None:
         assert self._flat is not None
-        self._missing = [len(bucket.params) for bucket in self._flat.buckets]
+        self._calls = [0] * len(self._params)
+        self._missing = list(self._bucket_calls)
         self._next = 0
         self._works = []
         self._marks = []
 
-    def _grad_ready(self, index: int, view: torch.Tensor, param: torch.Tensor) -> None:
-        """Autograd's hook: `param`'s gradient for this backward is fully accumulated."""
+    def _grad_ready(self, index: int, position: int, view: torch.Tensor, param: torch.Tensor) -> None:
+        """Autograd's hook: a gradient for `param` was accumulated (once, or once per reuse)."""
         if self._accumulating:
             return
         grad = param.grad
@@ -140,6 +150,15 @@ class BucketedSync(SyncStrategy):
             assert grad is not None, "autograd calls this hook after accumulating a gradient"
             view.copy_(grad)
             param.grad = view
+        self._calls[position] += 1
+        if self._expected is None:
+            return  # learning the counts: every bucket starts in after_backward
+        if self._calls[position] > self._expected[position]:
+            raise RuntimeError(
+                f"sync=bucketed: parameter {self._names[position]!r} got gradient number {self._calls[position]} "
+                f"in one backward, but {self._expected[position]} in the first step: its bucket may already be "
+                "on its way; the graph must be the same in every step (or use sync=manual / sync=ddp)"
+            )
         self._missing[index] -= 1
         while self._next < len(self._missing) and self._missing[self._next] == 0:
             self._start(self._next)
@@ -157,24 +176,47 @@ class BucketedSync(SyncStrategy):
         """The collective, noting when its result arrived: from its future where the backend has one
         (gloo's all_reduce, NCCL), else when after_backward's wait returns (an upper bound)."""
         assert self._clock is not None
-        clock, spans = self._clock, self._spans
+        return timed(work, started, self._clock, self._spans)
 
-        def arrived(_: object) -> None:
-            spans.append((started, clock.now()))  # on the communication thread (gloo) or its stream (CUDA)
-
-        try:
-            return work.get_future().then(arrived)
-        except RuntimeError:  # e.g. gloo's reduce_scatter: "Work::getFuture not implemented"
-            return _WaitThenNote(work, arrived)
+    def _learned(self) -> None:
+        """End of the first step's backward: every rank's hook counts agreed (one small all_reduce), then
+        every bucket started in order. A refusal happens here on every rank alike, before any bucket."""
+        device = self._params[0].device
+        counts = torch.tensor(self._calls, dtype=torch.int64, device=device)
+        both = torch.cat([counts, -counts])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)  # every rank must reach this: [max count, -min count]
+        most, least = both[: len(counts)].tolist(), (-both[len(counts) :]).tolist()
+        unused = [self._names[i] for i, n in enumerate(least) if n == 0]
+        if unused:
+            raise ConfigError(
+                f"sync=bucketed is invalid for this model: parameter(s) {unused[:5]} got no gradient in the first "
+                "step on some rank, and a bucket is sent when all its gradients are in; use "
+                "sync=manual or sync=zero with sync.find_unused_parameters=true, sync=ddp with it, or sync=fsdp"
+            )
+        uneven = [self._names[i] for i, (a, b) in enumerate(zip(most, least, strict=True)) if a != b]
+        if uneven:
+            raise ConfigError(
+                f"sync=bucketed is invalid for this model: parameter(s) {uneven[:5]} got gradients a different "
+                "number of times per backward on different ranks in the first step; use sync=manual"
+            )
+        self._expected = most
+        self._count_calls()
+        for index in range(len(self._missing)):
+            self._start(index)
+        self._next = len(self._missing)
 
     def after_backward(self, model: nn.Module) -> None:
         assert self._flat is not None and self._clock is not None
         buckets = self._flat.buckets
+        if self._expected is None:
+            self._learned()
         if self._next < len(buckets):
-            missing = [bucket.params[0].shape for i, bucket in enumerate(buckets) if self._missing[i] > 0]
+            assert self._expected is not None
+            short = [name for name, n, e in zip(self._names, self._calls, self._expected, strict=True) if n < e]
             raise RuntimeError(
-                f"sync=bucketed: {len(buckets) - self._next} bucket(s) never got all their gradients this step "
-                f"(first shapes: {missing[:3]}); every trainable parameter must receive a gradient in every backward"
+                f"sync=bucketed: {len(buckets) - self._next} bucket(s) never got all their gradients this step: "
+                f"parameter(s) {short[:5]} got fewer gradients than in the first step; every trainable parameter "
+                "must receive its gradients in every backward (or use sync=manual with sync.find_unused_parameters)"
             )
         backward_end = self._clock.now() if self._timing else None
         gathers: list[tuple[Any, dist.Work]] = []
@@ -244,15 +286,3 @@ class BucketedSync(SyncStrategy):
             info["bucket_sizes_bytes"] = self._flat.sizes()
             info["total_parameter_bytes"] = self._flat.nbytes
         return info
-
-
-class _WaitThenNote:
-    """A collective without a future: its arrival is noted when the wait returns."""
-
-    def __init__(self, work: dist.Work, arrived: Callable[[object], None]) -> None:
-        self._work, self._arrived = work, arrived
-
-    def wait(self) -> bool:
-        self._work.wait()
-        self._arrived(None)
-        return True

@@ -1,7 +1,9 @@
 """PyTorch's FSDP2 (torch.distributed.fsdp.fully_shard): every rank holds a 1/world_size shard.
 
-Each module that directly owns parameters (Linear, Conv2d, BatchNorm...) becomes one FSDP unit,
-then the root. A unit's parameters live as DTensor shards (dim 0 split across ranks); its forward
+The units are chosen by sync.wrap (fsdp_units.py): one per transformer-style block (each element
+of an nn.ModuleList) or one per module that directly owns parameters (Linear, Conv2d, ...), then
+the root with the rest; a parameter shared by two candidates (tied weights) stays in the root.
+A unit's parameters live as DTensor shards (dim 0 split across ranks); its forward
 all-gathers them, its backward reduce-scatters the gradients, so each rank holds and updates only
 its shard of parameters, gradients and optimizer state. FSDP2 issues those collectives itself,
 so what this strategy reports in `self.comm` is counted from the layout, not measured.
@@ -33,6 +35,7 @@ from torch.optim import Optimizer
 from trainer.errors import ConfigError, check
 from trainer.sync.base import OptimizerFactory, SyncStrategy
 from trainer.sync.fsdp_state import by_index, by_name
+from trainer.sync.fsdp_units import check_wrap, plan_units, resolve
 from trainer.sync.manual import broadcast_from_rank0
 
 # What the parameters are all-gathered in, and the gradients reduce-scattered in.
@@ -44,6 +47,7 @@ class Unit:
     """One fully_shard call's parameters, as they travel (sizes padded the way FSDP2 pads them)."""
 
     module: nn.Module
+    probe: tuple[nn.Module, str]  # (owning module, attribute) of one of its parameters, as FSDP2 registers it
     is_root: bool
     all_gather_bytes: int  # the unsharded, padded parameters in the all-gather dtype
     reduce_scatter_bytes: int  # the unsharded, padded gradients in the reduce dtype
@@ -57,11 +61,12 @@ def padded_numel(shape: torch.Size, world_size: int) -> int:
     return math.ceil(dims[0] / world_size) * world_size * math.prod(dims[1:])
 
 
-def is_sharded(module: nn.Module) -> bool:
+def is_sharded(unit: Unit) -> bool:
     """Whether a unit's parameters are registered as its DTensor shards, i.e. its next forward
-    (or backward) all-gathers; FSDP2 registers the plain unsharded tensors while it holds them."""
-    first = next(module.parameters(recurse=False), None)
-    return isinstance(first, DTensor)
+    (or backward) all-gathers; FSDP2 registers the plain unsharded tensors while it holds them
+    (on the module that owns each parameter, which for a block is one of its submodules)."""
+    owner, name = unit.probe
+    return isinstance(getattr(owner, name), DTensor)
 
 
 class FSDPSync(SyncStrategy):
@@ -71,8 +76,10 @@ class FSDPSync(SyncStrategy):
     # trainer's replica check to compare (state_dicts() gathers them when a checkpoint needs them).
     keeps_replicas_equal = False
 
-    def __init__(self, reshard_after_forward: bool = True, mixed_precision: str = "none") -> None:
+    def __init__(self, reshard_after_forward: bool = True, mixed_precision: str = "none", wrap: str = "auto") -> None:
         super().__init__()
+        self.wrap_policy = check_wrap(wrap)
+        self._wrapped = ""  # what auto resolved to
         check(
             isinstance(reshard_after_forward, bool),
             "sync.reshard_after_forward",
@@ -109,8 +116,12 @@ class FSDPSync(SyncStrategy):
         mesh = init_device_mesh(device.type, (self._world_size,))
         dtypes = MIXED_PRECISION[self.mixed_precision]
         policy = MixedPrecisionPolicy(*dtypes) if dtypes else MixedPrecisionPolicy()
-        layers = [m for m in model.modules() if m is not model and next(m.parameters(recurse=False), None) is not None]
-        units = [self._unit(m, is_root=False) for m in layers] + [self._unit(model, is_root=True)]
+        layers, rest = plan_units(model, self.wrap_policy)
+        self._wrapped = resolve(model, self.wrap_policy)
+        recurse = self._wrapped == "block"
+        owners = {id(p): (m, n) for m in model.modules() for n, p in m.named_parameters(recurse=False)}
+        units = [self._unit(m, list(m.parameters(recurse=recurse)), owners, is_root=False) for m in layers]
+        units.append(self._unit(model, rest, owners, is_root=True))
         self._units = [u for u in units if u.all_gather_bytes]  # a root without parameters of its own gathers nothing
         for layer in layers:
             fully_shard(layer, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=policy)
@@ -123,14 +134,16 @@ class FSDPSync(SyncStrategy):
         model.register_forward_pre_hook(self._before_forward, prepend=True)
         return model  # sharded in place: the trainer's model and the forward module are one object
 
-    def _unit(self, module: nn.Module, is_root: bool) -> Unit:
-        params = list(module.parameters(recurse=False))
+    def _unit(
+        self, module: nn.Module, params: list[nn.Parameter], owners: dict[int, tuple[nn.Module, str]], is_root: bool
+    ) -> Unit:
         dtypes = MIXED_PRECISION[self.mixed_precision]
         gather_size = (lambda p: dtypes[0].itemsize) if dtypes else (lambda p: p.element_size())
         reduce_size = (lambda p: dtypes[1].itemsize) if dtypes else (lambda p: p.element_size())
         n = self._world_size
         return Unit(
             module,
+            owners[id(params[0])] if params else (module, ""),
             is_root,
             sum(padded_numel(p.shape, n) * gather_size(p) for p in params),
             sum(padded_numel(p.shape, n) * reduce_size(p) for p in params if p.requires_grad),
@@ -177,7 +190,7 @@ class FSDPSync(SyncStrategy):
         if self._world_size == 1:  # a single rank gathers nothing
             return
         for unit in self._units:
-            if is_sharded(unit.module):
+            if is_sharded(unit):
                 self._count("all_gather", unit.all_gather_bytes)
             if self.reshard_after_forward and not unit.is_root:
                 self._count("all_gather", unit.all_gather_bytes)
@@ -233,7 +246,10 @@ class FSDPSync(SyncStrategy):
             "strategy": "fsdp",
             "reshard_after_forward": self.reshard_after_forward,
             "mixed_precision": self.mixed_precision,
+            "wrap": self.wrap_policy,
         }
+        if self._wrapped:
+            info["wrap_in_use"] = self._wrapped
         if self._units:
             info["num_units"] = len(self._units)
             info["unit_bytes"] = [u.all_gather_bytes for u in self._units]  # each forward's gathers

@@ -7,6 +7,10 @@ that makes a group alone (larger than the cap, or coalesce_mb=0: the textbook lo
 all-reduced in place in its own tensor: a persistent buffer would cost it a zeroing and an
 accumulation pass per step, which for a 64 MB weight is a few percent of the step. With rs_ag
 every group gets a buffer: reduce_scatter needs the length padded to a multiple of the world size.
+
+A parameter that gets no gradient follows one rule in every grouping (trainer/sync/unused.py):
+refused in the first step unless find_unused_parameters, which leaves one that no rank used
+without a gradient (no update) and averages one that some rank used as sum / N.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from trainer.errors import check, is_number
 from trainer.sync import averaging
 from trainer.sync.base import SyncStrategy
 from trainer.sync.flat import FlatGrads, plan
+from trainer.sync.unused import UsedParams, names_of
 
 
 def broadcast_from_rank0(model: nn.Module) -> None:
@@ -36,8 +41,17 @@ class ManualSync(SyncStrategy):
 
     comm_in_sync_phase = True  # it communicates only in after_backward, which the trainer times
 
-    def __init__(self, coalesce_mb: float = 25.0, collective: str = "all_reduce") -> None:
+    def __init__(
+        self, coalesce_mb: float = 25.0, collective: str = "all_reduce", find_unused_parameters: bool = False
+    ) -> None:
         super().__init__()
+        check(
+            isinstance(find_unused_parameters, bool),
+            "sync.find_unused_parameters",
+            find_unused_parameters,
+            "accepted: true or false",
+        )
+        self.find_unused_parameters = find_unused_parameters
         check(
             is_number(coalesce_mb) and coalesce_mb >= 0,
             "sync.coalesce_mb",
@@ -48,6 +62,7 @@ class ManualSync(SyncStrategy):
         self.collective = averaging.check_collective(collective)
         self._flat: FlatGrads | None = None
         self._alone: list[nn.Parameter] = []  # all-reduced in place, in their own .grad
+        self._used: UsedParams | None = None
 
     def wrap(self, model: nn.Module) -> nn.Module:
         broadcast_from_rank0(model)
@@ -56,23 +71,32 @@ class ManualSync(SyncStrategy):
         in_place = self.collective == "all_reduce"
         self._alone = [group[0] for group in groups if in_place and len(group) == 1]
         self._flat = FlatGrads([group for group in groups if not in_place or len(group) > 1], dist.get_world_size())
+        self._used = UsedParams(params, names_of(model, params), self.find_unused_parameters, "manual")
         return model
 
     def after_backward(self, model: nn.Module) -> None:
-        assert self._flat is not None, "wrap() first"
+        assert self._flat is not None and self._used is not None, "wrap() first"
+        # Before any gradient collective: a refusal (first step) happens on every rank alike.
+        unused = self._used.unused_everywhere()
         self._flat.bind()  # a no-op unless something replaced a gradient (e.g. zero_grad(set_to_none))
         world_size = dist.get_world_size()
         for bucket in self._flat.buckets:
             averaging.average(bucket, self.collective, world_size)
             averaging.count(self.comm, bucket, self.collective)
+        skip = {id(self._used.params[i]) for i in unused}
         for param in self._alone:
+            if id(param) in skip:
+                continue  # no rank used it: it keeps no gradient, as in one process
+            if param.grad is None:  # unused here, used on another rank: this rank adds zeros to the sum
+                param.grad = torch.zeros_like(param)
             grad = param.grad
-            assert grad is not None, "every trainable parameter gets a gradient in every step"
             dist.all_reduce(grad, op=dist.ReduceOp.SUM)
             grad.div_(world_size)
             nbytes = grad.numel() * grad.element_size()
             self.comm.bytes += nbytes
             self.comm.add("all_reduce", nbytes)
+        for index in unused:  # its view holds zeros; None makes the optimizer skip it (bind() restores it)
+            self._used.params[index].grad = None
 
     def zero_grad(self, optimizer: Optimizer) -> None:
         assert self._flat is not None, "wrap() first"
@@ -81,7 +105,12 @@ class ManualSync(SyncStrategy):
             param.grad = None
 
     def describe(self) -> dict[str, Any]:
-        info: dict[str, Any] = {"strategy": "manual", "coalesce_mb": self.coalesce_mb, "collective": self.collective}
+        info: dict[str, Any] = {
+            "strategy": "manual",
+            "coalesce_mb": self.coalesce_mb,
+            "collective": self.collective,
+            "find_unused_parameters": self.find_unused_parameters,
+        }
         if self._flat is not None:
             info["num_buffers"] = len(self._flat.buckets)
             info["buffer_sizes_bytes"] = self._flat.sizes()

@@ -12,6 +12,11 @@ A step then moves what all_reduce would, in its two halves, with the optimizer i
 Forward, backward and evaluation stay local (every rank has the whole model); the optimizer holds
 one parameter, the shard, so its state (momentum, Adam's moments) is 1/N of ddp's. Checkpoints
 speak in the full model's terms (zero_state.py).
+
+A parameter no rank used (find_unused_parameters=true, trainer/sync/unused.py) gets no update: the
+optimizer steps on the whole shard, so its slice of the shard's parameters and optimizer state is
+put back as it was. The gradient buffer is cleared right after the step, so a caller's plain
+optimizer.zero_grad() (which drops the shard's .grad, re-bound here at the next step) is enough.
 """
 
 from __future__ import annotations
@@ -23,11 +28,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, check
 from trainer.sync import averaging
 from trainer.sync.base import OptimizerFactory, SyncStrategy
 from trainer.sync.flat import Bucket, FlatGrads
 from trainer.sync.manual import broadcast_from_rank0
+from trainer.sync.unused import UsedParams, names_of
 from trainer.sync.zero_state import Layout, gather_full_state, shard_of_full_state
 
 # Optimizers whose update of an element depends only on that element's parameter, gradient and
@@ -60,8 +66,19 @@ class ZeroSync(SyncStrategy):
     comm_in_sync_phase = False
     keeps_replicas_equal = True  # the all_gather leaves every rank the same full parameters
 
-    def __init__(self) -> None:
+    def __init__(self, find_unused_parameters: bool = False) -> None:
         super().__init__()
+        check(
+            isinstance(find_unused_parameters, bool),
+            "sync.find_unused_parameters",
+            find_unused_parameters,
+            "accepted: true or false",
+        )
+        self.find_unused_parameters = find_unused_parameters
+        self._used: UsedParams | None = None
+        self._frozen: list[tuple[int, int]] = []  # this step: shard slices [lo, hi) of parameters no rank used
+        self._shard: nn.Parameter | None = None  # the optimizer's one parameter
+        self._cleared = False  # the gradient buffer was zeroed after this step's optimizer step
         self._flat: FlatGrads | None = None
         self._layout: Layout | None = None
         self._params: torch.Tensor | None = None  # the flat parameter buffer
@@ -90,6 +107,7 @@ class ZeroSync(SyncStrategy):
         # One group: the gradient buffer has the parameter buffer's layout and padding.
         self._flat = FlatGrads([params], world_size)
         assert self._bucket.buffer.numel() == flat.numel()
+        self._used = UsedParams(params, names_of(model, params), self.find_unused_parameters, "zero")
         return model
 
     def build_optimizer(self, model: nn.Module, factory: OptimizerFactory) -> Optimizer:
@@ -100,6 +118,7 @@ class ZeroSync(SyncStrategy):
         assert self._param_shard is not None, "wrap() first"
         shard = nn.Parameter(self._param_shard)  # shares the buffer's memory: no copy
         shard.grad = self._bucket.shard
+        self._shard = shard
         optimizer = factory([shard])
         cls = type(optimizer)
         # The name a config would use: torch.optim.LBFGS rather than torch.optim.lbfgs.LBFGS.
@@ -122,7 +141,9 @@ class ZeroSync(SyncStrategy):
         return optimizer
 
     def after_backward(self, model: nn.Module) -> None:
-        assert self._flat is not None, "wrap() first"
+        assert self._flat is not None and self._used is not None and self._layout is not None, "wrap() first"
+        self._frozen = self._layout.shard_slices(self._used.unused_everywhere(), self._rank)
+        self._cleared = False
         self._flat.bind()  # a no-op unless something replaced a gradient
         bucket = self._bucket
         # Every rank, the same call: even one whose micro-batch had no samples (zero gradients).
@@ -134,18 +155,29 @@ class ZeroSync(SyncStrategy):
         self.comm.add("reduce_scatter", bucket.padded_nbytes)
 
     def optimizer_step(self, optimizer: Optimizer) -> None:
-        assert self._params is not None and self._param_shard is not None, "wrap() first"
+        assert self._params is not None and self._param_shard is not None and self._shard is not None, "wrap() first"
+        assert self._flat is not None
+        if self._shard.grad is not self._bucket.shard:  # a plain optimizer.zero_grad() dropped it
+            self._shard.grad = self._bucket.shard
+        kept = _keep(self._param_shard, optimizer, self._frozen)
         optimizer.step()  # updates this rank's slice of the parameter buffer
+        _restore(self._param_shard, optimizer, kept)
         # In place: this rank's input is its own slot of the output. Every rank must reach this
         # (a skipped step, on_nonfinite=skip, skips it on every rank alike).
         averaging.all_gather_tensor(self._params, self._param_shard)
         self.comm.add("all_gather", self._bucket.padded_nbytes)
+        # Cleared now, not only in zero_grad: the optimizer cannot reach the model's gradient views,
+        # so a caller that clears gradients with optimizer.zero_grad() alone would accumulate them.
+        self._flat.zero()
+        self._cleared = True
 
     def zero_grad(self, optimizer: Optimizer) -> None:
         # The flat buffer, never set_to_none: that would drop the views autograd accumulates into.
-        # The shard's .grad needs no zeroing: reduce_scatter overwrites it.
+        # The shard's .grad needs no zeroing: reduce_scatter overwrites it. After a step the buffer
+        # is clear already; a skipped step (on_nonfinite=skip) leaves it to clear here.
         assert self._flat is not None, "wrap() first"
-        self._flat.zero()
+        if not self._cleared:
+            self._flat.zero()
 
     def grads_finite(self, model: nn.Module, optimizer: Optimizer) -> bool:
         """Each rank holds only its shard's average: the ranks agree through a one-element all_reduce
@@ -175,6 +207,40 @@ class ZeroSync(SyncStrategy):
             info["padded_numel"] = self._layout.padded_numel
             info["shard_numel"] = self._layout.shard_numel
         return info
+
+
+Kept = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _per_element_state(shard: torch.Tensor, optimizer: Optimizer) -> dict[str, torch.Tensor]:
+    state = optimizer.state.get(optimizer.param_groups[0]["params"][0], {})
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == shard.shape}
+
+
+def _keep(
+    shard: torch.Tensor, optimizer: Optimizer, slices: list[tuple[int, int]]
+) -> tuple[list[tuple[int, int]], Kept]:
+    """Copies of the shard's parameters and per-element optimizer state in `slices`, to put back after
+    the step: one process's optimizer skips a parameter without a gradient."""
+    if not slices:  # the usual step: nothing to keep, nothing looked up
+        return slices, []
+    tensors = [shard, *_per_element_state(shard, optimizer).values()]
+    return slices, [(t[lo:hi], t[lo:hi].clone()) for t in tensors for lo, hi in slices]
+
+
+def _restore(shard: torch.Tensor, optimizer: Optimizer, kept: tuple[list[tuple[int, int]], Kept]) -> None:
+    """Put back what _keep copied; state this step created (e.g. Adam's moments) starts at zero there."""
+    slices, saved = kept
+    if not slices:
+        return
+    with torch.no_grad():
+        for view, copy in saved:
+            view.copy_(copy)
+        restored = {view.data_ptr() for view, _ in saved}
+        for value in _per_element_state(shard, optimizer).values():
+            for lo, hi in slices:
+                if value[lo:hi].data_ptr() not in restored:
+                    value[lo:hi].zero_()
 
 
 def _check_one_kind(params: list[nn.Parameter]) -> None:

@@ -49,6 +49,17 @@ class Layout:
         padded = -(-offset // world_size) * world_size
         return Layout(indices, shapes, offsets, len(params), offset, padded, world_size)
 
+    def shard_slices(self, trainable: list[int], rank: int) -> list[tuple[int, int]]:
+        """The parts of rank's shard, as [lo, hi) in the shard, that the given trainable parameters
+        (positions in the buffer's order) occupy."""
+        start, stop = rank * self.shard_numel, (rank + 1) * self.shard_numel
+        slices = []
+        for i in trainable:
+            lo, hi = max(self.offsets[i], start), min(self.offsets[i] + self.shapes[i].numel(), stop)
+            if lo < hi:
+                slices.append((lo - start, hi - start))
+        return slices
+
     def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """One tensor per trainable parameter, shaped like it, from a flat (padded) buffer."""
         return [

@@ -1,0 +1,165 @@
+"""Small models at the edges of the equivalence promise (float64), and the 2-rank case runner.
+
+Tied: an nn.ModuleList of blocks between an embedding and a head that share one weight (a GPT's
+shape). Reused: a layer applied twice under checkpointing, and once more outside it. Branchy: a
+branch that some ranks (or none) use. Each case trains 3 AdamW steps (weight decay 0.1) on 2 gloo
+ranks x 4 samples; the reference trains one process on the same 8 samples, its loss the mean of
+the ranks' losses (what averaging the ranks' gradients computes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from trainer.errors import ConfigError
+from trainer.sync.base import SyncStrategy
+
+STEPS, PER_RANK, WORLD = 3, 4, 2
+VOCAB, DIM, LEN = 11, 8, 5
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh()) for _ in range(2))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(self.norm(h)).flatten(0, 1)
+
+
+class Reused(nn.Module):
+    def __init__(self, reentrant: bool = True) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, DIM)
+        self.shared = nn.Linear(DIM, DIM)
+        self.out = nn.Linear(DIM, 3)
+        self.reentrant = reentrant
+        self.extra = False  # one more checkpointed use of the shared layer: the graph changed
+
+    def _layer(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.shared(h))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        h = checkpoint(self._layer, h, use_reentrant=self.reentrant)
+        h = checkpoint(self._layer, h, use_reentrant=self.reentrant)
+        if self.extra:
+            h = checkpoint(self._layer, h, use_reentrant=self.reentrant)
+        return self.out(self._layer(h))  # the same weight outside a checkpoint too
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(6, DIM)
+        self.branch = nn.Linear(DIM, DIM)
+        self.out = nn.Linear(DIM, 3)
+        self.use_branch = False  # set per rank by the case
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.trunk(x))
+        if self.use_branch:
+            h = h + self.branch(h.to(self.branch.weight.dtype)).to(h.dtype)
+        return self.out(h)
+
+
+MODELS: dict[str, Callable[[], nn.Module]] = {
+    "tied": Tied,
+    "reused": Reused,
+    "reused-nonreentrant": partial(Reused, reentrant=False),
+    "branchy": Branchy,
+    "branchy-mixed": Branchy,  # a dtype boundary: the branch is float32 in a float64 model
+}
+
+
+@dataclass
+class Case:
+    model: str
+    strategy: Callable[[], SyncStrategy]
+    branch_ranks: tuple[int, ...] = ()  # the ranks whose forward uses Branchy's branch
+    plain_zero_grad: bool = False  # optimizer.zero_grad() instead of sync.zero_grad
+    replicas: bool = True  # every rank ends with the same parameters
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def make(model: str) -> nn.Module:
+    torch.manual_seed(0)
+    module = MODELS[model]().double()
+    if isinstance(module, Branchy) and model.endswith("mixed"):
+        module.branch.float()
+    return module
+
+
+def batch(model: str, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank's 4 of the step's 8 samples."""
+    gen = torch.Generator().manual_seed(100 + step)
+    lo, hi = rank * PER_RANK, (rank + 1) * PER_RANK
+    if model == "tied":
+        x = torch.randint(VOCAB, (WORLD * PER_RANK, LEN), generator=gen)
+        y = torch.randint(VOCAB, (WORLD * PER_RANK, LEN), generator=gen)
+        return x[lo:hi], y[lo:hi].flatten()
+    x = torch.randn(WORLD * PER_RANK, 6, generator=gen, dtype=torch.float64)
+    y = torch.randint(3, (WORLD * PER_RANK,), generator=gen)
+    return x[lo:hi], y[lo:hi]
+
+
+def optimizer_for(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)
+
+
+def reference(case: Case, ranks: tuple[int, ...] = (0, 1)) -> dict[str, torch.Tensor]:
+    """One process, the ranks' samples together: each rank's loss with its own branch flag, averaged."""
+    model = make(case.model)
+    optimizer = optimizer_for(model.parameters())
+    for step in range(STEPS):
+        losses = []
+        for rank in ranks:
+            if isinstance(model, Branchy):
+                model.use_branch = rank in case.branch_ranks
+            x, y = batch(case.model, step, rank)
+            losses.append(F.cross_entropy(model(x), y))
+        (sum(losses) / len(losses)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def train(rank: int, case: Case) -> dict[str, Any]:
+    """One case on this rank: its full parameters at the end (rank 0 for sharded ones), or the refusal."""
+    model = make(case.model)
+    if isinstance(model, Branchy):
+        model.use_branch = rank in case.branch_ranks
+    sync = case.strategy()
+    try:
+        module = sync.wrap(model)
+        optimizer = sync.build_optimizer(model, optimizer_for)
+        for step in range(STEPS):
+            x, y = batch(case.model, step, rank)
+            F.cross_entropy(module(x), y).backward()
+            sync.after_backward(module)
+            sync.optimizer_step(optimizer)
+            if case.plain_zero_grad:
+                optimizer.zero_grad()
+            else:
+                sync.zero_grad(optimizer)
+        state, _ = sync.state_dicts(model, optimizer)
+    except ConfigError as err:
+        dist.barrier()
+        return {"error": str(err)}
+    return {"params": {k: v.detach().clone() for k, v in state.items()}}

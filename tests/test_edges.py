@@ -1,0 +1,219 @@
+"""The equivalence promise at its edges (issue 26), on 2 real gloo ranks against one process in float64:
+tied weights under every strategy, a layer reused under reentrant checkpointing, a parameter unused
+on every rank or on one, every grouping of manual, zero after a plain optimizer.zero_grad(), and the
+timed collective's future. One launch serves every case (torch start-up is the cost)."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tests.dist_helpers import run_on_ranks
+from tests.edge_models import Case, batch, make, optimizer_for, reference, train
+from tests.test_fsdp import real_collectives
+from trainer.sync import averaging
+from trainer.sync.bucket_clock import Clock
+from trainer.sync.bucketed import BucketedSync
+from trainer.sync.ddp import DDPSync
+from trainer.sync.flat import FlatGrads
+from trainer.sync.fsdp import FSDPSync
+from trainer.sync.manual import ManualSync
+from trainer.sync.none import NoSync
+from trainer.sync.zero import ZeroSync
+
+TINY_MB = 300 / 2**20  # below the branch's 8x8 float64 weight (512 bytes): that tensor makes a group alone
+FIND = {"find_unused_parameters": True}
+
+EVERY_STRATEGY = {
+    "none": NoSync,
+    "manual": ManualSync,
+    "manual-rs_ag": partial(ManualSync, collective="rs_ag"),
+    "manual-alone": partial(ManualSync, coalesce_mb=0),
+    "bucketed": partial(BucketedSync, bucket_cap_mb=TINY_MB),
+    "bucketed-rs_ag": partial(BucketedSync, bucket_cap_mb=TINY_MB, collective="rs_ag"),
+    "ddp": DDPSync,
+    "zero": ZeroSync,
+    "fsdp": FSDPSync,  # wrap=auto: the blocks are units, the tied embedding and head in the root
+    "fsdp-module": partial(FSDPSync, wrap="module"),  # the tied modules are left to the root
+}
+MANUAL_GROUPINGS = {
+    "manual": (partial(ManualSync, **FIND), "branchy"),
+    "manual-rs_ag": (partial(ManualSync, collective="rs_ag", **FIND), "branchy"),
+    "manual-coalesce0": (partial(ManualSync, coalesce_mb=0, **FIND), "branchy"),
+    "manual-above-cap": (partial(ManualSync, coalesce_mb=TINY_MB, **FIND), "branchy"),
+    "manual-mixed-dtypes": (partial(ManualSync, **FIND), "branchy-mixed"),
+    "zero": (partial(ZeroSync, **FIND), "branchy"),
+    "ddp": (partial(DDPSync, **FIND), "branchy"),
+}
+
+CASES: dict[str, Case] = {
+    **{f"tied-{name}": Case("tied", make, replicas=name not in ("none",)) for name, make in EVERY_STRATEGY.items()},
+    # A layer reused under reentrant checkpointing: its hook fires three times per backward.
+    "reused-manual": Case("reused", ManualSync),
+    "reused-bucketed": Case("reused", partial(BucketedSync, bucket_cap_mb=TINY_MB)),
+    "reused-bucketed-one-bucket": Case("reused", BucketedSync),
+    "reused-bucketed-rs_ag": Case("reused", partial(BucketedSync, bucket_cap_mb=TINY_MB, collective="rs_ag")),
+    "reused-bucketed-timed": Case("reused", partial(BucketedSync, bucket_cap_mb=TINY_MB, time_every_n_steps=1)),
+    "reused-nonreentrant-bucketed": Case("reused-nonreentrant", partial(BucketedSync, bucket_cap_mb=TINY_MB)),
+    "reused-ddp-static": Case("reused", partial(DDPSync, static_graph=True)),
+    "reused-zero": Case("reused", ZeroSync),
+    **{f"unused-all-{n}": Case(m, s) for n, (s, m) in MANUAL_GROUPINGS.items()},
+    **{f"unused-one-{n}": Case(m, s, branch_ranks=(1,)) for n, (s, m) in MANUAL_GROUPINGS.items()},
+    "unused-all-fsdp": Case("branchy", FSDPSync),
+    # zero after a plain optimizer.zero_grad() (set_to_none), and the flat-buffer strategies too
+    "zero-grad-zero": Case("tied", ZeroSync, plain_zero_grad=True),
+    "zero-grad-manual": Case("tied", ManualSync, plain_zero_grad=True),
+    "zero-grad-bucketed": Case("tied", partial(BucketedSync, bucket_cap_mb=TINY_MB), plain_zero_grad=True),
+}
+# Refused on every rank alike, naming the parameter, before the first optimizer step.
+REFUSED = {
+    "unused-all-manual-noflag": (Case("branchy", ManualSync), "'branch.weight'"),
+    "unused-one-manual-noflag": (Case("branchy", partial(ManualSync, coalesce_mb=0), branch_ranks=(1,)), "1 of 2"),
+    "unused-all-zero-noflag": (Case("branchy", ZeroSync), "'branch.weight'"),
+    "unused-all-bucketed": (Case("branchy", BucketedSync), "'branch.weight'"),
+    "unused-one-bucketed": (Case("branchy", BucketedSync, branch_ranks=(1,)), "'branch.weight'"),
+}
+
+
+def _every_case(rank: int, world_size: int) -> dict[str, Any]:
+    results = {name: train(rank, case) for name, case in CASES.items()}
+    results.update({name: train(rank, case) for name, (case, _) in REFUSED.items()})
+    results["timed-future"] = _timed_future(rank, world_size)
+    results["fsdp-comm"] = {wrap: _fsdp_comm(rank, wrap) for wrap in ("auto", "module")}
+    results["graph-changed"] = _graph_changed(rank)  # last: it stops a backward midway
+    return results
+
+
+def _graph_changed(rank: int) -> str:
+    """bucketed after step 1 learned 3 hook calls for the shared layer: a 4th in step 2 is an error
+    naming it, raised from the hook (on every rank here, as the graph changed on every rank)."""
+    model = make("reused")
+    sync = BucketedSync(bucket_cap_mb=TINY_MB)
+    sync.wrap(model)
+    for step in range(2):
+        model.extra = step == 1
+        x, y = batch("reused", step, rank)
+        try:
+            F.cross_entropy(model(x), y).backward()
+        except RuntimeError as err:
+            dist.barrier()
+            return str(err)
+        sync.after_backward(model)
+        sync.zero_grad(optimizer_for(model.parameters()))
+    return "no error"
+
+
+def _fsdp_comm(rank: int, wrap: str) -> dict[str, Any]:
+    """One step of the tied model: what fsdp counted from its units, and what FSDP2 really sent."""
+    model = make("tied")
+    sync = FSDPSync(wrap=wrap)
+    sync.wrap(model)
+    optimizer = sync.build_optimizer(model, optimizer_for)
+    with real_collectives() as real:
+        x, y = batch("tied", 0, rank)
+        F.cross_entropy(model(x), y).backward()
+        sync.after_backward(model)
+        sync.optimizer_step(optimizer)
+    return {"counted": sync.take_comm().kinds, "real": real, "describe": sync.describe()}
+
+
+def _timed_future(rank: int, world_size: int) -> tuple[Any, torch.Tensor]:
+    """bucketed's timed wait on a real collective: what wait() yields, and the bucket after it."""
+    sync = BucketedSync()
+    sync._clock = Clock(torch.device("cpu"))
+    param = torch.nn.Parameter(torch.zeros(5, dtype=torch.float64))
+    bucket = FlatGrads([[param]], world_size).buckets[0]
+    bucket.grads.copy_(torch.arange(5.0) + rank)
+    waited = sync._timed_work(averaging.start(bucket, "all_reduce"), sync._clock.now()).wait()
+    assert len(sync._spans) == 1, "the arrival was noted"
+    return waited, bucket.grads.clone()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_on_ranks(_every_case, 2, tmp_path_factory.mktemp("edges") / "run", timeout_s=600)
+
+
+def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for key in want:
+        tol = 1e-5 if want[key].dtype == torch.float32 else 1e-10
+        diff = (got[key].double() - want[key].double()).abs().max().item()
+        assert diff < tol, f"{key}: off by {diff:.3g}"
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_trains_what_one_process_trains(results: list[dict[str, Any]], name: str) -> None:
+    case = CASES[name]
+    if not case.replicas:  # none: each rank trains one process's model on its own samples
+        for rank in (0, 1):
+            _close(results[rank][name]["params"], reference(case, ranks=(rank,)))
+        return
+    assert "error" not in results[0][name], results[0][name].get("error")
+    _close(results[0][name]["params"], reference(case))
+    if not isinstance(case.strategy(), FSDPSync):  # fsdp: rank 0 holds the full state
+        _close(results[1][name]["params"], results[0][name]["params"])
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_refused_on_every_rank_naming_the_parameter(results: list[dict[str, Any]], name: str) -> None:
+    _, names = REFUSED[name]
+    messages = [results[rank][name].get("error") for rank in (0, 1)]
+    assert messages[0] is not None and messages[0] == messages[1], messages
+    assert names in messages[0] and "sync." in messages[0], messages[0]
+
+
+def test_unused_parameter_gets_no_update(results: list[dict[str, Any]]) -> None:
+    """What the reference comparison implies, said directly: the branch no rank used kept its start."""
+    for name, (_, model) in MANUAL_GROUPINGS.items():
+        untouched = make(model).state_dict()
+        for key in ("branch.weight", "branch.bias"):
+            assert torch.equal(results[0][f"unused-all-{name}"]["params"][key], untouched[key]), (name, key)
+
+
+def test_timed_future_yields_the_reduced_tensor(results: list[dict[str, Any]]) -> None:
+    for rank in (0, 1):
+        waited, bucket = results[rank]["timed-future"]
+        expected = (torch.arange(5.0) * 2 + 1).double()
+        # wait() yields the collective's value (the sum): on CUDA that is what makes a future's wait
+        # order the waiting stream after the collective's (a value without CUDA tensors records no event)
+        assert isinstance(waited, list) and len(waited) == 1 and torch.equal(waited[0], expected), waited
+        assert torch.equal(bucket, expected)
+
+
+def test_fsdp_counts_the_tied_model_units_it_really_sends(results: list[dict[str, Any]]) -> None:
+    """block (auto): two block units and the root (embedding = head, norm); module: the blocks' and
+    the norm's Linear/LayerNorm units, the tied pair left to the root. Counted from the layout = sent."""
+    for rank in results:
+        for wrap, units in (("auto", 3), ("module", 4)):
+            got = rank["fsdp-comm"][wrap]
+            assert got["describe"]["num_units"] == units and got["describe"]["wrap_in_use"] in ("block", "module")
+            assert got["counted"] == got["real"], wrap
+
+
+def test_summary_records_each_parameter_block() -> None:
+    """What python -m trainer.scaling --fsdp-wrap reads: the ModuleList element of each parameter."""
+    from tests.edge_models import Tied
+    from trainer.loop.summary import parameter_layout
+
+    tensors = parameter_layout(Tied())["parameter_tensors"]
+    assert [(t["name"], t["block"]) for t in tensors] == [
+        ("emb.weight", None),  # the head's weight is this one: listed once
+        ("blocks.0.0.weight", "blocks.0"),
+        ("blocks.0.0.bias", "blocks.0"),
+        ("blocks.1.0.weight", "blocks.1"),
+        ("blocks.1.0.bias", "blocks.1"),
+        ("norm.weight", None),
+        ("norm.bias", None),
+    ]
+
+
+def test_a_changed_graph_is_an_error_naming_the_parameter(results: list[dict[str, Any]]) -> None:
+    for rank in results:
+        assert "'shared.bias' got gradient number 4" in rank["graph-changed"], rank["graph-changed"]
+        assert "3 in the first step" in rank["graph-changed"]

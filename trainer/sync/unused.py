@@ -1,0 +1,84 @@
+"""Which trainable parameters got a gradient: DDP's find_unused_parameters, for the flat-buffer strategies.
+
+A parameter whose gradient lives in a flat buffer always has a .grad (a view, zeroed between
+steps), so "no gradient" cannot be read off it: a zero gradient and none look the same, and an
+optimizer with weight decay or momentum updates a parameter on a zero gradient where one process
+(grad None) leaves it alone. So each parameter's post-accumulate-grad hook sets its flag, and the
+ranks agree on the flags with one small all_reduce (SUM: on how many ranks each was used).
+
+find_unused_parameters=false (the default): the flags are kept for the first step only. If a
+parameter got no gradient there on some rank, every rank refuses alike (the same all_reduce told
+them all) with a ConfigError naming it; then the hooks are removed and the step path pays nothing.
+A gradient missing in a later step counts as zero in every grouping.
+find_unused_parameters=true: the hooks and the all_reduce stay, every step; a parameter no rank
+used gets no gradient (the optimizer skips it), one some rank used is averaged as sum / N.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from trainer.errors import ConfigError
+
+
+class UsedParams:
+    """A flag per trainable parameter, set by its hook in this step's backwards (all micro-batches)."""
+
+    def __init__(self, params: Sequence[nn.Parameter], names: Sequence[str], find_unused: bool, strategy: str) -> None:
+        self.params, self.names = list(params), list(names)
+        self.find_unused = find_unused
+        self.strategy = strategy
+        self._used = [False] * len(self.params)
+        self._handles: list[RemovableHandle] = [
+            param.register_post_accumulate_grad_hook(lambda _, i=index: self._mark(i))
+            for index, param in enumerate(self.params)
+        ]
+
+    def _mark(self, index: int) -> None:
+        self._used[index] = True
+
+    @property
+    def active(self) -> bool:
+        """Whether this step's flags are being kept (always with find_unused, else the first step)."""
+        return bool(self._handles)
+
+    def unused_everywhere(self) -> list[int]:
+        """After the step's backward, on every rank alike (a collective while active): the indices of the
+        parameters no rank used, which get no update; [] once the first step's check has passed."""
+        if not self._handles:
+            return []
+        device = self.params[0].device
+        counts = torch.tensor(self._used, dtype=torch.int32, device=device)
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM)  # every rank must reach this, at every step's end
+        self._used = [False] * len(self.params)
+        world_size = dist.get_world_size()
+        per_param = counts.tolist()
+        if self.find_unused:
+            return [i for i, n in enumerate(per_param) if n == 0]
+        missing = [(self.names[i], n) for i, n in enumerate(per_param) if n < world_size]
+        for handle in self._handles:  # checked once: the step path keeps no hooks
+            handle.remove()
+        self._handles = []
+        if missing:
+            shown = ", ".join(f"{name!r} (used on {n} of {world_size} ranks)" for name, n in missing[:5])
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise ConfigError(
+                f"sync.find_unused_parameters=false is invalid for this model with sync={self.strategy}: "
+                f"parameter(s) {shown}{more} got no gradient in the first step; set "
+                "sync.find_unused_parameters=true (a parameter no rank used is then left untouched, as one "
+                "process leaves it), or freeze them (requires_grad=False)"
+            )
+        return []
+
+
+def names_of(model: nn.Module, params: Sequence[nn.Parameter]) -> list[str]:
+    """Each parameter's name in the model (the first, for a tied one)."""
+    names: dict[int, str] = {}
+    for name, param in model.named_parameters():
+        names.setdefault(id(param), name)
+    return [names.get(id(p), "?") for p in params]
