@@ -162,6 +162,8 @@ def out_of_range(key: str, annotation: Any, spec: Spec) -> list[str]:
 def _cases() -> list[tuple[list[str], str]]:
     cases = []
     for group, option in OPTIONS:
+        if option not in SCHEMAS[group]:
+            continue  # test_every_yaml_option_has_a_schema_with_the_same_keys says where to add it
         for key, annotation, spec in leaves(SCHEMAS[group][option], f"{group}."):
             for value in wrong_kinds(key, annotation, spec) + out_of_range(key, annotation, spec):
                 cases.append(([f"{group}={option}", f"{key}={value}"], key))

@@ -13,6 +13,7 @@ import dataclasses
 import datetime as dt
 import os
 import sys
+import time
 import typing
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -33,6 +34,7 @@ from trainer.setup.validate import accepted_for, validate
 
 EXIT_CODE = 2
 RANK_WAIT_S = 30.0  # how long a rank other than 0 waits for rank 0 to report the same error
+RANK0_FIRST_S = 5.0
 
 
 def _compose(overrides: list[str], hydra_cfg: bool = False) -> DictConfig:
@@ -91,7 +93,7 @@ def _single(override: Override, value: str) -> str:
     return f"{prefix}{override.key_or_group}{package}={value}"
 
 
-def _explain(err: BaseException, overrides: list[str]) -> ConfigError:
+def explain_compose_error(err: BaseException, overrides: list[str]) -> ConfigError:
     """Hydra's or OmegaConf's compose error as one ConfigError line naming the key and what it accepts."""
     if isinstance(err, ConfigError):
         return err
@@ -102,13 +104,19 @@ def _explain(err: BaseException, overrides: list[str]) -> ConfigError:
             return ConfigError(f"{group}={option} is not an option of {group}: accepted: {', '.join(options)}")
     cause: BaseException | None = err
     while cause is not None and not (isinstance(cause, OmegaConfBaseException) and cause.full_key):
-        cause = cause.__cause__
+        cause = cause.__cause__ or cause.__context__
     if cause is None:
         return ConfigError(_first_line(err))
     full_key = str(cause.full_key)
     key = full_key.split("[")[0]
     given = [o for o in overrides if _key(o) == key]
     value = given[-1].split("=", 1)[1] if given else None
+    schema = getattr(cause, "object_type", None)
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and not given and dataclasses.is_dataclass(schema):
+        return ConfigError(  # a YAML (or an experiment) sets a key its schema lacks: a developer's slip
+            f"{key} is set in a config file, but its schema {schema.__name__} has no field "
+            f"{key.rpartition('.')[2]}: add it in trainer/setup/schema/ (README: Configuration, adding a key)"
+        )
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
         return ConfigError(conf.unknown_key_message(key, _compose_choices(overrides)) or _first_line(cause))
     hint = _accepted_from_schema(cause, full_key)
@@ -161,7 +169,7 @@ def _check(overrides: list[str], multirun: bool) -> None:
         if not swept:
             _validate(cfg)
     except Exception as err:
-        raise _explain(err, overrides) from None
+        raise explain_compose_error(err, overrides) from None
     for variant in _variants(_parse(swept), multirun=True) if swept else ():
         _check([*overrides, *variant], multirun=False)
 
@@ -207,4 +215,8 @@ def check_command_line(argv: list[str], rank: int, wait_for_rank0: Callable[[boo
                 wait_for_rank0(True)
         elif not wait_for_rank0(False):  # rank 0 did not fail the same way: say it here
             print(f"[rank{rank}] configuration error: {err}", file=sys.stderr, flush=True)
+        else:
+            # Let rank 0 exit first, so torchrun's report names it (exit code 2, the rank that printed)
+            # as the first failure; torchrun then stops this rank, or it exits 2 itself.
+            time.sleep(RANK0_FIRST_S)
         raise SystemExit(EXIT_CODE) from None
