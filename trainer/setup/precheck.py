@@ -112,12 +112,13 @@ def explain_compose_error(err: BaseException, overrides: list[str]) -> ConfigErr
     given = [o for o in overrides if _key(o) == key]
     value = given[-1].split("=", 1)[1] if given else None
     schema = getattr(cause, "object_type", None)
-    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and not given and dataclasses.is_dataclass(schema):
+    unknown = isinstance(cause, (ConfigKeyError, ConfigAttributeError))
+    if unknown and not given and isinstance(schema, type) and dataclasses.is_dataclass(schema):
         return ConfigError(  # a YAML (or an experiment) sets a key its schema lacks: a developer's slip
             f"{key} is set in a config file, but its schema {schema.__name__} has no field "
             f"{key.rpartition('.')[2]}: add it in trainer/setup/schema/ (README: Configuration, adding a key)"
         )
-    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
+    if unknown:
         return ConfigError(conf.unknown_key_message(key, _compose_choices(overrides)) or _first_line(cause))
     hint = _accepted_from_schema(cause, full_key)
     if hint is None:  # e.g. an item of a list: compose again without the override to find the key's schema
