@@ -148,12 +148,16 @@ def check_overrides(argv: list[str]) -> None:
     """Raise ConfigError if anything the command line would run is bad input (train.py's arguments)."""
     if any(a.startswith("-") and a not in ("-m", "--multirun") for a in argv):
         return  # Hydra's own flags (--help, --cfg, --config-name, ...): Hydra handles the command line
-    conf.set_run_stamp(os.environ.get(conf.RUN_STAMP_ENV, "precheck"))  # run_name resolves, if asked
-    overrides = [a for a in argv if not a.startswith("-")]
-    multirun = len(overrides) != len(argv)
-    parsed = _parse(overrides)
-    for variant in _variants(parsed, multirun):
-        _check(variant, multirun)
+    stamp = os.environ.get(conf.RUN_STAMP_ENV)
+    conf.set_run_stamp(stamp or "precheck")  # so run_name resolves, if anything asks; the real one comes later
+    try:
+        overrides = [a for a in argv if not a.startswith("-")]
+        multirun = len(overrides) != len(argv)
+        for variant in _variants(_parse(overrides), multirun):
+            _check(variant, multirun)
+    finally:
+        if stamp is None:
+            del os.environ[conf.RUN_STAMP_ENV]
 
 
 def _check(overrides: list[str], multirun: bool) -> None:
