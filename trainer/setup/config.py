@@ -56,14 +56,9 @@ def compose_config(overrides: list[str], run_stamp: str = "composed") -> DictCon
     """The config train.py would see for these overrides, without running Hydra's app (tests, benchmarks)."""
     from hydra import compose, initialize_config_dir
 
-    from trainer.setup.precheck import explain_compose_error
-
     set_run_stamp(os.environ.get(RUN_STAMP_ENV, run_stamp))
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            return compose("config", overrides=overrides)
-    except Exception as err:  # as train.py reports it: one line naming the key (a ConfigError)
-        raise explain_compose_error(err, overrides) from None
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("config", overrides=overrides)
 
 
 def plain_config(cfg: DictConfig) -> dict[str, Any]:
