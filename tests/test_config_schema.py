@@ -192,6 +192,14 @@ def test_every_option_as_it_stands_is_accepted(group: str, option: str) -> None:
     check_overrides([f"{group}={option}"])  # the refusals above are the values', not the option's
 
 
+GLOBAL = [f"+strategy={o}" for o in yaml_options("strategy")] + [f"experiment={o}" for o in yaml_options("experiment")]
+
+
+@pytest.mark.parametrize("choice", GLOBAL)
+def test_every_strategy_and_experiment_sets_only_typed_values_in_range(choice: str) -> None:
+    check_overrides(["-m", choice])  # -m: an experiment's own sweep values are checked one by one too
+
+
 def test_the_sweep_covers_every_leaf_and_bound() -> None:
     keys = {key for _, key in CASES}
     assert {"optim.lr", "sync.static_graph", "trainer.fault.kind", "data.seed", "schedule.min_lr_ratio"} <= keys
