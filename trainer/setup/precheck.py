@@ -68,10 +68,8 @@ def _parse(overrides: list[str]) -> list[Override]:
 
 def _accepted_quietly(overrides: list[str], key: str) -> str | None:
     """What key accepts under these overrides' group choices, or None if that cannot be told."""
-    try:
-        return accepted_for(_compose([o for o in overrides if "=" in o and "." not in _key(o)]), key)
-    except Exception:
-        return None
+    cfg = _compose_choices(overrides)
+    return accepted_for(cfg, key) if cfg is not None else None
 
 
 def _variants(parsed: list[Override], multirun: bool) -> Iterator[list[str]]:
@@ -138,6 +136,7 @@ def _accepted_from_schema(cause: OmegaConfBaseException, full_key: str) -> str |
 
 
 def _compose_choices(overrides: list[str]) -> DictConfig | None:
+    """The config with only these overrides' group choices (sync=fsdp), or None if even that fails."""
     try:
         return _compose([o for o in overrides if "=" in o and "." not in _key(o)])
     except Exception:
