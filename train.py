@@ -25,7 +25,7 @@ from trainer.logger.base import MetricLogger
 from trainer.loop.summary import log_final_report
 from trainer.reliability.exits import exit_cleanly
 from trainer.setup import config as conf
-from trainer.setup import dist
+from trainer.setup import dist, precheck
 from trainer.setup.build import (
     add_loggers,
     build_parts,
@@ -65,7 +65,10 @@ def main(cfg: DictConfig) -> dict[str, Any]:
 
 if __name__ == "__main__":
     launch = dist.read_launch_env()
-    conf.set_run_stamp(dist.agree_on_run_stamp(dist.job_store(launch), launch))
+    store = dist.job_store(launch)
+    # Bad input stops every rank here (exit 2), before Hydra's app creates the run dir.
+    precheck.check_command_line(sys.argv[1:], launch.rank, precheck.rank0_signal(store, launch))
+    conf.set_run_stamp(dist.agree_on_run_stamp(store, launch))
     try:
         main()
     except SystemExit as exit_:

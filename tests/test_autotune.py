@@ -172,7 +172,7 @@ def test_bucketed_auto_rebuilds_its_buckets_without_changing_the_numbers(
         (["sync.bucket_cap_mb=0"], r"sync\.bucket_cap_mb=0 is invalid: must be a number > 0 .* or auto"),
         (["sync.bucket_cap_mb=bogus"], r"sync\.bucket_cap_mb='bogus' is invalid: must be a number > 0 .* or auto"),
         (["sync.auto_candidates_mb=[]"], r"sync\.auto_candidates_mb=\[\] is invalid: must be a non-empty list"),
-        (["sync.auto_candidates_mb=[1,0]"], r"sync\.auto_candidates_mb=\[1, 0\] is invalid: .*numbers > 0"),
+        (["sync.auto_candidates_mb=[1,0]"], r"sync\.auto_candidates_mb=\[1(\.0)?, 0(\.0)?\] is invalid: .*numbers > 0"),
         (["sync.auto_steps_per_trial=0"], r"sync\.auto_steps_per_trial=0 is invalid: must be an integer >= 1"),
         (["sync.auto_warmup_steps=0"], r"sync\.auto_warmup_steps=0 is invalid: must be an integer >= 1"),
     ],

@@ -103,7 +103,7 @@ def test_hook_keeps_replicas_equal_counts_what_it_sends_and_trains(trained: list
         (["sync.comm_hook=bogus"], r"sync\.comm_hook='bogus' is invalid: must be one of none, fp16, bf16, powersgd"),
         (["sync.comm_hook=fp16", "sync.time_buckets=true"], r"sync\.comm_hook='fp16' is invalid: sync\.time_buckets"),
         (["sync.powersgd_rank=0"], r"sync\.powersgd_rank=0 is invalid: must be an integer >= 1"),
-        (["sync.powersgd_rank=1.5"], r"sync\.powersgd_rank=1\.5 is invalid: must be an integer >= 1"),
+        (["sync.powersgd_rank=1.5"], r"sync\.powersgd_rank=1\.5 is invalid: accepted: an integer >= 1"),
         (["sync.powersgd_start_step=1"], r"sync\.powersgd_start_step=1 is invalid: must be an integer >= 2 .*warm"),
         (["sync.powersgd_start_step=-1"], r"sync\.powersgd_start_step=-1 is invalid: must be an integer >= 2"),
         (

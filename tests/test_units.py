@@ -258,5 +258,7 @@ def test_ranks_that_drift_into_different_jobs_are_stopped(tmp_path: Path) -> Non
 @pytest.mark.parametrize("sync", ["ddp", "bucketed"])
 def test_time_every_n_steps_must_be_a_positive_integer(sync: str) -> None:
     for bad in ("0", "1.5"):
-        with pytest.raises(ConfigError, match=r"sync\.time_every_n_steps=.* is invalid: must be an integer >= 1"):
+        with pytest.raises(
+            ConfigError, match=r"sync\.time_every_n_steps=.* is invalid: (must be|accepted:) an integer >= 1"
+        ):
             instantiate(compose_config([f"sync={sync}", f"sync.time_every_n_steps={bad}"]).sync)

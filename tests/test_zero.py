@@ -54,7 +54,8 @@ CASES = {
     "ddp-adamw": ["sync=ddp", "data.batch_size=8", "optim=adamw"],  # the state zero must shard and rebuild
     # Checkpoints at step 3 (and 6); then step 6 is deleted and a new trainer resumes from step 3.
     "resume": [*ZERO, "optim=adamw", "trainer.checkpoint_every_n_steps=3"],
-    "lbfgs": [*ZERO, "optim=sgd", "optim._target_=torch.optim.LBFGS", "~optim.momentum", "~optim.weight_decay"],
+    # An optimizer with no YAML of its own: the typed optim group replaced by a plain node.
+    "lbfgs": [*ZERO, "~optim", "+optim._target_=torch.optim.LBFGS", "+optim._partial_=true", "+optim.lr=0.1"],
 }
 
 

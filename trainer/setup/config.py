@@ -16,6 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from trainer.setup import schema
 from trainer.setup.dist import read_launch_env
 
 RUN_STAMP_ENV = "DDPLAB_RUN_STAMP"
@@ -45,6 +46,8 @@ OmegaConf.register_new_resolver("ddplab.console_level", lambda: "INFO" if _rank(
 # Only global rank 0 writes Hydra's .hydra/ files; the others would race it for the same paths.
 OmegaConf.register_new_resolver("ddplab.hydra_subdir", lambda: ".hydra" if _rank() == 0 else None, replace=True)
 
+
+schema.register()  # the typed schemas every conf/<group>/<option>.yaml names in its defaults
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
@@ -129,12 +132,19 @@ def explain_overrides(overrides: list[str], config_dir: Path) -> None:
     except Exception:
         return
     for key in keys:
-        parent_key, _, leaf = key.rpartition(".")
-        parent = OmegaConf.select(cfg, parent_key, default=None)
-        if not isinstance(parent, DictConfig) or leaf in parent:
-            continue
-        accepted = sorted(str(k) for k in parent if not str(k).startswith("_"))
-        close = difflib.get_close_matches(leaf, accepted, n=1)
-        hint = f" Did you mean {parent_key}.{close[0]}?" if close else ""
-        listed = ", ".join(accepted) if accepted else "(none)"
-        print(f"'{key}' is not a config key. Keys under '{parent_key}': {listed}.{hint}", file=sys.stderr)
+        message = unknown_key_message(key, cfg)
+        if message:
+            print(message, file=sys.stderr)
+
+
+def unknown_key_message(key: str, cfg: DictConfig | None) -> str | None:
+    """ "'trainer.max_step' is not a config key. Keys under 'trainer': ... Did you mean ...?", or None."""
+    parent_key, _, leaf = key.rpartition(".")
+    parent = OmegaConf.select(cfg, parent_key, default=None) if cfg is not None and parent_key else cfg
+    if not isinstance(parent, DictConfig) or leaf in parent:
+        return None
+    accepted = sorted(str(k) for k in parent if not str(k).startswith("_"))
+    close = difflib.get_close_matches(leaf, accepted, n=1)
+    hint = f" Did you mean {parent_key}.{close[0]}?" if close else ""
+    listed = ", ".join(accepted) if accepted else "(none)"
+    return f"'{key}' is not a config key. Keys under '{parent_key}': {listed}.{hint}"

@@ -1,0 +1,251 @@
+"""Every key of every option is typed and checked: a wrong value is one line naming the key.
+
+Composed in-process through trainer/setup/precheck.py, the very code train.py runs before Hydra's
+app (test_bad_values_end_to_end.py runs a few through train.py and torchrun). The cases are derived
+from the schemas, so a key added later is swept without touching this file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any
+
+import pytest
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from tests.compose import CONF_DIR, compose_config
+from trainer.errors import ConfigError
+from trainer.setup.precheck import check_overrides
+from trainer.setup.schema import MODULES, SCHEMAS
+from trainer.setup.schema.spec import Spec, spec_of
+
+# Groups whose options are not typed nodes of their own: they set keys of the typed groups.
+UNTYPED_GROUPS = {
+    "experiment": "@package _global_: sets keys of the typed groups (model.hidden_sizes, trainer.max_steps, ...)",
+    "strategy": "@package _global_: picks a sync option and sets its keys",
+    "hydra": "Hydra's own config (launchers, logging), typed by Hydra",
+    "local": "the user's own machine settings, git-ignored",
+}
+# Strings that accept any value of the right kind (a list there is still refused), and why.
+ANY_STRING = {
+    "data.root": "a directory: checked when the data is set up (missing files are named there)",
+    "trainer.resume": "auto, never, or a checkpoint's path: checked when the trainer resumes",
+    "logger.project": "a W&B project name",
+    "logger.entity": "a W&B user or team name",
+}
+# Numbers that accept any value of their type, and why (none today: a new one must say why here).
+ANY_NUMBER: dict[str, str] = {}
+
+
+def yaml_options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+OPTIONS = [(group, option) for group in sorted(SCHEMAS) for option in yaml_options(group)]
+IDS = [f"{g}={o}" for g, o in OPTIONS]
+
+
+def test_every_group_directory_is_typed() -> None:
+    on_disk = {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
+    untyped = on_disk - set(SCHEMAS) - set(UNTYPED_GROUPS)
+    assert not untyped, (
+        f"conf/{sorted(untyped)[0]}/ has no schemas: add a module to trainer/setup/schema/ with a dataclass per "
+        "option and list it in SCHEMAS in trainer/setup/schema/__init__.py (README: Configuration, adding a key)"
+    )
+
+
+def test_every_schema_has_its_yaml() -> None:
+    stale = [f"{g}/{o}" for g, options in SCHEMAS.items() for o in options if o not in yaml_options(g)]
+    assert not stale, f"schemas without a conf/<group>/<option>.yaml: {stale}"
+
+
+def _compare(raw: DictConfig, schema: type, where: str, module: str) -> None:
+    """The YAML's keys and the schema's fields are the same set (fields with a default may be left out)."""
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    hints = typing.get_type_hints(schema)
+    for name in (str(k) for k in raw if k != "defaults"):
+        assert name in fields, (
+            f"{where} sets `{name}`, which {schema.__name__} in {module} lacks: add the typed field "
+            f"`{name}: <type> = key(<range or choices>)` there (README: Configuration, adding a key)"
+        )
+        if dataclasses.is_dataclass(hints[name]):
+            _compare(raw[name], hints[name], f"{where} under {name}", module)
+    for name, field in fields.items():
+        required = field.default is MISSING and field.default_factory is dataclasses.MISSING
+        assert not required or name in raw, (
+            f"{schema.__name__} in {module} declares `{name}` without a default, but {where} does not set it: "
+            "add its line (the value is the default) to the YAML"
+        )
+
+
+@pytest.mark.parametrize(("group", "option"), OPTIONS, ids=IDS)
+def test_every_yaml_option_has_a_schema_with_the_same_keys(group: str, option: str) -> None:
+    where, module = f"conf/{group}/{option}.yaml", MODULES[group]
+    schema = SCHEMAS[group].get(option)
+    line = f"/schema/{group}/{option}@_here_"
+    assert schema is not None, (
+        f"{where} has no schema: add a dataclass for it to {module}, list it there in OPTIONS as "
+        f"'{option}', and start the YAML with `defaults: [{line}]` (README: Configuration, adding a key)"
+    )
+    raw = OmegaConf.load(CONF_DIR / group / f"{option}.yaml")
+    assert isinstance(raw, DictConfig) and line in list(raw.get("defaults") or []), (
+        f"{where} does not name its schema: start it with `defaults: [{line}]`"
+    )
+    _compare(raw, schema, where, module)
+    assert OmegaConf.get_type(compose_config([f"{group}={option}"])[group]) is schema
+
+
+def leaves(schema: type, prefix: str) -> list[tuple[str, Any, Spec]]:
+    """(full key, annotation, Spec) of every leaf field, nested dataclasses (trainer.fault) included."""
+    found = []
+    hints = typing.get_type_hints(schema)
+    for field in dataclasses.fields(schema):
+        if dataclasses.is_dataclass(hints[field.name]):
+            found += leaves(hints[field.name], f"{prefix}{field.name}.")
+        else:
+            found.append((f"{prefix}{field.name}", hints[field.name], spec_of(field)))
+    return found
+
+
+def _base(annotation: Any) -> Any:
+    """int for `int | None`, list for `list[int]`."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) is list:
+        return list
+    return _base(args[0]) if args else annotation
+
+
+def wrong_kinds(key: str, annotation: Any, spec: Spec) -> list[str]:
+    """Override values of the wrong kind for this key: a word for a number, maybe for a boolean, ..."""
+    base = _base(annotation)
+    if spec.number is not None:
+        return ["lots", "[1,2]"]
+    return {
+        bool: ["maybe", "[1,2]"],
+        int: ["lots", "1.5", "[1,2]"],
+        float: ["lots", "[1,2]"],
+        str: ["[1,2]"],
+        list: ["lots", "[lots]"],
+    }[base]
+
+
+def out_of_range(key: str, annotation: Any, spec: Spec) -> list[str]:
+    """Override values of the right kind that the key must refuse: past each bound, outside the choices."""
+    base = _base(annotation)
+    values = [
+        spec.ge - 1 if spec.ge is not None else None,
+        spec.gt,
+        spec.lt,
+        spec.le + 1 if spec.le is not None else None,
+    ]
+    numbers = [str(int(v) if base is int else v) for v in values if v is not None]
+    bad = [f"[{n}]" for n in numbers] if base is list else numbers
+    if spec.choices:
+        bad.append("false" if base is bool else "bogus")
+    if base is list and spec.length is not None:
+        bad.append("[" + ",".join(["0.5"] * (spec.length + 1)) + "]")
+    if spec.nonempty:
+        bad.append("[]" if base is list else "''")
+    if key.endswith("._target_"):
+        bad.append("no.such.Thing")
+    if not bad:
+        kind = "number" if base in (int, float) else "string" if base is str else None
+        listed = {"number": ANY_NUMBER, "string": ANY_STRING}.get(kind or "")
+        assert listed is None or key in listed, (
+            f"{key} accepts any {kind}: give it a range or choices (key(ge=..., choices=...)), "
+            f"or list it in tests/test_config_schema.py's ANY_{(kind or '').upper()} with the reason"
+        )
+    return bad
+
+
+def _cases() -> list[tuple[list[str], str]]:
+    cases = []
+    for group, option in OPTIONS:
+        if option not in SCHEMAS[group]:
+            continue  # test_every_yaml_option_has_a_schema_with_the_same_keys says where to add it
+        for key, annotation, spec in leaves(SCHEMAS[group][option], f"{group}."):
+            for value in wrong_kinds(key, annotation, spec) + out_of_range(key, annotation, spec):
+                cases.append(([f"{group}={option}", f"{key}={value}"], key))
+    return cases
+
+
+CASES = _cases()
+
+
+def _refused(overrides: list[str]) -> str:
+    with pytest.raises(ConfigError) as caught:
+        check_overrides(overrides)
+    message = str(caught.value)
+    assert "\n" not in message.strip(), message
+    return message
+
+
+@pytest.mark.parametrize(("overrides", "key"), CASES, ids=[" ".join(o) for o, _ in CASES])
+def test_every_leaf_refuses_a_wrong_value_naming_the_key(overrides: list[str], key: str) -> None:
+    message = _refused(overrides)
+    assert key in message and "accepted" in message, message
+
+
+@pytest.mark.parametrize(("group", "option"), OPTIONS, ids=IDS)
+def test_every_option_as_it_stands_is_accepted(group: str, option: str) -> None:
+    check_overrides([f"{group}={option}"])  # the refusals above are the values', not the option's
+
+
+GLOBAL = [f"+strategy={o}" for o in yaml_options("strategy")] + [f"experiment={o}" for o in yaml_options("experiment")]
+
+
+@pytest.mark.parametrize("choice", GLOBAL)
+def test_every_strategy_and_experiment_sets_only_typed_values_in_range(choice: str) -> None:
+    check_overrides(["-m", choice])  # -m: an experiment's own sweep values are checked one by one too
+
+
+def test_the_sweep_covers_every_leaf_and_bound() -> None:
+    keys = {key for _, key in CASES}
+    assert {"optim.lr", "sync.static_graph", "trainer.fault.kind", "data.seed", "schedule.min_lr_ratio"} <= keys
+    assert (["optim=sgd", "optim.lr=0"], "optim.lr") in CASES  # gt=0: zero itself is refused
+    assert (["trainer=default", "trainer.seed=4294967296"], "trainer.seed") in CASES
+    assert set(ANY_STRING) <= keys and set(ANY_NUMBER) <= keys
+
+
+MORE = {
+    # id: (command line as train.py gets it, text the message must hold)
+    "unclosed-list": (["trainer.num_epochs=[1,2"], ["trainer.num_epochs=[1,2 cannot be parsed", "integer >= 1"]),
+    "stray-equals": (["trainer.seed==3"], ["trainer.seed", "integer"]),
+    "unknown-option": (["sync=bogus"], ["sync=bogus is not an option of sync", "bucketed, ddp, fsdp"]),
+    "misspelt-key": (["trainer.max_step=5"], ["'trainer.max_step' is not a config key", "Did you mean"]),
+    "added-key": (["+model.depth=3"], ["model.depth is not a key of model", "hidden_sizes"]),
+    "run-name": (["run_name=[1,2]"], ["run_name=", "accepted"]),
+    "warmup-longer-than-run": (
+        ["schedule=warmup_cosine", "trainer.max_steps=10", "schedule.warmup_steps=20"],
+        ["schedule.warmup_steps=20", "trainer.max_steps=10"],
+    ),
+    "nesterov-without-momentum": (["optim.nesterov=true", "optim.momentum=0"], ["optim.nesterov", "momentum > 0"]),
+    "another-optimizers-keys": (["optim._target_=torch.optim.Adam"], ["optim.momentum", "torch.optim.Adam takes no"]),
+    "sweep-value": (["-m", "sync.bucket_cap_mb=1,5,lots"], ["sync.bucket_cap_mb='lots' is invalid"]),
+    "experiment-then-bad-value": (["-m", "experiment=bucket_sweep", "trainer.max_steps=-3"], ["trainer.max_steps=-3"]),
+    "strategy-sweep-then-bad-value": (
+        ["-m", "+strategy=ddp,bucketed", "sync.comm_hook=fp16"],
+        ["'sync.comm_hook' is not a config key", "bucket_cap_mb"],  # bucketed has no comm_hook
+    ),
+    "both-lengths-null": (["trainer.max_steps=null", "trainer.num_epochs=null"], ["both null"]),
+    "ddp-hook-and-bucket-timing": (
+        ["sync.comm_hook=fp16", "sync.time_buckets=true"],  # the constructor's own rule, run before any file
+        ["sync.comm_hook='fp16' is invalid", "time_buckets"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", MORE, ids=list(MORE))
+def test_command_line_errors_name_the_override(case: str) -> None:
+    argv, expected = MORE[case]
+    message = _refused(argv)
+    for fragment in expected:
+        assert fragment in message, message
+
+
+def test_a_plain_node_replacing_a_group_is_still_checked_against_its_target() -> None:
+    # ~optim drops the typed node: the keywords handed to torch are still checked against torch's signature.
+    plain = ["~optim", "+optim._target_=torch.optim.LBFGS", "+optim._partial_=true"]
+    check_overrides([*plain, "+optim.lr=0.5"])
+    assert "LBFGS takes no keyword momentum" in _refused([*plain, "+optim.momentum=0.5"])
