@@ -40,7 +40,8 @@ from trainer.setup.preflight import bytes_needed, check_output_dir
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> dict[str, Any]:
     loggers: list[MetricLogger] = []
-    with exit_cleanly(loggers):  # ConfigError -> message + exit 2; SIGTERM -> flush + exit 143
+    # ConfigError -> one message (rank 0's) + exit 2; SIGTERM -> flush + exit 143; Ctrl-C -> exit 130
+    with exit_cleanly(loggers, precheck.speaks_for_the_job):
         config = conf.plain_config(cfg)
         settings = instantiate(cfg.trainer)
         parts = build_parts(cfg, settings)  # every constructor runs here, before any collective

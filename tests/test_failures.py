@@ -53,6 +53,12 @@ def test_bad_input_fails_fast_on_every_rank_with_a_clear_message(tmp_path: Path,
     assert proc.returncode != 0, text
     for fragment in expected:
         assert_every_rank_stopped(text, fragment)
+    # One message, from rank 0 only, its parts in the order a reader needs them (for a misspelt key
+    # the suggestion before the list), and none of Hydra's "+key" advice.
+    assert text.count("configuration error:") == 1, text
+    where = [text.index(fragment) for fragment in expected]
+    assert where == sorted(where), text
+    assert "To append to your config use +" not in text
     # No traceback from our code or Hydra's: the only one allowed is torchrun's own failure report.
     assert text.count("Traceback (most recent call last)") <= 1, text
     assert 'train.py", line' not in text and str(REPO / "trainer") not in text and "hydra/_internal" not in text

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import signal
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from types import FrameType
 
@@ -83,9 +83,10 @@ class StepBoundary:
 
 
 @contextmanager
-def exit_cleanly(loggers: Sequence[MetricLogger]) -> Iterator[None]:
+def exit_cleanly(loggers: Sequence[MetricLogger], speaks: Callable[[], bool] | None = None) -> Iterator[None]:
     """Run a job; on the way out close every logger with the job's exit code.
 
+    `speaks()` says whether this rank prints a ConfigError on the console (one rank for the job).
     A ConfigError becomes a one-line message and exit code 2 (no traceback: the message says
     what to change); any other failure is logged with its traceback and exits 1, so a failed
     job always ends its process and the launcher sees it.
@@ -96,7 +97,9 @@ def exit_cleanly(loggers: Sequence[MetricLogger]) -> Iterator[None]:
         yield
     except ConfigError as err:
         code = CONFIG_ERROR_EXIT
-        log.error("configuration error: %s", err)
+        # Every rank finds the same bad input: one of them says it on the console, all in their files.
+        loud = speaks is None or speaks()
+        log.log(logging.ERROR if loud else logging.INFO, "configuration error: %s", err)
         raise SystemExit(code) from None
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1

@@ -138,7 +138,10 @@ def explain_overrides(overrides: list[str], config_dir: Path) -> None:
 
 
 def unknown_key_message(key: str, cfg: DictConfig | None) -> str | None:
-    """ "'trainer.max_step' is not a config key. Keys under 'trainer': ... Did you mean ...?", or None."""
+    """ "'trainer.max_step' is not a config key. Did you mean trainer.max_steps? Keys under 'trainer': ...", or None.
+
+    The suggestion comes first: it is what the reader needs, the list is for when it is wrong.
+    """
     parent_key, _, leaf = key.rpartition(".")
     parent = OmegaConf.select(cfg, parent_key, default=None) if cfg is not None and parent_key else cfg
     if not isinstance(parent, DictConfig) or leaf in parent:
@@ -147,4 +150,4 @@ def unknown_key_message(key: str, cfg: DictConfig | None) -> str | None:
     close = difflib.get_close_matches(leaf, accepted, n=1)
     hint = f" Did you mean {parent_key}.{close[0]}?" if close else ""
     listed = ", ".join(accepted) if accepted else "(none)"
-    return f"'{key}' is not a config key. Keys under '{parent_key}': {listed}.{hint}"
+    return f"'{key}' is not a config key.{hint} Keys under '{parent_key}': {listed}."

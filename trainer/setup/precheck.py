@@ -28,7 +28,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from trainer.errors import ConfigError, from_leaves
 from trainer.setup import config as conf
 from trainer.setup.build import instantiate
-from trainer.setup.dist import LaunchEnv
+from trainer.setup.dist import LaunchEnv, job_store, read_launch_env
 from trainer.setup.schema.spec import accepted, spec_of
 from trainer.setup.validate import accepted_for, validate
 
@@ -224,3 +224,20 @@ def check_command_line(argv: list[str], rank: int, wait_for_rank0: Callable[[boo
             # as the first failure; torchrun then stops this rank, or it exits 2 itself.
             time.sleep(RANK0_FIRST_S)
         raise SystemExit(EXIT_CODE) from None
+
+
+def speaks_for_the_job() -> bool:
+    """For a bad-input error found inside the app (e.g. SyncBatchNorm on CPU, a missing data root):
+    whether this rank prints it. Rank 0 does and says so through the job's store; the others stay
+    quiet once rank 0 has spoken (they print their own if it has not: their error may be theirs alone).
+    """
+    launch = read_launch_env()
+    if launch.world_size == 1:
+        return True
+    word = rank0_signal(job_store(launch), launch)
+    if launch.rank == 0:
+        return word(True)
+    if not word(False):
+        return True
+    time.sleep(RANK0_FIRST_S)  # rank 0 exits first, so torchrun's report names it
+    return False

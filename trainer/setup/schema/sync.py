@@ -12,6 +12,7 @@ from trainer.setup.schema.spec import key
 from trainer.sync.averaging import COLLECTIVES
 from trainer.sync.ddp_hooks import COMM_HOOKS
 from trainer.sync.fsdp import MIXED_PRECISION
+from trainer.sync.fsdp_units import WRAPS
 
 
 @dataclass
@@ -51,12 +52,19 @@ class BucketedConfig(BucketsConfig):
 class ManualConfig(SyncConfig):
     coalesce_mb: float = key(ge=0, note="0: one buffer per gradient tensor")
     collective: str = key(choices=COLLECTIVES)
+    find_unused_parameters: bool = key()
+
+
+@dataclass
+class ZeroConfig(SyncConfig):
+    find_unused_parameters: bool = key()
 
 
 @dataclass
 class FSDPConfig(SyncConfig):
     reshard_after_forward: bool = key()
     mixed_precision: str = key(choices=tuple(MIXED_PRECISION))
+    wrap: str = key(choices=WRAPS)
 
 
 OPTIONS: dict[str, type] = {
@@ -64,6 +72,6 @@ OPTIONS: dict[str, type] = {
     "bucketed": BucketedConfig,
     "manual": ManualConfig,
     "fsdp": FSDPConfig,
-    "zero": SyncConfig,
+    "zero": ZeroConfig,
     "none": SyncConfig,
 }
