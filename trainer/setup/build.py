@@ -116,10 +116,10 @@ class Parts:
 
 def build_parts(cfg: DictConfig, settings: TrainSettings) -> Parts:
     """Run every constructor: a bad value fails here, on every rank alike, before any collective."""
+    check_pairing(cfg)
     data = instantiate(cfg.data)
     seed_everything(settings.seed)
     model_node, sync_batchnorm = split_sync_batchnorm(cfg.model)
-    check_pairing(cfg, data)
     model = instantiate(model_node, input_shape=data.input_shape, num_classes=data.num_classes)
     if sync_batchnorm and not has_batchnorm(model):
         raise ConfigError(
@@ -137,11 +137,11 @@ def build_parts(cfg: DictConfig, settings: TrainSettings) -> Parts:
     )
 
 
-def check_pairing(cfg: DictConfig, data: DataModule) -> None:
-    """A model that reads token ids (takes_tokens) only with token data, and no other model with it:
-    refused before the model is built, naming both choices."""
+def check_pairing(cfg: DictConfig) -> None:
+    """A model that reads token ids (takes_tokens) only with token data (a DataModule's `tokens`), and
+    no other model with it: refused before either is built (reading a corpus takes time), naming both."""
     takes_tokens = bool(getattr(hydra.utils.get_object(cfg.model._target_), "takes_tokens", False))
-    if takes_tokens != data.tokens:
+    if takes_tokens != bool(getattr(hydra.utils.get_object(cfg.data._target_), "tokens", False)):
         model, source = cfg.model._target_, cfg.data._target_
         raise ConfigError(
             f"model {model} reads token ids but data {source} gives images or features: use data=text"

@@ -65,7 +65,10 @@ def load_run(run_dir: Path) -> tuple[nn.Module, dict[str, Any]]:
     if vocab is None:
         raise SystemExit(f"error: {path} holds no vocabulary: it is not a language model's run (data=text)")
     # The model is built from its saved keys, never from a _target_ read from the file.
-    keys = {k: v for k, v in saved["config"]["model"].items() if k in GPT_KEYS}
+    node = saved.get("config", {}).get("model", {})
+    if node.get("_target_") != "models.gpt.GPT":
+        raise SystemExit(f"error: {path} was not written by a model=gpt run (its config has no such model)")
+    keys = {k: v for k, v in node.items() if k in GPT_KEYS}
     model = GPT(**keys, input_shape=(int(keys["block_size"]),), num_classes=int(vocab["vocab_size"]))
     model.load_state_dict(saved["model"])
     return model, vocab
