@@ -81,6 +81,10 @@ class TextData(DataModule):
             )
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"model.block_size={block_size!r} is invalid: must be an integer >= 1")
+        if num_workers != 0:  # a batch is one gather from the memory map: no per-sample work to farm out
+            raise ValueError(
+                f"data.num_workers={num_workers} is invalid for data=text: accepted 0 (batches are gathered in process)"
+            )
         if tokenizer not in TOKENIZERS:
             raise ValueError(f"data.tokenizer={tokenizer!r} is invalid: accepted {', '.join(TOKENIZERS)}")
         self.path, self.cache_dir, self.block_size = path, cache_dir, block_size

@@ -109,6 +109,7 @@ def test_bad_input_names_the_key_or_path(tmp_path: Path):
     assert "use data=text" in parts_error(tmp_path, ["model=gpt", "data=fake"])
     assert "use model=gpt" in parts_error(tmp_path, ["model=cnn", *gpt[5:]])
     assert "data.tokenizer='word' is invalid" in parts_error(tmp_path, [*gpt, "data.tokenizer=word"])
+    assert "data.num_workers=2 is invalid for data=text" in parts_error(tmp_path, [*gpt, "data.num_workers=2"])
     assert "not UTF-8" in parts_error(tmp_path, [*gpt, f"data.path={_latin1(tmp_path)}"])
 
 
