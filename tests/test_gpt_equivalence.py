@@ -60,7 +60,8 @@ def resume_case(rank: int, world_size: int, gpt: list[str], root: str) -> dict[s
             (ckpt / name).unlink()
         os.link(ckpt / "step-2.pt", ckpt / "last.pt")
     dist.barrier()
-    trainer = build(rank, world_size, [*COMMON, *gpt, "data.batch_size=8", *every], str(run_dir))
+    overrides = [*COMMON, *gpt, "data.batch_size=8", *every]
+    trainer = build(rank, world_size, overrides, str(run_dir), config=plain_config(compose_config(overrides)))
     resumed_from = trainer.step
     trainer.fit()
     return {"straight": straight, "resumed": params_of(trainer), "from": resumed_from}
