@@ -54,6 +54,17 @@ MODELS = {
     "mlp-wide": ["model=mlp", "model.hidden_sizes=[4096,4096]", "data=synthetic", "data.batch_size=64"],
     # Many small tensors (50 hidden layers of 64: 102 gradient tensors, 0.2 M parameters): per-tensor
     # and per-bucket overheads dominate.
+    # A transformer with a tied head (nanoGPT's shape, 0.8 M parameters, 52 gradient tensors) on
+    # char-level text: the loop fetches windows as nanoGPT's get_batch does, one gather per batch.
+    "gpt": [
+        "model=gpt",
+        "model.n_layer=4",
+        "model.n_head=4",
+        "model.n_embd=128",
+        "model.block_size=64",
+        "data=text",
+        "data.batch_size=16",
+    ],
     "mlp-deep": ["model=mlp", f"model.hidden_sizes=[{','.join(['64'] * 50)}]", "data=synthetic", "data.batch_size=64"],
 }
 DEFAULT_MODELS = ("mlp-25M", "cnn", "mlp-tiny")

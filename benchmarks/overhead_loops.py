@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import BatchSampler, DistributedSampler, TensorDataset
 
+from data.text import Windows
 from trainer.logger.jsonl import JsonlLogger
 from trainer.setup import dist as ddist
 from trainer.setup.build import build_parts, build_trainer, instantiate, prepare_data
@@ -37,9 +39,13 @@ class HandWritten:
     def __init__(self, overrides: list[str], strategy: str, ctx: ddist.DistContext) -> None:
         cfg = compose_config(overrides)
         parts = build_parts(cfg, instantiate(cfg.trainer))  # the same model and dataset objects
+        prepare_data(parts.data, ctx)  # data=text: rank 0 writes the token file the windows map
         train, _ = parts.data.build_datasets()
-        assert isinstance(train, TensorDataset), "the benchmark's datasets are in memory"
-        self.tensors = train.tensors
+        if isinstance(train, Windows):  # nanoGPT's get_batch: one gather of whole windows from the token file
+            self.fetch: Callable[[torch.Tensor], tuple[torch.Tensor, ...]] = lambda i: train.batch(i.numpy())
+        else:
+            assert isinstance(train, TensorDataset), "the benchmark's datasets are in memory"
+            self.fetch = lambda index: tuple(t[index] for t in train.tensors)
         self.sampler = DistributedSampler(train, ctx.world_size, ctx.rank, shuffle=True, seed=0, drop_last=True)
         self.loader = BatchSampler(self.sampler, batch_size=parts.data.batch_size, drop_last=True)
         strategy = strategy.split(":")[0]  # the tutorial loop has no knobs: manual is one call per gradient
@@ -74,9 +80,10 @@ class HandWritten:
                 self.batches = iter(self.loader)
                 indices = next(self.batches)
             index = torch.as_tensor(indices)
-            inputs, targets = (t[index].to(self.device, non_blocking=True) for t in self.tensors)
+            inputs, targets = (t.to(self.device, non_blocking=True) for t in self.fetch(index))
             self.optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(self.model(inputs), targets)
+            logits = self.model(inputs)
+            loss = F.cross_entropy(logits.flatten(0, -2), targets.flatten())  # per token for the gpt
             loss.backward()
             if self.manual:
                 for param in self.model.parameters():
@@ -118,7 +125,8 @@ class Framework:
         """
         trainer = self.trainer
         inputs, targets = next(iter(trainer.train_loader))
-        loss = F.cross_entropy(trainer.train_model(inputs.to(trainer.ctx.device)), targets.to(trainer.ctx.device))
+        logits = trainer.train_model(inputs.to(trainer.ctx.device))
+        loss = F.cross_entropy(logits.flatten(0, -2), targets.to(trainer.ctx.device).flatten())
         loss.backward()
         times = []
         for _ in range(repeats):

@@ -8,6 +8,7 @@ import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sized
 
+import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
 from data.tensor_loader import TensorLoader, in_memory_tensors
@@ -69,6 +70,8 @@ class DataModule(ABC):
 
     input_shape: tuple[int, ...]  # per-sample shape, e.g. (32,) or (1, 28, 28); set by subclasses
     num_classes: int
+    input_dtype: torch.dtype = torch.float32  # token ids (data=text) are int64
+    tokens = False  # samples are token windows (data=text): only a model with takes_tokens fits
 
     def __init__(self, batch_size: int, num_workers: int = 0, drop_last: bool = True) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
@@ -88,6 +91,10 @@ class DataModule(ABC):
         self.num_workers = num_workers
         self.drop_last = drop_last
         self._datasets: tuple[Dataset, Dataset] | None = None
+
+    def vocabulary(self) -> dict[str, object] | None:
+        """What turns token ids back into text (data=text): written to the run dir and checkpoints."""
+        return None
 
     def prepare(self) -> None:
         """Fetch files; called on global rank 0 only, before any rank builds the datasets."""

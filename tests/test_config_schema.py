@@ -30,6 +30,8 @@ UNTYPED_GROUPS = {
 # Strings that accept any value of the right kind (a list there is still refused), and why.
 ANY_STRING = {
     "data.root": "a directory: checked when the data is set up (missing files are named there)",
+    "data.path": "a corpus file or directory: checked when the data is set up (a missing path is named there)",
+    "data.cache_dir": "a directory rank 0 creates for the token file",
     "trainer.resume": "auto, never, or a checkpoint's path: checked when the trainer resumes",
     "logger.project": "a W&B project name",
     "logger.entity": "a W&B user or team name",

@@ -48,15 +48,18 @@ def test_defaults_compose_and_resolve() -> None:
 
 @pytest.mark.parametrize(("group", "option"), CASES, ids=[f"{g}={o}" for g, o in CASES])
 def test_option_composes_and_instantiates(group: str, option: str, tmp_path: Path) -> None:
-    # data=fake gives images, which every model accepts (the mlp flattens them).
-    extra = ["data=fake"] if group == "model" else []
+    # data=fake gives images, which every image model accepts (the mlp flattens them); the gpt and
+    # data=text are each other's only partners.
+    extra = {("model", "gpt"): ["data=text"], ("data", "text"): ["model=gpt"]}.get((group, option), [])
+    extra = extra or (["data=fake"] if group == "model" else [])
     # strategy is not in the primary config's defaults: its options are added with +strategy=...
     cfg = compose_config([f"{'+' if group == 'strategy' else ''}{group}={option}", *extra])
     if group == "model":
         data = instantiate(cfg.data)
         model = instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
         assert isinstance(model, nn.Module)
-        assert model(torch.zeros(2, *data.input_shape)).shape == (2, data.num_classes)
+        logits = model(torch.zeros(2, *data.input_shape, dtype=data.input_dtype))
+        assert logits.shape[0] == 2 and logits.shape[-1] == data.num_classes  # a language model: per token
     elif group == "data":
         assert isinstance(instantiate(cfg.data), DataModule)  # files are opened later, in setup()
     elif group == "sync":

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from tests.compose import compose_config
 from trainer.logger.base import MetricLogger
@@ -46,7 +47,10 @@ def build(
 
 
 def params_of(trainer: Trainer) -> dict[str, torch.Tensor]:
-    return {name: t.detach().cpu().clone() for name, t in trainer.model.state_dict().items()}
+    """The full parameters; a sharded (fsdp) tensor is gathered, so every rank must call this together."""
+    state = trainer.model.state_dict()
+    full = {name: t.full_tensor() if isinstance(t, DTensor) else t for name, t in state.items()}
+    return {name: t.detach().cpu().clone() for name, t in full.items()}
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

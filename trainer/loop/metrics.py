@@ -33,6 +33,7 @@ class Window:
         self._predictions: list[torch.Tensor] = []
         self._targets: list[torch.Tensor] = []
         self.samples = 0
+        self.tokens = 0
         self.micro_batches = 0  # with data: a rank that shadowed (data.drop_last=false) has fewer
         self.steps = 0
         self.started = time.perf_counter()
@@ -43,6 +44,7 @@ class Window:
         self._predictions.append(logits.detach().argmax(dim=-1))
         self._targets.append(targets)
         self.samples += targets.shape[0]
+        self.tokens += targets.numel()  # predictions: one per sample, or one per token of a window
         self.micro_batches += 1
 
     def totals(self) -> tuple[float, int, int]:
@@ -69,7 +71,8 @@ def evaluate(
     forwards: int,
     empty_inputs: torch.Tensor,
 ) -> dict[str, float]:
-    """eval/loss and eval/accuracy over every rank's shard, summed across ranks: the same on all.
+    """eval/loss and eval/accuracy (per token for a language model, with eval/perplexity) over every
+    rank's shard, summed across ranks: the same on all.
 
     Takes the unwrapped model: DDP's forward would broadcast buffers. Ranks' shards may differ in
     length by one batch, so every rank runs `forwards` forwards (the most any rank has), padding
@@ -78,15 +81,17 @@ def evaluate(
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, count
     ran = 0
+    per_token = False
     for inputs, targets in loader:
         ran += 1
         inputs = inputs.to(device, non_blocking=True)
         targets = targets.to(device, non_blocking=True)
         with autocast():
             logits = model(inputs)
-        sums[0] += F.cross_entropy(logits.float(), targets, reduction="sum")
+        sums[0] += F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="sum")
         sums[1] += (logits.argmax(dim=-1) == targets).sum()
-        sums[2] += targets.shape[0]
+        sums[2] += targets.numel()  # a language model's loss is per token
+        per_token = targets.dim() > 1
     for _ in range(forwards - ran):
         with autocast():
             model(empty_inputs)
@@ -95,7 +100,10 @@ def evaluate(
     loss_sum, correct, count = sums.tolist()
     if count == 0:
         return {}
-    return {"eval/loss": loss_sum / count, "eval/accuracy": correct / count}
+    metrics = {"eval/loss": loss_sum / count, "eval/accuracy": correct / count}
+    if per_token:  # nats per token: its exponential is the perplexity
+        metrics["eval/perplexity"] = math.exp(min(metrics["eval/loss"], 700.0))
+    return metrics
 
 
 def optimizer_state_mb(optimizer: Optimizer) -> float:

@@ -15,6 +15,7 @@ import psutil
 import torch
 
 from trainer.logger.base import MetricLogger
+from trainer.loop.lm import TokenRates
 from trainer.loop.metrics import Window, optimizer_state_mb
 from trainer.loop.step import StepRunner
 from trainer.loop.summary import rank_timing
@@ -29,8 +30,11 @@ log = logging.getLogger(__name__)
 class TrainRows:
     """Writes each logged row to every logger and keeps the rows for this rank's summary."""
 
-    def __init__(self, ctx: DistContext, sync: SyncStrategy, loggers: Sequence[MetricLogger]) -> None:
+    def __init__(
+        self, ctx: DistContext, sync: SyncStrategy, loggers: Sequence[MetricLogger], rates: TokenRates | None = None
+    ) -> None:
         self.ctx, self.sync, self.loggers = ctx, sync, loggers
+        self.rates = rates  # token data: tokens/s and MFU rows
         self.rows: list[dict[str, Any]] = []
         self._samples = 0  # trained on, over every window (evaluation and checkpoints excluded)
         self._seconds = 0.0
@@ -55,10 +59,11 @@ class TrainRows:
             "step": step,
             "epoch": epoch,
             # Omitted by a rank that trained on nothing since the last row (it only shadowed).
-            **({"train/loss": loss, "train/accuracy": correct / window.samples} if trained else {}),
+            **({"train/loss": loss, "train/accuracy": correct / window.tokens} if trained else {}),
             "train/lr": steps.lr,
             **{f"time/{phase}_s": seconds for phase, seconds in phases.items()},
             "throughput/samples_per_s": window.samples / elapsed,
+            **(self.rates.row(window.tokens, elapsed) if self.rates else {}),
             "memory/rss_mb": self._process.memory_info().rss / 2**20,
             "memory/optimizer_state_mb": optimizer_state_mb(steps.optimizer),
             **({"train/skipped_steps": steps.skipped_steps} if steps.skipped_steps else {}),

@@ -96,7 +96,10 @@ class StepRunner:
             with self.sync.no_sync(self.train_model) if i < k - 1 else nullcontext():
                 with self.autocast():
                     logits = self.train_model(inputs)
-                    loss = F.cross_entropy(logits, targets)
+                    if targets.dim() > 1:  # a language model: every token is a sample of the loss
+                        loss = F.cross_entropy(logits.flatten(0, -2), targets.flatten())
+                    else:
+                        loss = F.cross_entropy(logits, targets)
                     if k > 1:  # the mean over the whole step's samples (no extra kernel when k == 1)
                         loss = loss / k
                 if s.fault.poisons_loss(ctx.rank, step, ctx.attempt):

@@ -15,7 +15,7 @@ from torch import nn
 from trainer.setup.dist import DistContext
 from trainer.sync.fsdp_units import blocks_of
 
-MEDIAN_PREFIXES = ("time/", "comm/", "throughput/")  # a rank's typical step
+MEDIAN_PREFIXES = ("time/", "comm/", "throughput/", "perf/")  # a rank's typical step
 PEAK_PREFIXES = ("memory/",)  # a rank's worst moment
 
 
@@ -95,6 +95,7 @@ def format_report(summary: dict[str, Any]) -> str:
         f"   eval/accuracy {_fmt(summary.get('eval/accuracy'), '.3f')}",
         # A mean over the whole run (the report's column is a median of logged rows: it can differ)
         f"  throughput {summary['throughput/global_samples_per_s']:.0f} samples/s (all ranks, whole-run mean)",
+        *_language_model_lines(summary),
         f"  run dir  {summary['run_dir']}   (summary.json, checkpoints/, metrics/rank*.jsonl, train_rank*.log)",
     ]
     offline = [(r["rank"], loc) for r in summary["ranks"] for loc in r.get("outputs", []) if "offline-run-" in loc]
@@ -103,6 +104,23 @@ def format_report(summary: dict[str, Any]) -> str:
     if offline:
         lines.append(f"  upload with: wandb sync {summary['run_dir']}/wandb/offline-run-*")
     return "\n".join(lines)
+
+
+def _language_model_lines(summary: dict[str, Any]) -> list[str]:
+    """A language model's extras: tokens/s, MFU and perplexity where measured, and the sample."""
+    ranks = summary["ranks"]
+    tokens = [r["median_throughput/tokens_per_s"] for r in ranks if "median_throughput/tokens_per_s" in r]
+    lines = []
+    if tokens:
+        mfu = [r["median_perf/mfu"] for r in ranks if "median_perf/mfu" in r]
+        shown = f"   MFU {100 * sum(mfu) / len(mfu):.1f} %" if mfu else ""
+        lines.append(f"  throughput {sum(tokens):.0f} tokens/s (all ranks, median logged row){shown}")
+    if "eval/perplexity" in summary:
+        lines.append(f"  eval/perplexity {summary['eval/perplexity']:.2f} (eval/loss in nats per token)")
+    if "sample" in summary:
+        text = summary["sample"].replace("\n", "\n    ")
+        lines.append(f"  sample (temperature 0.8, top-k 40):\n    {text}")
+    return lines
 
 
 def log_final_report(summary: dict[str, Any]) -> None:

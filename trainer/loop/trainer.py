@@ -31,6 +31,7 @@ from tqdm import tqdm
 from data.base import DataModule, ResumableSampler
 from trainer.errors import from_leaves
 from trainer.logger.base import MetricLogger, resumed_at
+from trainer.loop.lm import compile_model, end_of_run_sample, token_rates, write_vocab
 from trainer.loop.metrics import Window, evaluate
 from trainer.loop.profiling import StepProfiler
 from trainer.loop.progress import logging_above, progress_bar
@@ -80,6 +81,8 @@ class Trainer:
         self.ctx = ctx
         self.model = model.to(ctx.device)  # unwrapped: evaluation and checkpoints use it
         self.sync = sync
+        if settings.compile:  # in place, before the strategy wraps it: state_dict keys stay the model's
+            compile_model(self.model)
         self.train_model = sync.wrap(self.model)
         self.optimizer = sync.build_optimizer(self.model, optimizer_factory)
         pin = ctx.device.type == "cuda"
@@ -105,13 +108,14 @@ class Trainer:
         self._timer = StepTimer(ctx.device)
         self._window = Window(ctx.device)
         self._batches: Iterator[Any] | None = None  # the current epoch's batches
-        self._rows = TrainRows(ctx, sync, self.loggers)
+        self.data = data
+        self._rows = TrainRows(ctx, sync, self.loggers, token_rates(self.model, data, ctx.device, settings))
         self._steps = StepRunner(
             settings=settings,
             ctx=ctx,
             model=self.model,
             train_model=self.train_model,
-            empty_inputs=torch.zeros((0, *data.input_shape), device=ctx.device),
+            empty_inputs=torch.zeros((0, *data.input_shape), dtype=data.input_dtype, device=ctx.device),
             sync=sync,
             optimizer=self.optimizer,
             scheduler=self.scheduler,
@@ -132,7 +136,14 @@ class Trainer:
         """What a checkpoint holds of this trainer (the objects themselves, not copies)."""
         into_epoch = (self.step - self.epoch * self.steps_per_epoch) * self.settings.grad_accum_steps
         return resume.TrainState(
-            self.model, self.optimizer, self.scheduler, self.sync, self.step, self.epoch, into_epoch
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.sync,
+            self.step,
+            self.epoch,
+            into_epoch,
+            vocab=self.data.vocabulary(),
         )
 
     def fit(self) -> dict[str, Any]:
@@ -146,6 +157,7 @@ class Trainer:
             self.global_batch_size,
             self.steps_per_epoch,
         )
+        write_vocab(self.ctx, self.run_dir, self.data.vocabulary())
         started = time.perf_counter()
         show_bar = self.settings.progress_bar and self.ctx.is_main_process
         bar = progress_bar(self.total_steps, self.step, show_bar)  # a resumed run starts at its step
@@ -273,6 +285,9 @@ class Trainer:
         facts = {"sync": self.sync.describe(), "model": parameter_layout(self.model), "steps": self.step}
         facts["epochs"] = self.step / self.steps_per_epoch
         facts |= {"global_batch_size": self.global_batch_size, "wall_time_s": wall_s, **final_eval}
+        sample = end_of_run_sample(self.model, self.data)  # every rank: an FSDP forward gathers on all
+        if sample is not None:
+            facts["sample"] = sample
         summary = gather_summary(mine, self.ctx, str(self.run_dir), facts)
         for logger in self.loggers:
             logger.log_summary(summary | {"rank": mine})  # W&B: rank 0's run makes "ranks" a table

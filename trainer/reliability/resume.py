@@ -56,6 +56,7 @@ class TrainState:
     step: int  # optimizer steps done
     epoch: int  # the epoch the next step belongs to
     batches_into_epoch: int  # micro-batches of that epoch already trained on
+    vocab: dict[str, object] | None = None  # token data: what decodes ids (a sample needs no corpus)
 
 
 def save(ctx: DistContext, directory: Path, keep: int, state: TrainState, config: dict[str, Any]) -> None:
@@ -75,6 +76,7 @@ def save(ctx: DistContext, directory: Path, keep: int, state: TrainState, config
             "world_size": ctx.world_size,
             "fingerprint": fingerprint(config),
             "config": config,
+            **({"vocab": state.vocab} if state.vocab is not None else {}),
         }
         save_checkpoint(directory, checkpoint, keep)
     dist.barrier()  # nobody reads (or resumes from) a checkpoint before rank 0 has finished it

@@ -23,6 +23,7 @@ from data.base import DataModule
 from trainer.errors import ConfigError, check, from_leaves
 from trainer.logger.base import MetricLogger
 from trainer.logger.jsonl import JsonlLogger
+from trainer.loop.lm import compiler_missing
 from trainer.loop.trainer import Trainer
 from trainer.setup.dist import DistContext, hostname
 from trainer.setup.settings import TrainSettings
@@ -110,10 +111,12 @@ class Parts:
     optimizer_factory: Callable[..., Optimizer]
     schedule_factory: Callable[..., Callable[[int], float]]
     sync_batchnorm: bool = False  # model.sync_batchnorm: applied by build_trainer, once the device is known
+    compile: bool = False  # trainer.compile: needs a compiler where the device is CPU
 
 
 def build_parts(cfg: DictConfig, settings: TrainSettings) -> Parts:
     """Run every constructor: a bad value fails here, on every rank alike, before any collective."""
+    check_pairing(cfg)
     data = instantiate(cfg.data)
     seed_everything(settings.seed)
     model_node, sync_batchnorm = split_sync_batchnorm(cfg.model)
@@ -127,10 +130,24 @@ def build_parts(cfg: DictConfig, settings: TrainSettings) -> Parts:
         data=data,
         model=model,
         sync_batchnorm=sync_batchnorm,
+        compile=settings.compile,
         sync=instantiate(cfg.sync),
         optimizer_factory=instantiate(cfg.optim),
         schedule_factory=hydra.utils.instantiate(cfg.schedule, _partial_=True, _convert_="all"),
     )
+
+
+def check_pairing(cfg: DictConfig) -> None:
+    """A model that reads token ids (takes_tokens) only with token data (a DataModule's `tokens`), and
+    no other model with it: refused before either is built (reading a corpus takes time), naming both."""
+    takes_tokens = bool(getattr(hydra.utils.get_object(cfg.model._target_), "takes_tokens", False))
+    if takes_tokens != bool(getattr(hydra.utils.get_object(cfg.data._target_), "tokens", False)):
+        model, source = cfg.model._target_, cfg.data._target_
+        raise ConfigError(
+            f"model {model} reads token ids but data {source} gives images or features: use data=text"
+            if takes_tokens
+            else f"data {source} gives token windows but model {model} does not read tokens: use model=gpt"
+        )
 
 
 def split_sync_batchnorm(node: DictConfig) -> tuple[DictConfig, bool]:
@@ -163,6 +180,11 @@ def check_device(parts: Parts, device: torch.device) -> None:
     if parts.sync_batchnorm:
         _refuse_sync_batchnorm_on_cpu(device)
     parts.sync.check_device(device)
+    missing = compiler_missing(device) if parts.compile else None
+    if missing:
+        raise ConfigError(
+            f"trainer.compile=true cannot run on {device}: {missing}; install one, or set trainer.compile=false"
+        )
 
 
 def _refuse_sync_batchnorm_on_cpu(device: torch.device) -> None:

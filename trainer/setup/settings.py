@@ -33,6 +33,8 @@ class TrainSettings:
     checkpoint_on_sigterm: bool = False  # when every rank is stopped at the same step boundary
     on_nonfinite: str = "raise"  # raise | skip (skip the optimizer step on all ranks alike)
     check_replicas_every_n_steps: int = 100  # 0: off; strategies that let replicas differ skip it
+    compile: bool = False  # torch.compile the model (in place) before the sync strategy wraps it
+    peak_tflops: float | None = None  # the device's peak, for perf/mfu; null: a known CUDA GPU's, else no MFU
     fault: Fault = field(default_factory=Fault)  # testing aid: fail one rank on purpose
 
     def __post_init__(self) -> None:
@@ -101,6 +103,13 @@ class TrainSettings:
             "trainer.check_replicas_every_n_steps",
             self.check_replicas_every_n_steps,
             "must be an integer >= 0 (0: off)",
+        )
+        check(isinstance(self.compile, bool), "trainer.compile", self.compile, "accepted: true, false")
+        check(
+            self.peak_tflops is None or (is_number(self.peak_tflops) and self.peak_tflops > 0),
+            "trainer.peak_tflops",
+            self.peak_tflops,
+            "must be a number of TFLOP/s > 0 (this device's peak, for perf/mfu), or null",
         )
         check(
             is_number(self.collective_timeout_s) and self.collective_timeout_s > 0,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from data.tokens import TOKENIZERS
 from trainer.setup.schema.spec import SEED_BOUND, key
 
 
@@ -45,9 +46,19 @@ class Cifar10Config(MnistConfig):
     verify_md5: bool = key()
 
 
+@dataclass
+class TextConfig(DataConfig):
+    path: str | None = key(note="a UTF-8 file or a directory of *.txt; null: Python's standard library sources")
+    tokenizer: str = key(choices=TOKENIZERS)
+    cache_dir: str = key(nonempty=True, note="where rank 0 writes the token file")
+    block_size: int | None = key(ge=1, note="the model's context (model.block_size)")
+    num_workers: int = key(ge=0, le=0, note="only 0: a batch is one gather from the memory-mapped tokens")
+
+
 OPTIONS: dict[str, type] = {
     "synthetic": SyntheticConfig,
     "fake": FakeConfig,
     "mnist": MnistConfig,
     "cifar10": Cifar10Config,
+    "text": TextConfig,
 }

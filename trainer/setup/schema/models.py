@@ -38,4 +38,16 @@ class ResNet18Config(BatchNormConfig):
     small_input_stem: bool = key()
 
 
-OPTIONS: dict[str, type] = {"mlp": MLPConfig, "cnn": CNNConfig, "resnet18": ResNet18Config}
+@dataclass
+class GPTConfig(ModelConfig):
+    """vocab_size comes from the data (data=text) at run time."""
+
+    n_layer: int = key(ge=1)
+    n_head: int = key(ge=1, note="must divide model.n_embd")
+    n_embd: int = key(ge=1)
+    block_size: int = key(ge=1, note="context in tokens; must fit in the validation split")
+    dropout: float = key(ge=0, lt=1, note="> 0 breaks the equivalence of N ranks and one process")
+    bias: bool = key()
+
+
+OPTIONS: dict[str, type] = {"mlp": MLPConfig, "cnn": CNNConfig, "resnet18": ResNet18Config, "gpt": GPTConfig}

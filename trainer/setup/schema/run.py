@@ -49,6 +49,8 @@ class TrainerConfig:
     checkpoint_on_sigterm: bool = key()
     on_nonfinite: str = key(choices=NONFINITE)
     check_replicas_every_n_steps: int = key(ge=0, note="0: off")
+    compile: bool = key(note="torch.compile the model before the sync strategy wraps it")
+    peak_tflops: float | None = key(gt=0, note="the device's peak for perf/mfu; null: a table on CUDA, none on CPU")
     fault: FaultConfig = field(default_factory=FaultConfig)
 
 

@@ -1,0 +1,103 @@
+"""Print text sampled from a trained language model's run.
+
+    python -m trainer.tools.sample <run dir> --prompt "def " --tokens 300 --temperature 0.8 --top-k 40 --seed 1
+
+Loads <run dir>/checkpoints/last.pt with weights_only=True (tensors and plain data only: no code in
+the file runs), rebuilds the model from the config saved in it, and decodes with the vocabulary
+saved beside the weights, so the corpus is not needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from data.tokens import decode, encode
+from models.gpt import GPT
+
+GPT_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "dropout", "bias")
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module, prompt: list[int], tokens: int, temperature: float, top_k: int | None, seed: int
+) -> list[int]:
+    """prompt + `tokens` sampled ids; the context is cropped to the model's block_size.
+
+    A CPU generator seeded with `seed` draws every token, so the same seed gives the same text on
+    every rank and every run.
+    """
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(seed)
+    block_size = model.block_size  # the GPT's context length
+    assert isinstance(block_size, int), "generate() needs a model with an int block_size (models.gpt.GPT)"
+    ids = list(prompt)
+    for _ in range(tokens):
+        context = torch.tensor([ids[-block_size:]], dtype=torch.int64, device=device)
+        logits = model(context)[0, -1].float().cpu()
+        if temperature <= 0:  # greedy
+            ids.append(int(logits.argmax()))
+            continue
+        logits = logits / temperature
+        if top_k is not None and top_k < logits.numel():
+            kth = torch.topk(logits, top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        ids.append(int(torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)))
+    model.train(was_training)
+    return ids
+
+
+def load_run(run_dir: Path) -> tuple[nn.Module, dict[str, Any]]:
+    """The model of <run dir>/checkpoints/last.pt and its vocabulary."""
+    path = run_dir / "checkpoints" / "last.pt"
+    if not path.is_file():
+        raise SystemExit(f"error: {path} does not exist: give the run dir of a finished (or checkpointed) run")
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    vocab = saved.get("vocab")
+    if vocab is None:
+        raise SystemExit(f"error: {path} holds no vocabulary: it is not a language model's run (data=text)")
+    # The model is built from its saved keys, never from a _target_ read from the file.
+    node = saved.get("config", {}).get("model", {})
+    if node.get("_target_") != "models.gpt.GPT":
+        raise SystemExit(f"error: {path} was not written by a model=gpt run (its config has no such model)")
+    keys = {k: v for k, v in node.items() if k in GPT_KEYS}
+    model = GPT(**keys, input_shape=(int(keys["block_size"]),), num_classes=int(vocab["vocab_size"]))
+    model.load_state_dict(saved["model"])
+    return model, vocab
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer.tools.sample", description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", type=Path, help="a run directory with checkpoints/last.pt (data=text)")
+    parser.add_argument("--prompt", default="\n", help="text the sample continues (default: a newline)")
+    parser.add_argument("--tokens", type=int, default=300, help="tokens to generate (default 300)")
+    parser.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0: greedy")
+    parser.add_argument("--top-k", type=int, default=40, help="sample among the k most likely tokens; 0: all")
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args(argv)
+    if args.tokens < 0:
+        parser.error(f"--tokens={args.tokens} is invalid: must be >= 0")
+    if args.top_k < 0:
+        parser.error(f"--top-k={args.top_k} is invalid: must be >= 0 (0: no cut)")
+    model, vocab = load_run(args.run_dir)
+    try:
+        prompt = encode(args.prompt, vocab)
+    except ValueError as err:
+        parser.error(f"--prompt: {err}")
+    if not prompt:
+        parser.error("--prompt is empty: give at least one character")
+    ids = generate(model, prompt, args.tokens, args.temperature, args.top_k or None, args.seed)
+    sys.stdout.write(decode(ids, vocab) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
