@@ -11,6 +11,7 @@ TOOLS = {  # module -> the arguments that name a path
     "trainer.tools.report": [],
     "trainer.tools.wandb_offline": [],
     "trainer.tools.collectives": None,  # no input path: it measures
+    "trainer.tools.sample": [],
     "trainer.scaling.__main__": ["--run"],
 }
 

@@ -83,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int, default=40, help="sample among the k most likely tokens; 0: all")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
+    if not args.run_dir.exists():
+        print(f"error: {args.run_dir} does not exist", file=sys.stderr)
+        return 2
     if args.tokens < 0:
         parser.error(f"--tokens={args.tokens} is invalid: must be >= 0")
     if args.top_k < 0:
