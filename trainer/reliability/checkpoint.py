@@ -15,11 +15,13 @@ import os
 import pickle
 import random
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import yaml
 
 from trainer.errors import ConfigError
 
@@ -75,20 +77,61 @@ def fingerprint(config: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(training_config(config), sort_keys=True).encode()).hexdigest()[:16]
 
 
-def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """Dotted keys whose training-relevant values differ, with both values."""
-    return _differences(training_config(saved), training_config(current), "")
+def config_differences(
+    saved: dict[str, Any], current: dict[str, Any], default_of: Callable[[str], Any] | None = None
+) -> list[str]:
+    """Dotted keys whose training-relevant values differ, with both values.
+
+    A key the checkpoint does not have was added to the lab after it was written: the run it
+    continues used that key's default behaviour, so the key differs only if its value now is not
+    its default (`default_of(key)`; without it such a key always differs).
+    """
+    return _differences(training_config(saved), training_config(current), "", default_of)
 
 
-def _differences(saved: dict[str, Any], current: dict[str, Any], prefix: str) -> list[str]:
+def _differences(
+    saved: dict[str, Any], current: dict[str, Any], prefix: str, default_of: Callable[[str], Any] | None
+) -> list[str]:
     diffs = []
     for key in sorted(set(saved) | set(current)):
         a, b, name = saved.get(key), current.get(key), f"{prefix}{key}"
         if isinstance(a, dict) and isinstance(b, dict):
-            diffs += _differences(a, b, f"{name}.")
+            diffs += _differences(a, b, f"{name}.", default_of)
+        elif key not in saved and default_of is not None:
+            default = default_of(name)
+            if b != default:
+                diffs.append(f"{name}: not in the checkpoint (added later, default {default!r}), now {b!r}")
         elif a != b:
             diffs.append(f"{name}: checkpoint {a!r}, now {b!r}")
     return diffs
+
+
+def option_defaults(conf_dir: Path, current: dict[str, Any]) -> Callable[[str], Any]:
+    """`default_of` for config_differences: a key's value in the YAML of the option this run uses
+    (the group's option whose `_target_` is this run's), read without Hydra."""
+
+    def default_of(dotted: str) -> Any:
+        group, _, rest = dotted.partition(".")
+        target = (current.get(group) or {}).get("_target_") if isinstance(current.get(group), dict) else None
+        for path in sorted((conf_dir / group).glob("*.yaml")) if target else []:
+            option = yaml.safe_load(path.read_text()) or {}
+            if option.get("_target_") != target:
+                continue
+            value: Any = option
+            for part in rest.split("."):
+                value = value.get(part, _ABSENT) if isinstance(value, dict) else _ABSENT
+            return value
+        return _ABSENT
+
+    return default_of
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "no default"
+
+
+_ABSENT = _Absent()  # a key no option file sets: it differs from any value
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:

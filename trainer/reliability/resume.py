@@ -26,10 +26,12 @@ from trainer.reliability.checkpoint import (
     find_resume_state,
     fingerprint,
     load_checkpoint,
+    option_defaults,
     rng_state,
     save_checkpoint,
     set_rng_state,
 )
+from trainer.setup.config import CONF_DIR
 from trainer.setup.dist import DistContext
 
 log = logging.getLogger(__name__)
@@ -169,8 +171,9 @@ def restore(ctx: DistContext, path: Path, saved: dict[str, Any], state: TrainSta
             f"{ctx.world_size}: the data shards and batches would differ; resume with "
             "the same world size, or start fresh with trainer.resume=never"
         )
-    if saved["fingerprint"] != fingerprint(config):
-        diffs = "; ".join(config_differences(saved["config"], config)) or "unknown keys"
+    if saved["fingerprint"] != fingerprint(config) and (
+        diffs := "; ".join(config_differences(saved["config"], config, option_defaults(CONF_DIR, config)))
+    ):
         raise CheckpointError(
             f"checkpoint {path} was written with a different training config ({diffs}); "
             "resume with the same config, or start fresh with trainer.resume=never "
