@@ -1,6 +1,6 @@
 """Overhead benchmark: ddplab's trainer against a minimal hand-written loop, side by side.
 
-    torchrun --nproc_per_node=2 benchmarks/overhead.py            # the README's table (~10 min on 2 cores)
+    torchrun --nproc_per_node=2 benchmarks/overhead.py            # docs/performance.md's table (~10 min on 2 cores)
     torchrun --nproc_per_node=2 benchmarks/overhead.py --quick    # a smoke run
     torchrun --nproc_per_node=2 benchmarks/overhead.py --models mlp-wide,mlp-deep   # the shapes below
     torchrun --nproc_per_node=1 benchmarks/overhead.py --device cuda   # one GPU (make gpu-check runs this)

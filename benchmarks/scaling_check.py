@@ -1,7 +1,7 @@
 """The scaling model against this machine: predictions from 1-rank runs and the collective
 benchmark, next to measured 2-rank runs and 4-rank runs on two "nodes" over loopback.
 
-    python benchmarks/scaling_check.py                 # ~10 min on 2 cores; the README's table
+    python benchmarks/scaling_check.py                 # ~10 min on 2 cores; the table in docs/scaling.md
     python benchmarks/scaling_check.py --quick         # one model, two strategies, few steps
 
 The network is fitted to a 2-rank collective benchmark run first, in the same invocation. For each

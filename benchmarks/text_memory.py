@@ -1,4 +1,4 @@
-"""What a large corpus costs each rank in memory with data=text (README, "A GPT on text").
+"""What a large corpus costs each rank in memory with data=text (docs/gpt.md, "A GPT on text").
 
     python benchmarks/text_memory.py --mb 100          # writes a 100 MB corpus under a temp dir
 

@@ -1,7 +1,7 @@
 """One optimizer step: k micro-batches forward and backward, the sync, the optimizer; each phase timed.
 
 Kept apart from the loop (trainer.py) because this is the hot path: everything here runs every
-step, so everything here is counted in µs (README, Performance). What is due between steps (rows,
+step, so everything here is counted in µs (docs/performance.md). What is due between steps (rows,
 checks, evaluation, checkpoints) belongs to the loop.
 """
 

@@ -11,7 +11,7 @@ from trainer.errors import ConfigError
 from trainer.scaling.costs import KINDS, Link, Network
 
 # alpha: latency per ring step; beta: bytes/s per rank and direction actually reached (a fraction of
-# the nominal rate, as nccl-tests' bus bandwidth shows). Sources and reasoning are in the README
+# the nominal rate, as nccl-tests' bus bandwidth shows). Sources and reasoning are in docs/scaling.md
 # ("Scaling beyond this machine"). loopback is this repository's 2-core build machine, fitted by
 # fit_network() from its collective benchmark (2 gloo ranks, float32, 4 KiB to 16 MiB): gloo runs
 # reduce_scatter as a full all_reduce, so each kind has its own link there.

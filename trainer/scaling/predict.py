@@ -1,6 +1,6 @@
 """Each strategy's step at N ranks: the run's compute, plus its collectives laid over it.
 
-Assumptions (the README's "Scaling beyond this machine" discusses each):
+Assumptions (docs/scaling.md, "Scaling beyond this machine", discusses each):
 - Weak scaling: every rank keeps the run's per-rank batch, so compute per step does not change
   with N, except the optimizer step of sharded strategies, which updates 1/N of the parameters.
 - Backward produces gradients in reverse registration order, at a rate proportional to their
