@@ -61,7 +61,7 @@ def test_every_group_directory_is_typed() -> None:
     untyped = on_disk - set(SCHEMAS) - set(UNTYPED_GROUPS)
     assert not untyped, (
         f"conf/{sorted(untyped)[0]}/ has no schemas: add a module to trainer/setup/schema/ with a dataclass per "
-        "option and list it in SCHEMAS in trainer/setup/schema/__init__.py (README: Configuration, adding a key)"
+        "option and list it in SCHEMAS in trainer/setup/schema/__init__.py (docs/configuration.md, adding a key)"
     )
 
 
@@ -77,7 +77,7 @@ def _compare(raw: DictConfig, schema: type, where: str, module: str) -> None:
     for name in (str(k) for k in raw if k != "defaults"):
         assert name in fields, (
             f"{where} sets `{name}`, which {schema.__name__} in {module} lacks: add the typed field "
-            f"`{name}: <type> = key(<range or choices>)` there (README: Configuration, adding a key)"
+            f"`{name}: <type> = key(<range or choices>)` there (docs/configuration.md, adding a key)"
         )
         if dataclasses.is_dataclass(hints[name]):
             _compare(raw[name], hints[name], f"{where} under {name}", module)
@@ -96,7 +96,7 @@ def test_every_yaml_option_has_a_schema_with_the_same_keys(group: str, option: s
     line = f"/schema/{group}/{option}@_here_"
     assert schema is not None, (
         f"{where} has no schema: add a dataclass for it to {module}, list it there in OPTIONS as "
-        f"'{option}', and start the YAML with `defaults: [{line}]` (README: Configuration, adding a key)"
+        f"'{option}', and start the YAML with `defaults: [{line}]` (docs/configuration.md, adding a key)"
     )
     raw = OmegaConf.load(CONF_DIR / group / f"{option}.yaml")
     assert isinstance(raw, DictConfig) and line in list(raw.get("defaults") or []), (

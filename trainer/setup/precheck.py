@@ -114,7 +114,7 @@ def explain_compose_error(err: BaseException, overrides: list[str]) -> ConfigErr
     if unknown and not given and isinstance(schema, type) and dataclasses.is_dataclass(schema):
         return ConfigError(  # a YAML (or an experiment) sets a key its schema lacks: a developer's slip
             f"{key} is set in a config file, but its schema {schema.__name__} has no field "
-            f"{key.rpartition('.')[2]}: add it in trainer/setup/schema/ (README: Configuration, adding a key)"
+            f"{key.rpartition('.')[2]}: add it in trainer/setup/schema/ (docs/configuration.md, adding a key)"
         )
     if unknown:
         return ConfigError(conf.unknown_key_message(key, _compose_choices(overrides)) or _first_line(cause))

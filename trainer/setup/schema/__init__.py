@@ -3,7 +3,7 @@
 Each conf/<group>/<option>.yaml starts with `defaults: [/schema/<group>/<option>@_here_]`, so
 Hydra composes the dataclass first and the YAML's values onto it: OmegaConf then rejects a value
 of the wrong type (or a YAML key the schema lacks) at compose time, naming the full key. Ranges and
-choices are checked by trainer/setup/validate.py. Adding a key: README, Configuration.
+choices are checked by trainer/setup/validate.py. Adding a key: docs/configuration.md.
 """
 
 from __future__ import annotations
