@@ -32,7 +32,7 @@ from data.base import DataModule, ResumableSampler
 from trainer.errors import from_leaves
 from trainer.logger.base import MetricLogger, resumed_at
 from trainer.loop.metrics import Window, evaluate
-from trainer.loop.profiling import StepProfiler
+from trainer.loop.profiling import ProfiledStepTimer, StepProfiler
 from trainer.loop.progress import logging_above, progress_bar
 from trainer.loop.rows import TrainRows
 from trainer.loop.step import StepRunner
@@ -102,7 +102,8 @@ class Trainer:
         self.config = config
         self.step = 0
         self.epoch = 0
-        self._timer = StepTimer(ctx.device)
+        # A profiled run's timer also keeps each phase's interval for the trace (trainer.profile).
+        self._timer = (ProfiledStepTimer if settings.profile else StepTimer)(ctx.device)
         self._window = Window(ctx.device)
         self._batches: Iterator[Any] | None = None  # the current epoch's batches
         self._rows = TrainRows(ctx, sync, self.loggers)
@@ -149,7 +150,9 @@ class Trainer:
         started = time.perf_counter()
         show_bar = self.settings.progress_bar and self.ctx.is_main_process
         bar = progress_bar(self.total_steps, self.step, show_bar)  # a resumed run starts at its step
-        profiler = StepProfiler(self.settings.profile, self.ctx.device, self.ctx.rank, self.run_dir / "profiler")
+        profiler = StepProfiler(
+            self.settings.profile, self.ctx.device, self.ctx.rank, self.run_dir / "profiler", self._timer
+        )
         with bar, logging_above(bar), profiler:
             self.train(self.total_steps, bar, profiler)
         final_eval = self.evaluate()
@@ -209,7 +212,7 @@ class Trainer:
             self.epoch += 1
             self._batches = None
         if profiler is not None:
-            profiler.step()
+            profiler.step(self.step)
         if bar is not None:
             bar.update(1)
         self._after_step(bar)

@@ -13,10 +13,12 @@ the same order: collectives are paired by the order they are issued.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any, Protocol
 
 import torch.distributed as dist
 
+from trainer import spans
 from trainer.errors import check
 from trainer.sync.comm import CommCounters
 from trainer.sync.flat import Bucket
@@ -25,6 +27,7 @@ COLLECTIVES = ("all_reduce", "rs_ag")
 # The flat-tensor forms under their torch >= 2.14 names, or the older ones (deprecated there).
 all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_NOTHING = nullcontext()  # reusable: the launch's context when the profiler is off (no allocation)
 
 
 class Waitable(Protocol):
@@ -43,29 +46,37 @@ def check_collective(collective: str) -> str:
     return collective
 
 
-def start(bucket: Bucket, collective: str) -> dist.Work:
-    """Issue the bucket's first collective (SUM) without waiting for it."""
+def start(bucket: Bucket, collective: str, index: int | None = None) -> dist.Work:
+    """Issue the bucket's first collective (SUM) without waiting for it.
+
+    `index` (bucket 3) names it in the profiler trace when trainer.profile=true.
+    """
     if collective == "all_reduce":
-        work: dist.Work | None = dist.all_reduce(bucket.grads, op=dist.ReduceOp.SUM, async_op=True)
+        with spans.named("all_reduce", bucket.nbytes, index) if spans.recording else _NOTHING:
+            work: dist.Work | None = dist.all_reduce(bucket.grads, op=dist.ReduceOp.SUM, async_op=True)
     else:
-        work = reduce_scatter_tensor(bucket.shard, bucket.buffer, op=dist.ReduceOp.SUM, async_op=True)
+        with spans.named("reduce_scatter", bucket.padded_nbytes, index) if spans.recording else _NOTHING:
+            work = reduce_scatter_tensor(bucket.shard, bucket.buffer, op=dist.ReduceOp.SUM, async_op=True)
     assert work is not None, "async_op=True returns the collective's Work"
     return work
 
 
-def finish(bucket: Bucket, collective: str, work: Waitable, world_size: int) -> dist.Work | None:
+def finish(
+    bucket: Bucket, collective: str, work: Waitable, world_size: int, index: int | None = None
+) -> dist.Work | None:
     """Wait for start()'s collective and divide; for rs_ag, return the all_gather still in flight."""
     work.wait()
     if collective == "all_reduce":
         bucket.grads.div_(world_size)
         return None
     bucket.shard.div_(world_size)
-    return all_gather_tensor(bucket.buffer, bucket.shard, async_op=True)
+    with spans.named("all_gather", bucket.padded_nbytes, index) if spans.recording else _NOTHING:
+        return all_gather_tensor(bucket.buffer, bucket.shard, async_op=True)
 
 
-def average(bucket: Bucket, collective: str, world_size: int) -> None:
+def average(bucket: Bucket, collective: str, world_size: int, index: int | None = None) -> None:
     """Both halves back to back: the bucket holds the average on every rank when this returns."""
-    gather = finish(bucket, collective, start(bucket, collective), world_size)
+    gather = finish(bucket, collective, start(bucket, collective, index), world_size, index)
     if gather is not None:
         gather.wait()
 
