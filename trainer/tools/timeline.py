@@ -106,7 +106,8 @@ def merged_trace(timelines: Sequence[RankTimeline], summary: dict[str, Any]) -> 
     events: list[dict[str, Any]] = []
     for t in timelines:
         for e in t.events:
-            events.append({**e, "pid": t.rank})
+            if e.get("ph") != "M" or not str(e.get("name", "")).startswith("process_"):  # ours name the process
+                events.append({**e, "pid": t.rank})
         events.append({"ph": "M", "name": "process_name", "pid": t.rank, "args": {"name": f"rank {t.rank}"}})
         events.append(
             {

@@ -60,7 +60,7 @@ def find_traces(run_dir: Path) -> dict[int, Path]:
 
 
 def _kind(op: str) -> str:
-    name = op.split("::")[-1].split(":")[-1].rstrip("_")
+    name = op.split("::")[-1].split(":")[-1].strip("_").removesuffix("_base").strip("_")
     return next((kind for key, kind in KINDS.items() if name.startswith(key)), name)
 
 
@@ -91,15 +91,21 @@ def read_rank(path: Path, ddp_buckets: list[int] | None = None) -> tuple[RankTim
         e["ts"] = float(e["ts"]) - shift
     timeline = RankTimeline(rank, uncertainty_us=lab["clock_uncertainty_us"], events=trace["traceEvents"])
     steps = lab["profiler_steps"]
-    windows = [(e["ts"], e["ts"] + e["dur"], steps[e["name"]]) for e in events if e["name"] in steps]
-    main = next(e["tid"] for e in events if e["name"] in steps) if windows else None
-
-    def step_of(ts: float) -> int:
-        return next((s for lo, hi, s in windows if lo <= ts <= hi), 0)
+    main = next((e["tid"] for e in events if e["name"] in steps), None)
 
     for e in events:
         if e.get("args", {}).get("ddplab") == "phase":
             timeline.phases.append(Interval(e["name"], e["ts"], e["ts"] + e["dur"], int(e["args"]["step"])))
+    # A step is its phases' time, data to optimizer: what runs between steps (a logged row's
+    # checks) is in the profiler's step range but is no part of either step.
+    bounds: dict[int, tuple[float, float]] = {}
+    for p in timeline.phases:
+        lo, hi = bounds.get(p.step, (p.start, p.end))
+        bounds[p.step] = (min(lo, p.start), max(hi, p.end))
+
+    def step_of(ts: float) -> int:
+        return next((s for s, (lo, hi) in bounds.items() if lo <= ts <= hi), 0)
+
     kernels = [e for e in events if e.get("cat") == "kernel"]
     timeline.on_gpu = bool(kernels)
     if kernels:
