@@ -139,48 +139,21 @@ def test_bad_input(runs: tuple[Path, list[dict[str, Any]]], tmp_path: Path, caps
     assert "--steps='x'" in capsys.readouterr().err
 
 
+def _x(cat: str, name: str, tid: int, ts: float, dur: float, **args: Any) -> dict[str, Any]:
+    return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur, "args": args}
+
+
 def _trace(rank: int, shift_us: float, offset_s: float, starts: list[float]) -> dict[str, Any]:
-    """A hand-built trace: ProfilerStep#2.. at trace time shift + perf_counter, one phase and one
-    gloo all_reduce launched at each step's start + 100 µs, lasting 50 µs."""
+    """A hand-built trace: ProfilerStep#2.. at trace time shift + perf_counter; in each step a
+    backward op 50-120 µs in, and an all_reduce launched at 100 µs that gloo runs until 150 µs."""
     events: list[dict[str, Any]] = []
     for k, t in enumerate(starts, start=2):
         ts = t * 1e6 + shift_us
-        events.append(
-            {
-                "ph": "X",
-                "cat": "user_annotation",
-                "name": f"ProfilerStep#{k}",
-                "pid": 1,
-                "tid": 1,
-                "ts": ts,
-                "dur": 1000.0,
-                "args": {},
-            }
-        )
-        events.append(
-            {
-                "ph": "X",
-                "cat": "cpu_op",
-                "name": "c10d::allreduce_",
-                "pid": 1,
-                "tid": 1,
-                "ts": ts + 100,
-                "dur": 5.0,
-                "args": {"Input Dims": [[[256]]], "Input type": ["float"]},
-            }
-        )
-        events.append(
-            {
-                "ph": "X",
-                "cat": "user_annotation",
-                "name": "gloo:all_reduce",
-                "pid": 1,
-                "tid": 2,
-                "ts": ts + 100,
-                "dur": 50.0,
-                "args": {},
-            }
-        )
+        events.append(_x("user_annotation", f"ProfilerStep#{k}", 1, ts, 1000.0))
+        events.append(_x("cpu_op", "autograd::engine::evaluate_function: AddmmBackward0", 1, ts + 50, 70.0))
+        dims = {"Input Dims": [[[256]]], "Input type": ["float"]}
+        events.append(_x("cpu_op", "c10d::allreduce_", 1, ts + 100, 5.0, **dims))
+        events.append(_x("user_annotation", "gloo:all_reduce", 2, ts + 100, 50.0))
     trace = {"traceEvents": events, "distributedInfo": {"rank": rank}}
     marks = [(1, 0.0)] + [(k + 1, t) for k, t in enumerate(starts, start=2)]
     phases = [("backward", t + 50e-6, t + 200e-6, k + 1) for k, t in enumerate(starts, start=2)]
@@ -204,8 +177,8 @@ def test_merge_aligns_ranks_with_known_offsets(tmp_path: Path) -> None:
     assert read[1].comm[0].name == "all_reduce 0.0 MiB"
     summary = timeline.write_timeline(tmp_path, tmp_path)
     assert all(s["straggler_gap_ms"] == pytest.approx(0.0, abs=1e-6) for s in summary["per_step"].values())
-    # backward (50-200 µs) covers all of each 100-150 µs collective
-    assert summary["ranks"]["0"]["overlap"] == pytest.approx(1.0)
+    # backward's op (50-120 µs) covers 20 of each collective's 50 µs (100-150)
+    assert summary["ranks"]["0"]["overlap"] == pytest.approx(0.4)
     assert summary["ranks"]["1"]["clock_uncertainty_us"] == pytest.approx(2.0)
 
 

@@ -119,7 +119,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.timelines:
         try:
-            dirs = [(f"job {j.name}: {' '.join(j.overrides)}", _job_dir(args.dir, j)) for j in jobs]
+            shared = set.intersection(*(set(j.overrides) for j in jobs))  # said once, not per job
+            label = "job {}: {}".format
+            dirs = [
+                (label(j.name, " ".join(o for o in j.overrides if o not in shared)), _job_dir(args.dir, j))
+                for j in jobs
+            ]
             for line in plot_timelines(dirs, out):
                 print(line)
         except TimelineError as err:

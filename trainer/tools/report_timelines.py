@@ -13,7 +13,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 
 from trainer.tools import timeline
-from trainer.tools.timeline_plot import draw_rank
+from trainer.tools.timeline_plot import COMM_COLOURS, PHASE_COLOURS, draw_rank
 from trainer.tools.timeline_trace import TimelineError
 
 
@@ -42,6 +42,9 @@ def plot_timelines(jobs: Sequence[tuple[str, Path]], out: Path) -> list[str]:
         ax.set_title(label, fontsize=8, loc="left")
         overlaps = ", ".join(f"rank {r} {timeline.percent(v['overlap'])}" for r, v in summary["ranks"].items())
         lines.append(f"{label}: overlap {overlaps}")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in (*PHASE_COLOURS.values(), COMM_COLOURS[0])]
+    names = [*PHASE_COLOURS, "collective, launch to completion"]
+    axes[0, 0].legend(handles, names, fontsize=7, ncol=6, loc="lower right", bbox_to_anchor=(1, 1.0), frameon=False)
     axes[-1, 0].set_xlabel("ms from each job's first profiled step (shaded: backward)")
     fig.tight_layout()
     fig.savefig(out / "timelines.png", dpi=110)

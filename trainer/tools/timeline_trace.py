@@ -19,6 +19,7 @@ from typing import Any
 from trainer.spans import collective_name
 
 DTYPE_BYTES = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8, "int": 4}
+AUTOGRAD = "autograd::engine::evaluate_function"  # one backward op's computation on the host
 KINDS = {"allreduce": "all_reduce", "reduce_scatter": "reduce_scatter", "allgather": "all_gather"}
 
 
@@ -35,7 +36,7 @@ class RankTimeline:
     rank: int
     phases: list[Interval] = field(default_factory=list)  # data, forward, backward, sync, optimizer (host)
     comm: list[Interval] = field(default_factory=list)  # one span per collective
-    compute: list[Interval] = field(default_factory=list)  # what counts as computation for the overlap
+    compute: list[Interval] = field(default_factory=list)  # backward ops (CPU) or compute kernels (CUDA)
     on_gpu: bool = False
     uncertainty_us: float = 0.0
     events: list[dict[str, Any]] = field(default_factory=list)  # the whole trace, on the common clock
@@ -127,8 +128,14 @@ def read_rank(path: Path, ddp_buckets: list[int] | None = None) -> tuple[RankTim
         per_step[key] = index + 1
         name = _name(launch, ranges, ddp_buckets, index)
         timeline.comm.append(Interval(name, launch["ts"], max(run["ts"] + run["dur"], launch["ts"]), step))
-    if not kernels:  # on CPU the computation is the backward pass the collectives can hide under
-        timeline.compute = [p for p in timeline.phases if p.name == "backward"]
+    if not kernels:
+        # On CPU the computation is the autograd engine's work (host time, not the backward phase:
+        # DDP's backward also waits for its last buckets, which hides nothing).
+        timeline.compute = [
+            Interval(e["name"], e["ts"], e["ts"] + e["dur"], step_of(e["ts"]))
+            for e in events
+            if e["tid"] == main and e["name"].startswith(AUTOGRAD)
+        ]
     return timeline, {name: int(s) for name, s in steps.items()}
 
 
