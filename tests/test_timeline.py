@@ -16,9 +16,10 @@ from PIL import Image
 
 from tests.dist_helpers import run_on_ranks
 from tests.train_helpers import build, case_results, train_each
+from trainer import spans
 from trainer.logger.jsonl import JsonlLogger
 from trainer.loop.profiling import add_lab_events
-from trainer.tools import timeline
+from trainer.tools import report, timeline
 from trainer.tools import timeline_figures as fig
 from trainer.tools.timeline_trace import TimelineError, read_rank
 
@@ -40,6 +41,7 @@ CASES = {
     "ddp": ["sync=ddp", "sync.bucket_cap_mb=0.25", "model.hidden_sizes=[512,256,256]"],
     "zero": ["sync=zero"],
     "fsdp": ["sync=fsdp"],
+    "off": ["sync=bucketed", "sync.bucket_cap_mb=0.02", "trainer.profile=false"],  # the zero-cost case
 }
 PROFILED = [3, 4, 5]  # StepProfiler: one step of wait, one of warm-up, three recorded
 KINDS = ("all_reduce", "reduce_scatter", "all_gather")
@@ -48,9 +50,19 @@ KINDS = ("all_reduce", "reduce_scatter", "all_gather")
 def _train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dict[str, Any]:
     rows = JsonlLogger(Path(run_dir) / "metrics" / f"rank{rank}.jsonl")
     trainer = build(rank, world_size, [*COMMON, *overrides], run_dir, loggers=[rows])
-    trainer.fit()
+    named, calls = spans.named, []
+
+    def counted(*args: Any) -> Any:  # every naming of a collective the step path asks for
+        calls.append(args)
+        return named(*args)
+
+    spans.named = counted
+    try:
+        trainer.fit()
+    finally:
+        spans.named = named
     rows.close()
-    return {"sync": trainer.sync.describe()}
+    return {"sync": trainer.sync.describe(), "named": len(calls), "timer": type(trainer._timer).__name__}
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +77,7 @@ def _rows(run_dir: Path) -> dict[int, dict[str, Any]]:
     return {row["step"]: row for row in map(json.loads, lines) if "train/lr" in row}
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [c for c in CASES if c != "off"])
 def test_every_strategy_end_to_end(runs: tuple[Path, list[dict[str, Any]]], case: str, capsys: Any) -> None:
     root, ranks = runs
     (describe, _) = (r["sync"] for r in case_results(ranks, case))
@@ -103,6 +115,34 @@ def test_every_strategy_end_to_end(runs: tuple[Path, list[dict[str, Any]]], case
     assert 1000 <= width <= 2000 and 300 <= height <= 1200
     assert all(rows[s].get("trainer/profiled_steps") == 1 for s in PROFILED)
     assert not any("trainer/profiled_steps" in rows[s] for s in (1, 2, 6))
+
+
+def test_zero_cost_when_off(runs: tuple[Path, list[dict[str, Any]]]) -> None:
+    """trainer.profile=false: no collective is named, the plain timer runs, no trace, no marked row;
+    profile=true names exactly each bucket of each recorded step (not the wait and warm-up steps)."""
+    root, ranks = runs
+    for off, on in zip(case_results(ranks, "off"), case_results(ranks, "bucketed"), strict=True):
+        assert off["named"] == 0 and off["timer"] == "StepTimer"
+        assert on["named"] == on["sync"]["num_buckets"] * len(PROFILED) and on["timer"] == "ProfiledStepTimer"
+    assert not (root / "off" / "profiler").exists()
+    assert not any("trainer/profiled_steps" in row for row in _rows(root / "off").values())
+
+
+def test_report_timelines(runs: tuple[Path, list[dict[str, Any]]], tmp_path: Path, capsys: Any) -> None:
+    """A sweep dir of two jobs (bucketed, ddp): one picture, a line per job; a job without traces: exit 2."""
+    root, _ = runs
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    for number, case in enumerate(("bucketed", "ddp")):
+        (sweep / str(number)).symlink_to(root / case)
+    assert report.main([str(sweep), "--timelines", "--out", str(tmp_path / "out")]) == 0
+    said = capsys.readouterr().out
+    assert re.search(r"job 0: .*overlap rank 0 \d+%, rank 1 \d+%", said) and "job 1: " in said
+    width, height = Image.open(tmp_path / "out" / "timelines.png").size
+    assert 1000 <= width <= 2000 and 500 <= height <= 2000
+    (sweep / "2").symlink_to(root / "off")
+    assert report.main([str(sweep), "--timelines", "--out", str(tmp_path / "out")]) == 2
+    assert "job 2: " in capsys.readouterr().err
 
 
 def test_named_sizes_match_the_layout(runs: tuple[Path, list[dict[str, Any]]]) -> None:
