@@ -18,6 +18,8 @@ from tests.dist_helpers import run_on_ranks
 from tests.train_helpers import build, case_results, train_each
 from trainer import spans
 from trainer.logger.jsonl import JsonlLogger
+from trainer.logger.wandb import WandbLogger
+from trainer.logger.wandb_files import read_run
 from trainer.loop.profiling import add_lab_events
 from trainer.tools import report, timeline
 from trainer.tools import timeline_figures as fig
@@ -41,6 +43,7 @@ CASES = {
     "ddp": ["sync=ddp", "sync.bucket_cap_mb=0.25", "model.hidden_sizes=[512,256,256]"],
     "zero": ["sync=zero"],
     "fsdp": ["sync=fsdp"],
+    "wandb": ["sync=bucketed", "sync.bucket_cap_mb=0.02"],  # with an offline W&B run per rank
     "off": ["sync=bucketed", "sync.bucket_cap_mb=0.02", "trainer.profile=false"],  # the zero-cost case
 }
 PROFILED = [3, 4, 5]  # StepProfiler: one step of wait, one of warm-up, three recorded
@@ -49,7 +52,12 @@ KINDS = ("all_reduce", "reduce_scatter", "all_gather")
 
 def _train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dict[str, Any]:
     rows = JsonlLogger(Path(run_dir) / "metrics" / f"rank{rank}.jsonl")
-    trainer = build(rank, world_size, [*COMMON, *overrides], run_dir, loggers=[rows])
+    loggers: list[Any] = [rows]
+    if run_dir.endswith("wandb"):
+        (Path(run_dir) / "wandb").mkdir(parents=True, exist_ok=True)
+        name = f"rank-{rank}"
+        loggers.append(WandbLogger("offline", "p", None, dir=run_dir, name=name, group="g", run_config={}, rank=rank))
+    trainer = build(rank, world_size, [*COMMON, *overrides], run_dir, loggers=loggers)
     named, calls = spans.named, []
 
     def counted(*args: Any) -> Any:  # every naming of a collective the step path asks for
@@ -61,7 +69,8 @@ def _train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> di
         trainer.fit()
     finally:
         spans.named = named
-    rows.close()
+    for logger in loggers:
+        logger.close()
     return {"sync": trainer.sync.describe(), "named": len(calls), "timer": type(trainer._timer).__name__}
 
 
@@ -77,7 +86,7 @@ def _rows(run_dir: Path) -> dict[int, dict[str, Any]]:
     return {row["step"]: row for row in map(json.loads, lines) if "train/lr" in row}
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c != "off"])
+@pytest.mark.parametrize("case", [c for c in CASES if c not in ("off", "wandb")])
 def test_every_strategy_end_to_end(runs: tuple[Path, list[dict[str, Any]]], case: str, capsys: Any) -> None:
     root, ranks = runs
     (describe, _) = (r["sync"] for r in case_results(ranks, case))
@@ -143,6 +152,21 @@ def test_report_timelines(runs: tuple[Path, list[dict[str, Any]]], tmp_path: Pat
     (sweep / "2").symlink_to(root / "off")
     assert report.main([str(sweep), "--timelines", "--out", str(tmp_path / "out")]) == 2
     assert "job 2: " in capsys.readouterr().err
+
+
+def test_wandb_gets_the_timeline(runs: tuple[Path, list[dict[str, Any]]]) -> None:
+    """logger=wandb: rank 0's run holds the picture (an image in step 5's row) and the merged trace."""
+    root, _ = runs
+    by_rank = {run.path.name[-1]: run for run in map(read_run, (root / "wandb" / "wandb").glob("offline-run-*"))}
+    assert set(by_rank) == {"0", "1"}
+    rank0 = by_rank["0"]
+    (row,) = [h for h in rank0.history if "profiler/timeline._type" in h]
+    assert row["step"] == PROFILED[-1] and row["profiler/timeline._type"] == "image-file"
+    (image,) = (rank0.path / "files" / "media" / "images").rglob("*.png")
+    assert Image.open(image).size[0] >= 1000
+    merged = json.loads((rank0.path / "files" / "timeline.json").read_text())
+    assert {e["pid"] for e in merged["traceEvents"] if e.get("cat") == "ddplab_comm"} == {0, 1}
+    assert not any("profiler/timeline._type" in h for h in by_rank["1"].history)  # rank 0's run only
 
 
 def test_named_sizes_match_the_layout(runs: tuple[Path, list[dict[str, Any]]]) -> None:

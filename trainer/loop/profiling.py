@@ -12,8 +12,10 @@ step of wait and one of warm-up; with it off nothing here runs in the step.
 from __future__ import annotations
 
 import json
+import logging
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from types import TracebackType
@@ -24,7 +26,10 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from trainer import spans
+from trainer.logger.base import MetricLogger, TimelineLogger
 from trainer.loop.timing import StepTimer
+
+log = logging.getLogger(__name__)
 
 WAIT, WARMUP = 1, 1  # steps before the profiler records
 CLOCK_ROUNDS = 8  # barriers whose exits give each rank's clock offset to rank 0's
@@ -90,6 +95,7 @@ class StepProfiler(AbstractContextManager["StepProfiler"]):
         out_dir: Path,
         timer: StepTimer | None = None,
         active_steps: int = 3,
+        on_traces: Callable[[int], None] | None = None,
     ) -> None:
         self._profile: profile | None = None
         self._device, self._rank, self._out_dir = device, rank, out_dir
@@ -97,6 +103,7 @@ class StepProfiler(AbstractContextManager["StepProfiler"]):
         self._step_marks: list[tuple[int, float]] = []  # (training step starting, perf_counter) per step()
         self._clock: dict[str, Any] = {}
         self._active = active_steps
+        self._on_traces = on_traces  # called with the last profiled step once every rank's trace is written
         self.trace_path: Path | None = None
         if enabled:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -144,6 +151,29 @@ class StepProfiler(AbstractContextManager["StepProfiler"]):
         self.trace_path = path
         if self._timer is not None:
             self._timer.host = []
+        if dist.is_initialized():
+            dist.barrier()  # every rank reaches this at the same step: all traces are on disk after it
+        if self._on_traces is not None:
+            self._on_traces(self._step_marks[-1][0] - 1)
+
+
+def send_timeline(run_dir: Path, loggers: Sequence[MetricLogger], step: int) -> None:
+    """Rank 0, for the sinks that keep pictures (logger=wandb): the timeline of the profiled steps.
+
+    A timeline that cannot be drawn is a warning, never a stopped training run.
+    """
+    wanting = [logger for logger in loggers if isinstance(logger, TimelineLogger)]
+    if not wanting:
+        return
+    from trainer.tools.timeline import write_timeline  # matplotlib: only for a profiled run that wants it
+
+    try:
+        write_timeline(run_dir, run_dir)
+    except Exception as err:  # noqa: BLE001  (any failure of the picture is reported, training goes on)
+        log.warning("trainer.profile: no timeline for the loggers: %s: %s", type(err).__name__, err)
+        return
+    for logger in wanting:
+        logger.log_timeline(run_dir / "timeline.png", run_dir / "timeline.json", step)
 
 
 def add_lab_events(

@@ -18,6 +18,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from data.base import DataModule, ResumableSampler
 from trainer.errors import from_leaves
 from trainer.logger.base import MetricLogger, resumed_at
 from trainer.loop.metrics import Window, evaluate
-from trainer.loop.profiling import ProfiledStepTimer, StepProfiler
+from trainer.loop.profiling import ProfiledStepTimer, StepProfiler, send_timeline
 from trainer.loop.progress import logging_above, progress_bar
 from trainer.loop.rows import TrainRows
 from trainer.loop.step import StepRunner
@@ -150,8 +151,15 @@ class Trainer:
         started = time.perf_counter()
         show_bar = self.settings.progress_bar and self.ctx.is_main_process
         bar = progress_bar(self.total_steps, self.step, show_bar)  # a resumed run starts at its step
+        # Rank 0 gives the loggers that keep pictures (W&B) the timeline once the profiled steps are done.
+        send = partial(send_timeline, self.run_dir, self.loggers) if self.ctx.is_main_process else None
         profiler = StepProfiler(
-            self.settings.profile, self.ctx.device, self.ctx.rank, self.run_dir / "profiler", self._timer
+            self.settings.profile,
+            self.ctx.device,
+            self.ctx.rank,
+            self.run_dir / "profiler",
+            self._timer,
+            on_traces=send,
         )
         with bar, logging_above(bar), profiler:
             self.train(self.total_steps, bar, profiler)
