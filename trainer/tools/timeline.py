@@ -66,7 +66,8 @@ def load(run_dir: Path, steps: str | None, ranks: str | None) -> tuple[list[Rank
     for t in timelines:
         t.phases = [p for p in t.phases if p.step in chosen]
         t.comm = [c for c in t.comm if c.step in chosen]
-        lo, hi = min(p.start for p in t.phases), max(p.end for p in t.phases)
+        # (CUDA kernels run behind the host: the window reaches to the last collective's end.)
+        lo, hi = min(p.start for p in t.phases), max(p.end for p in [*t.phases, *t.comm])
         t.compute = [c for c in t.compute if c.end >= lo and c.start <= hi]
     return timelines, chosen
 

@@ -127,7 +127,9 @@ def read_rank(path: Path, ddp_buckets: list[int] | None = None) -> tuple[RankTim
         index = per_step.get(key, 0)
         per_step[key] = index + 1
         name = _name(launch, ranges, ddp_buckets, index)
-        timeline.comm.append(Interval(name, launch["ts"], max(run["ts"] + run["dur"], launch["ts"]), step))
+        # On CUDA the span is the NCCL kernel itself (GPU time); on CPU from the launch to gloo's end.
+        start = run["ts"] if kernels else launch["ts"]
+        timeline.comm.append(Interval(name, start, max(run["ts"] + run["dur"], start), step))
     if not kernels:
         # On CPU the computation is the autograd engine's work (host time, not the backward phase:
         # DDP's backward also waits for its last buckets, which hides nothing).
