@@ -113,6 +113,8 @@ def test_every_strategy_end_to_end(runs: tuple[Path, list[dict[str, Any]]], case
                     continue  # ddp counts its collectives' bytes, not their kinds: its buckets below
                 expected = rows[step].get(f"comm/{kind}_per_step", 0)
                 assert sum(kind in n for n in mine) == expected, (case, rank, step, kind, mine)
+            if case == "fsdp":  # named by the unit whose gather or reduce it is
+                assert mine and all(re.search(r" \(fsdp unit net\.\d+\)$", n) for n in mine), mine
             if case == "ddp":  # DDP's own count of its reducer's collectives in this step
                 assert sum("all_reduce" in n for n in mine) == rows[step]["comm/collectives_per_step"]
             buckets = describe.get("num_buckets", describe.get("num_buffers"))
@@ -177,7 +179,7 @@ def test_named_sizes_match_the_layout(runs: tuple[Path, list[dict[str, Any]]]) -
     names = {
         e["name"] for e in merged["traceEvents"] if e.get("cat") == "ddplab_comm" and e["name"].startswith("bucket")
     }
-    expected = {f"bucket {i} all_reduce {n / 2**20:.1f} MiB" for i, n in enumerate(describe["bucket_sizes_bytes"])}
+    expected = {f"bucket {i} all_reduce {spans.mib(n)}" for i, n in enumerate(describe["bucket_sizes_bytes"])}
     assert names == expected
 
 
@@ -208,12 +210,15 @@ def _x(cat: str, name: str, tid: int, ts: float, dur: float, **args: Any) -> dic
 
 
 def _trace(rank: int, shift_us: float, offset_s: float, starts: list[float]) -> dict[str, Any]:
-    """A hand-built trace: ProfilerStep#2.. at trace time shift + perf_counter; in each step a
+    """A hand-built trace: ProfilerStep#2.. at trace time shift + perf_counter (+ the profiler's own
+    delay); in each step a
     backward op 50-120 µs in, and an all_reduce launched at 100 µs that gloo runs until 150 µs."""
     events: list[dict[str, Any]] = []
     for k, t in enumerate(starts, start=2):
         ts = t * 1e6 + shift_us
-        events.append(_x("user_annotation", f"ProfilerStep#{k}", 1, ts, 1000.0))
+        # The profiler opens a step's range a little after our note of it: here 0, 2 and 0.5 ms.
+        late = {2: 0.0, 3: 2000.0, 4: 500.0}[k]
+        events.append(_x("user_annotation", f"ProfilerStep#{k}", 1, ts + late, 5000.0))
         events.append(_x("cpu_op", "autograd::engine::evaluate_function: AddmmBackward0", 1, ts + 50, 70.0))
         dims = {"Input Dims": [[[256]]], "Input type": ["float"]}
         events.append(_x("cpu_op", "c10d::allreduce_", 1, ts + 100, 5.0, **dims))
@@ -238,7 +243,7 @@ def test_merge_aligns_ranks_with_known_offsets(tmp_path: Path) -> None:
         assert a.start == pytest.approx(b.start, abs=1e-3) and a.end == pytest.approx(b.end, abs=1e-3)
     assert [c.start for c in read[0].comm] == pytest.approx([t * 1e6 + 100 for t in starts], abs=1e-3)
     assert [c.step for c in read[0].comm] == [3, 4, 5]
-    assert read[1].comm[0].name == "all_reduce 0.0 MiB"
+    assert read[1].comm[0].name == "all_reduce 1.0 KiB"  # 256 floats
     summary = timeline.write_timeline(tmp_path, tmp_path)
     assert all(s["straggler_gap_ms"] == pytest.approx(0.0, abs=1e-6) for s in summary["per_step"].values())
     # backward's op (50-120 µs) covers 20 of each collective's 50 µs (100-150)

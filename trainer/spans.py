@@ -16,11 +16,12 @@ from torch.profiler import record_function
 
 recording = False  # True only while trainer.profile=true's profiler is active (set by loop/profiling.py)
 
-MIB = 2**20
+MIB = 2**20  # sizes in names are binary (MiB, KiB), as bucket_cap_mb is
 
 
 def mib(nbytes: int) -> str:
-    return f"{nbytes / MIB:.1f} MiB"
+    """4.0 MiB; under 0.1 MiB in KiB (12.3 KiB), so that small buckets still tell apart."""
+    return f"{nbytes / MIB:.1f} MiB" if nbytes >= MIB / 10 else f"{nbytes / 1024:.1f} KiB"
 
 
 def collective_name(kind: str, nbytes: int, bucket: int | None = None) -> str:

@@ -24,10 +24,10 @@ COMM_COLOURS = ("#d1495b", "#edae49")
 
 
 def short(name: str) -> str:
-    """`bucket 3 all_reduce 4.0 MiB` -> `b3 4.0M`: what fits on a bar."""
+    """`bucket 3 all_reduce 4.0 MiB` -> `b3 4.0M` (KiB: `K`): what fits on a bar."""
     words = name.split()
     if words[0] == "bucket" and len(words) >= 4:
-        return f"b{words[1]} {words[-2]}M"
+        return f"b{words[1]} {words[-2]}{words[-1][0]}"
     return words[0] if words else name
 
 

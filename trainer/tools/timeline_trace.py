@@ -157,6 +157,7 @@ def _name(launch: dict[str, Any], ranges: list[dict[str, Any]], ddp_buckets: lis
     if ddp_buckets and kind == "all_reduce" and index < len(ddp_buckets) and ddp_buckets[index] == nbytes:
         return collective_name(kind, nbytes, index)
     name = collective_name(kind, nbytes)
-    if inner is not None and "FSDP" in inner["name"]:
-        return f"{name} ({inner['name']})"
+    if inner is not None and inner["name"].startswith("FSDP::"):  # e.g. FSDP::all_gather (blocks.2)
+        unit = inner["name"].rpartition("(")[2].rstrip(")")
+        return f"{name} (fsdp unit {unit})"
     return name
