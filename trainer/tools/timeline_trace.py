@@ -117,7 +117,7 @@ def read_rank(path: Path, ddp_buckets: list[int] | None = None) -> tuple[RankTim
     else:
         runs = sorted((e for e in events if e["name"].startswith(("gloo:", "nccl:"))), key=lambda e: e["ts"])
     launches = sorted((e for e in events if e["name"].startswith("c10d::")), key=lambda e: e["ts"])
-    ranges = [e for e in events if e.get("cat") == "user_annotation" and e["tid"] == main]
+    ranges = [e for e in events if e.get("cat") == "user_annotation"]
     per_step: dict[tuple[int, str], int] = {}  # all_reduces so far in the step: DDP's bucket index
     for launch, run in zip(launches, runs, strict=False):
         step = step_of(launch["ts"])
@@ -146,7 +146,8 @@ def _name(launch: dict[str, Any], ranges: list[dict[str, Any]], ddp_buckets: lis
     around = [
         r
         for r in ranges
-        if r["ts"] <= launch["ts"]
+        if r["tid"] == launch["tid"]  # the launching thread (on CUDA, backward's hooks run on autograd's)
+        and r["ts"] <= launch["ts"]
         and launch["ts"] + launch.get("dur", 0) <= r["ts"] + r["dur"]
         and not r["name"].startswith("ProfilerStep")
         and r.get("args", {}).get("ddplab") != "phase"
