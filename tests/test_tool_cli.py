@@ -10,6 +10,7 @@ import pytest
 TOOLS = {  # module -> the arguments that name a path
     "trainer.tools.report": [],
     "trainer.tools.wandb_offline": [],
+    "trainer.tools.timeline": [],
     "trainer.tools.collectives": None,  # no input path: it measures
     "trainer.tools.sample": [],
     "trainer.scaling.__main__": ["--run"],

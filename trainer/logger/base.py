@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 
@@ -32,6 +33,14 @@ class ResumableLogger(Protocol):
 
     def resumed_at(self, step: int) -> None:
         """Training continues after optimizer step `step` (the checkpoint's)."""
+
+
+@runtime_checkable
+class TimelineLogger(Protocol):
+    """A sink that keeps pictures and files (W&B): given the timeline of trainer.profile=true's steps."""
+
+    def log_timeline(self, image: Path, trace: Path, step: int) -> None:
+        """The timeline picture and the merged trace, after the profiled steps (rank 0 only)."""
 
 
 def resumed_at(loggers: Sequence[MetricLogger], step: int) -> None:

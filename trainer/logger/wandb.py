@@ -165,6 +165,11 @@ class WandbLogger:
             columns, data = ranks_table_data(ranks)
             self._run.summary[TABLE_KEY] = self._wandb.Table(columns=columns, data=data)
 
+    def log_timeline(self, image: Path, trace: Path, step: int) -> None:
+        """trainer.profile=true (rank 0): the timeline picture in the step's row, the merged trace as a file."""
+        self._run.log({"profiler/timeline": self._wandb.Image(str(image))}, step=step)
+        self._run.save(str(trace), base_path=str(trace.parent), policy="now")
+
     def close(self, exit_code: int = 0) -> None:
         # Offline runs reach the disk only here: this must run on every exit path, SIGTERM included.
         if not self._closed:

@@ -69,7 +69,10 @@ class TrainRows:
             **({"train/skipped_steps": steps.skipped_steps} if steps.skipped_steps else {}),
             **comm,
             **self.sync.row_metrics(),
+            # trainer.profile=true: these steps ran under the profiler (slower than the others).
+            **({"trainer/profiled_steps": timer.profiled} if timer.profiled else {}),
         }
+        timer.profiled = 0
         if not self.rows and self.ctx.is_main_process:
             # Once per job, after the first logged step: DDP has rebuilt its buckets by then.
             log.info("sync: %s", " ".join(f"{key}={value}" for key, value in self.sync.describe().items()))

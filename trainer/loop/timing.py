@@ -21,6 +21,8 @@ PHASES = ("data", "forward", "backward", "sync", "optimizer")
 class StepTimer:
     """start(), mark(phase) as each phase ends, stop(); collect() averages the steps since the last call."""
 
+    profiled = 0  # steps the profiler recorded since the last row (only ProfiledStepTimer counts them)
+
     def __init__(self, device: torch.device) -> None:
         self._cuda = device.type == "cuda"
         # The trainer runs the whole step on the stream that is current when it starts.

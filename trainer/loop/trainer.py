@@ -18,6 +18,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from trainer.errors import from_leaves
 from trainer.logger.base import MetricLogger, resumed_at
 from trainer.loop.lm import compile_model, end_of_run_sample, token_rates, write_vocab
 from trainer.loop.metrics import Window, evaluate
-from trainer.loop.profiling import StepProfiler
+from trainer.loop.profiling import ProfiledStepTimer, StepProfiler, send_timeline
 from trainer.loop.progress import logging_above, progress_bar
 from trainer.loop.rows import TrainRows
 from trainer.loop.step import StepRunner
@@ -105,7 +106,8 @@ class Trainer:
         self.config = config
         self.step = 0
         self.epoch = 0
-        self._timer = StepTimer(ctx.device)
+        # A profiled run's timer also keeps each phase's interval for the trace (trainer.profile).
+        self._timer = (ProfiledStepTimer if settings.profile else StepTimer)(ctx.device)
         self._window = Window(ctx.device)
         self._batches: Iterator[Any] | None = None  # the current epoch's batches
         self.data = data
@@ -161,7 +163,16 @@ class Trainer:
         started = time.perf_counter()
         show_bar = self.settings.progress_bar and self.ctx.is_main_process
         bar = progress_bar(self.total_steps, self.step, show_bar)  # a resumed run starts at its step
-        profiler = StepProfiler(self.settings.profile, self.ctx.device, self.ctx.rank, self.run_dir / "profiler")
+        # Rank 0 gives the loggers that keep pictures (W&B) the timeline once the profiled steps are done.
+        send = partial(send_timeline, self.run_dir, self.loggers) if self.ctx.is_main_process else None
+        profiler = StepProfiler(
+            self.settings.profile,
+            self.ctx.device,
+            self.ctx.rank,
+            self.run_dir / "profiler",
+            self._timer,
+            on_traces=send,
+        )
         with bar, logging_above(bar), profiler:
             self.train(self.total_steps, bar, profiler)
         final_eval = self.evaluate()
@@ -221,7 +232,7 @@ class Trainer:
             self.epoch += 1
             self._batches = None
         if profiler is not None:
-            profiler.step()
+            profiler.step(self.step)
         if bar is not None:
             bar.update(1)
         self._after_step(bar)

@@ -169,7 +169,7 @@ class BucketedSync(SyncStrategy):
         bucket = self._flat.buckets[index]
         if self._timing:
             self._marks.append(self._clock.now())
-        work = averaging.start(bucket, self.collective)
+        work = averaging.start(bucket, self.collective, index)
         self._works.append(self._timed_work(work, self._marks[-1]) if self._timing else work)
 
     def _timed_work(self, work: dist.Work, started: Any) -> averaging.Waitable:
@@ -220,8 +220,8 @@ class BucketedSync(SyncStrategy):
             )
         backward_end = self._clock.now() if self._timing else None
         gathers: list[tuple[Any, dist.Work]] = []
-        for bucket, work in zip(buckets, self._works, strict=True):
-            gather = averaging.finish(bucket, self.collective, work, self._world_size)
+        for index, (bucket, work) in enumerate(zip(buckets, self._works, strict=True)):
+            gather = averaging.finish(bucket, self.collective, work, self._world_size, index)
             averaging.count(self.comm, bucket, self.collective)
             if gather is not None:
                 gathers.append((self._clock.now() if self._timing else None, gather))

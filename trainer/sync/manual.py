@@ -80,8 +80,8 @@ class ManualSync(SyncStrategy):
         unused = self._used.unused_everywhere()
         self._flat.bind()  # a no-op unless something replaced a gradient (e.g. zero_grad(set_to_none))
         world_size = dist.get_world_size()
-        for bucket in self._flat.buckets:
-            averaging.average(bucket, self.collective, world_size)
+        for index, bucket in enumerate(self._flat.buckets):
+            averaging.average(bucket, self.collective, world_size, index)
             averaging.count(self.comm, bucket, self.collective)
         skip = {id(self._used.params[i]) for i in unused}
         for param in self._alone:

@@ -26,7 +26,9 @@ from trainer.tools.report_plot import plot
 from trainer.tools.report_points import Point, gather_points, spread_sentences
 from trainer.tools.report_rows import Job, JobRow, build_rows
 from trainer.tools.report_table import format_markdown, format_points, format_table, write_csv
+from trainer.tools.report_timelines import plot_timelines
 from trainer.tools.report_wandb import MODES, log_report  # wandb itself is imported only by log_report
+from trainer.tools.timeline_trace import TimelineError
 
 
 class ReportError(Exception):
@@ -85,6 +87,10 @@ def find_jobs(root: Path) -> list[Job]:
     return jobs
 
 
+def _job_dir(root: Path, job: Job) -> Path:
+    return root if (root / "metrics").is_dir() else root / job.name
+
+
 def notes(rows: Sequence[JobRow], points: Sequence[Point]) -> list[str]:
     """The warning when the swept cap changed nothing, then what the repeats allow one to say."""
     warning = axis_warning(rows)
@@ -99,6 +105,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--wandb-mode", choices=MODES, default="offline", help="offline runs land in <out>/wandb (default: offline)"
     )
+    parser.add_argument(
+        "--timelines", action="store_true", help="also timelines.png: every job's timeline (trainer.profile=true)"
+    )
     args = parser.parse_args(argv)
     try:
         jobs = find_jobs(args.dir)
@@ -108,6 +117,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     out = args.out or args.dir
     out.mkdir(parents=True, exist_ok=True)
+    if args.timelines:
+        try:
+            shared = set.intersection(*(set(j.overrides) for j in jobs))  # said once, not per job
+            label = "job {}: {}".format
+            dirs = [
+                (label(j.name, " ".join(o for o in j.overrides if o not in shared)), _job_dir(args.dir, j))
+                for j in jobs
+            ]
+            for line in plot_timelines(dirs, out):
+                print(line)
+        except TimelineError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        print(f"wrote {out / 'timelines.png'}")
     done = [r for r in rows if r.status == "ok"]
     if len({r.bucket_cap_mb for r in done if r.bucket_cap_mb is not None}) > 1:
         kind = (

@@ -1,0 +1,52 @@
+"""report --timelines: the jobs' timelines one above the other, on one time scale.
+
+Each job is drawn from its own first profiled step (jobs are separate runs: only durations
+compare), every job with the same ms per inch, so that, in a bucket sweep, many small buckets
+sent during backward stand against one large bucket sent after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+
+from trainer.tools import timeline
+from trainer.tools.timeline_plot import COMM_COLOURS, PHASE_COLOURS, draw_rank
+from trainer.tools.timeline_trace import TimelineError
+
+
+def plot_timelines(jobs: Sequence[tuple[str, Path]], out: Path) -> list[str]:
+    """timelines.png in `out` from every job's traces; returns one line per job (its figures)."""
+    loaded = []
+    for label, path in jobs:
+        try:
+            timelines, steps = timeline.load(path, None, None)
+        except TimelineError as err:
+            raise TimelineError(f"job {path.name}: {err}") from None
+        summary = timeline.figures(timelines, steps)
+        loaded.append((label, timelines, summary))
+    lanes = sum(len(t) for _, t, _ in loaded)
+    fig, axes = plt.subplots(len(loaded), 1, figsize=(14, 1.0 + 1.3 * lanes), sharex=True, squeeze=False)
+    lines = []
+    for ax, (label, timelines, summary) in zip(axes[:, 0], loaded, strict=True):
+        origin = min(p.start for t in timelines for p in [*t.phases, *t.comm])
+        ticks, names = [], []
+        for row, t in enumerate(timelines):
+            y = -2.2 * row
+            draw_rank(ax, y, t, origin, timeline.caption(summary["ranks"][str(t.rank)], []))
+            ticks += [y, y - 1]
+            names += [f"rank {t.rank} compute", f"rank {t.rank} comm"]
+        ax.set_yticks(ticks, names, fontsize=7)
+        ax.set_title(label, fontsize=8, loc="left")
+        overlaps = ", ".join(f"rank {r} {timeline.percent(v['overlap'])}" for r, v in summary["ranks"].items())
+        lines.append(f"{label}: overlap {overlaps}")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in (*PHASE_COLOURS.values(), COMM_COLOURS[0])]
+    names = [*PHASE_COLOURS, "collective, launch to completion"]
+    axes[0, 0].legend(handles, names, fontsize=7, ncol=6, loc="lower right", bbox_to_anchor=(1, 1.0), frameon=False)
+    axes[-1, 0].set_xlabel("ms from each job's first profiled step (shaded: backward)")
+    fig.tight_layout()
+    fig.savefig(out / "timelines.png", dpi=110)
+    plt.close(fig)
+    return lines
