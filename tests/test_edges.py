@@ -17,7 +17,7 @@ from tests.dist_helpers import run_on_ranks
 from tests.edge_models import Case, batch, make, optimizer_for, reference, train
 from tests.test_fsdp import real_collectives
 from trainer.sync import averaging
-from trainer.sync.bucket_clock import Clock
+from trainer.sync.bucket_clock import Clock, timed
 from trainer.sync.bucketed import BucketedSync
 from trainer.sync.ddp import DDPSync
 from trainer.sync.flat import FlatGrads
@@ -123,14 +123,13 @@ def _fsdp_comm(rank: int, wrap: str) -> dict[str, Any]:
 
 
 def _timed_future(rank: int, world_size: int) -> tuple[Any, torch.Tensor]:
-    """bucketed's timed wait on a real collective: what wait() yields, and the bucket after it."""
-    sync = BucketedSync()
-    sync._clock = Clock(torch.device("cpu"))
+    """The bucket launcher's timed wait on a real collective: what wait() yields, and the bucket after it."""
+    clock, spans = Clock(torch.device("cpu")), []  # as bucket_launch.py times every bucket
     param = torch.nn.Parameter(torch.zeros(5, dtype=torch.float64))
     bucket = FlatGrads([[param]], world_size).buckets[0]
     bucket.grads.copy_(torch.arange(5.0) + rank)
-    waited = sync._timed_work(averaging.start(bucket, "all_reduce"), sync._clock.now()).wait()
-    assert len(sync._spans) == 1, "the arrival was noted"
+    waited = timed(averaging.start(bucket, "all_reduce"), clock.now(), clock, spans).wait()
+    assert len(spans) == 1, "the arrival was noted"
     return waited, bucket.grads.clone()
 
 

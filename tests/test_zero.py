@@ -108,14 +108,14 @@ def _mechanism(rank: int, world_size: int) -> dict[str, Any]:
         F.cross_entropy(model(torch.randn(4, 4)), torch.randint(0, 2, (4,))).backward()
         sync.after_backward(model)
         if poison:
-            sync._bucket.shard[0] = float("nan")  # one rank's shard only: both must still answer False
+            sync._grads.shard[0] = float("nan")  # type: ignore[union-attr]  # one rank's shard only: both must still answer False
         return sync.grads_finite(model, optimizer)
 
     finite = backward()
     sync.optimizer_step(optimizer)
     sync.zero_grad(optimizer)
     counts = sync.take_comm()
-    zeroed = all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    zeroed = all(p.grad is None for p in model.parameters())  # stage 2 keeps only the shard
     nonfinite = backward(poison=rank == 1)
     sync.zero_grad(optimizer)
     refusals: dict[str, str] = {}
