@@ -240,10 +240,8 @@ class ZeroSync(SyncStrategy):
             info["padded_numel"] = layout.padded_numel
             info["shard_numel"] = layout.shard_numel
             info["num_buckets"] = len(layout.buckets)
-            info["bucket_sizes_bytes"] = [
-                padded * (self._params.element_size() if self._params is not None else 4)
-                for _, padded in layout.buckets
-            ]
+        if self._grads is not None:  # the gradient bytes per bucket, without padding, as bucketed lists them
+            info["bucket_sizes_bytes"] = [n * self._grads.element_size for n in self._grads.numels]
         return info
 
 
