@@ -113,7 +113,7 @@ def _case(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dic
 
 # (stage, bucket_cap_mb): one bucket of the toy's 23 parameters (padded to 24), or one per tensor,
 # last layer first: 2 | 6 | 3 (padded to 4) | 12 elements.
-MECHANISMS = {"s2": (2, 25.0), "s2-per-tensor": (2, 0.0), "s1-per-tensor": (1, 0.0)}
+MECHANISMS = {"s2": (2, 25.0), "s2-per-tensor": (2, 1e-6), "s1-per-tensor": (1, 1e-6)}
 
 
 def _mechanism(rank: int, world_size: int, stage: int, cap_mb: float) -> dict[str, Any]:
@@ -290,13 +290,13 @@ def test_strategy_mechanism(ranks: list[dict[str, Any]], mechanism: str) -> None
     rank0, rank1 = results
     assert all(torch.equal(a, b) for a, b in zip(rank0["params"], rank1["params"], strict=True))
     stage, cap_mb = MECHANISMS[mechanism]
-    buckets = [24] if cap_mb else [2, 6, 4, 12]  # padded elements per bucket, in the order they are sent
+    buckets = [24] if cap_mb > 1 else [2, 6, 4, 12]  # padded elements per bucket, in the order they are sent
     for rank in results:
         assert rank["in_buffer"] and rank["zeroed"]
         assert rank["finite"] is True and rank["nonfinite"] is False  # rank 1's NaN reached rank 0's answer
         info = rank["describe"]
         assert (info["numel"], info["padded_numel"], info["shard_numel"]) == (23, 24, 12)
-        grads = [23] if cap_mb else [2, 6, 3, 12]  # bucket_sizes_bytes: gradient bytes, as bucketed's
+        grads = [23] if cap_mb > 1 else [2, 6, 3, 12]  # bucket_sizes_bytes: gradient bytes, as bucketed's
         assert info["num_buckets"] == len(buckets) and info["bucket_sizes_bytes"] == [4 * n for n in grads]
         # One step: per bucket, its reduction (stage 1: all_reduce of the gradients; stage 2:
         # reduce_scatter of the padded bucket) and an all_gather of the padded bucket; gradient bytes once.

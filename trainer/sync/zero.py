@@ -62,10 +62,10 @@ class ZeroSync(SyncStrategy):
         super().__init__()
         check_stage(stage)
         check(
-            is_number(bucket_cap_mb) and bucket_cap_mb >= 0,
+            is_number(bucket_cap_mb) and bucket_cap_mb > 0,
             "sync.bucket_cap_mb",
             bucket_cap_mb,
-            "accepted: a number of MiB >= 0 (0: one parameter per bucket)",
+            "must be a number > 0 (MiB of gradients per bucket, as bucketed's; a tensor larger goes alone)",
         )
         check(
             isinstance(find_unused_parameters, bool),
