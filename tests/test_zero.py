@@ -120,7 +120,7 @@ def _mechanism(rank: int, world_size: int, stage: int, cap_mb: float) -> dict[st
     """The strategy alone on a toy model of 23 parameters: views, counts, checks, refusals."""
     torch.manual_seed(rank)  # each rank draws other weights: wrap() must replace them with rank 0's
     model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
-    sync = ZeroSync(stage=stage, bucket_cap_mb=cap_mb)
+    sync = ZeroSync(stage=stage, bucket_cap_mb=cap_mb, time_every_n_steps=1)
     sync.wrap(model)
     optimizer = sync.build_optimizer(model, partial(torch.optim.SGD, lr=0.1))
     flat = sync._params
@@ -304,6 +304,8 @@ def test_strategy_mechanism(ranks: list[dict[str, Any]], mechanism: str) -> None
         reduce = {"all_reduce": [23 * 4, len(buckets)]} if stage == 1 else {"reduce_scatter": [24 * 4, len(buckets)]}
         assert counts.kinds == {**reduce, "all_gather": [24 * 4, len(buckets)]}
         assert counts.bytes == 23 * 4 and counts.collectives == 2 * len(buckets)
+        # Timed as bucketed's (time/comm_s, time/comm_exposed_s): the all_gathers after the step are exposed.
+        assert counts.timed_steps == 1 and counts.seconds > 0 and counts.exposed_seconds > 0
         # Gradient memory after backward: the 12-element shard (stage 2), or it and the 24 of the buckets.
         assert rank["memory"]["memory/gradients_mb"] * 2**20 == 4 * (12 if stage == 2 else 12 + 24)
         assert rank["late_move_error"] < 1e-7
