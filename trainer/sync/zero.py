@@ -38,6 +38,7 @@ from trainer.sync.flat import plan
 from trainer.sync.manual import broadcast_from_rank0
 from trainer.sync.unused import UsedParams, names_of
 from trainer.sync.zero_checks import ELEMENTWISE, check_one_kind, check_optimizer, check_stage
+from trainer.sync.zero_frozen import keep, restore
 from trainer.sync.zero_grads import ShardedGrads
 from trainer.sync.zero_state import Layout, gather_full_state, shard_of_full_state
 
@@ -153,9 +154,9 @@ class ZeroSync(SyncStrategy):
         assert self._grads is not None and self._layout is not None and self._launcher is not None
         if self._shard.grad is not self._grads.shard:  # a plain optimizer.zero_grad() dropped it
             self._shard.grad = self._grads.shard
-        kept = _keep(self._param_shard, optimizer, self._frozen)
+        kept = keep(self._param_shard, optimizer, self._frozen)
         optimizer.step()  # updates this rank's shard
-        _restore(self._param_shard, optimizer, kept)
+        restore(self._param_shard, optimizer, kept)
         # Every rank must reach these (a skipped step, on_nonfinite=skip, skips them on every rank
         # alike), in _gather_order.
         launcher, gathers = self._launcher, []
@@ -243,37 +244,3 @@ class ZeroSync(SyncStrategy):
         if self._grads is not None:  # the gradient bytes per bucket, without padding, as bucketed lists them
             info["bucket_sizes_bytes"] = [n * self._grads.element_size for n in self._grads.numels]
         return info
-
-
-Kept = list[tuple[torch.Tensor, torch.Tensor]]
-
-
-def _per_element_state(shard: torch.Tensor, optimizer: Optimizer) -> dict[str, torch.Tensor]:
-    state = optimizer.state.get(optimizer.param_groups[0]["params"][0], {})
-    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == shard.shape}
-
-
-def _keep(
-    shard: torch.Tensor, optimizer: Optimizer, slices: list[tuple[int, int]]
-) -> tuple[list[tuple[int, int]], Kept]:
-    """Copies of the shard's parameters and per-element optimizer state in `slices`, to put back after
-    the step: one process's optimizer skips a parameter without a gradient."""
-    if not slices:  # the usual step: nothing to keep, nothing looked up
-        return slices, []
-    tensors = [shard, *_per_element_state(shard, optimizer).values()]
-    return slices, [(t[lo:hi], t[lo:hi].clone()) for t in tensors for lo, hi in slices]
-
-
-def _restore(shard: torch.Tensor, optimizer: Optimizer, kept: tuple[list[tuple[int, int]], Kept]) -> None:
-    """Put back what _keep copied; state this step created (e.g. Adam's moments) starts at zero there."""
-    slices, saved = kept
-    if not slices:
-        return
-    with torch.no_grad():
-        for view, copy in saved:
-            view.copy_(copy)
-        restored = {view.data_ptr() for view, _ in saved}
-        for value in _per_element_state(shard, optimizer).values():
-            for lo, hi in slices:
-                if value[lo:hi].data_ptr() not in restored:
-                    value[lo:hi].zero_()
