@@ -1,22 +1,29 @@
-"""ZeRO stage 2 by hand: every rank keeps the full parameters, but only 1/N of the optimizer state
-and of the averaged gradient.
+"""ZeRO by hand, stages 1 and 2: every rank keeps the full parameters, but only 1/N of the optimizer
+state and (stage 2) of the gradient.
 
-wrap() lays every trainable parameter into one flat buffer padded to a multiple of the world size
-(each parameter a view of it) and the gradients into a flat buffer of the same layout (FlatGrads).
-A step then moves what all_reduce would, in its two halves, with the optimizer in between:
+wrap() groups the trainable parameters into buckets of about `bucket_cap_mb` (bucketed's rule,
+flat.plan in reverse registration order) and lays them into one flat parameter buffer, bucket after
+bucket, each padded to a multiple of the world size (zero_state.Layout; each parameter a view of
+it). This rank's shard is its 1/N slice of every bucket, side by side in a tensor of its own: the
+optimizer's one parameter. A step:
 
-    after_backward:  reduce_scatter(SUM) the gradient buffer -> this rank's shard; divide by N
-    optimizer_step:  the shard optimizer updates this rank's slice of the parameter buffer in place;
-                     all_gather the slices back into the buffer: every rank holds the new parameters
+    backward:        bucketed's hooks (bucket_launch.py) start each bucket's collective as soon as
+                     backward has produced its gradients, in order: stage 1 all_reduces the full
+                     bucket, stage 2 reduce_scatters it into this rank's shard of the gradient and
+                     frees it (zero_grads.py)
+    after_backward:  waits only for what is still in flight; this rank's shard, averaged
+    optimizer_step:  the optimizer updates the shard; each bucket's updated slices are all_gathered
+                     back into every rank's parameter buffer (the first layers' buckets first)
 
-Forward, backward and evaluation stay local (every rank has the whole model); the optimizer holds
-one parameter, the shard, so its state (momentum, Adam's moments) is 1/N of ddp's. Checkpoints
-speak in the full model's terms (zero_state.py).
+Forward, backward and evaluation stay local; the optimizer's state is 1/N of ddp's. Checkpoints
+speak in the full model's terms (zero_state.py). Micro-batches under no_sync accumulate locally.
 
 A parameter no rank used (find_unused_parameters=true, trainer/sync/unused.py) gets no update: the
 optimizer steps on the whole shard, so its slice of the shard's parameters and optimizer state is
-put back as it was. The gradient buffer is cleared right after the step, so a caller's plain
-optimizer.zero_grad() (which drops the shard's .grad, re-bound here at the next step) is enough.
+put back as it was (zero_frozen.py). With find_unused_parameters=true no bucket starts during
+backward (one could wait for a gradient that never comes): they all start after it, in order. The
+gradient buckets are cleared right after the step, so a caller's plain optimizer.zero_grad() (which
+drops the shard's .grad, re-bound here at the next step) is enough.
 """
 
 from __future__ import annotations
