@@ -20,8 +20,10 @@ framework's communication time per step against the floor of one all_reduce of t
 measured in the same run (sync efficiency = floor / communication time). The loop has no knobs:
 for manual it all-reduces each gradient, for ddp and bucketed it wraps the model in PyTorch's
 DistributedDataParallel (bucket_cap_mb=25), so bucketed's ratio reads "the framework's hand-built
-DDP / PyTorch's DDP"; for zero it uses DDP with torch's ZeroRedundancyOptimizer (so zero's ratio
-reads "ZeRO-2 by hand / torch's sharded optimizer"), for fsdp the same fully_shard calls.
+DDP / PyTorch's DDP"; for zero (both stages) it uses DDP with torch's ZeroRedundancyOptimizer (so zero's ratio
+reads "ZeRO by hand / torch's sharded optimizer"), for fsdp the same fully_shard calls. grad MB:
+the gradient memory a rank holds right after after_backward, for ddp, zero and fsdp (one extra step,
+untimed; from the .grad tensors' storages: DDP's reducer buckets are not a .grad and not counted).
 """
 
 from __future__ import annotations
@@ -81,9 +83,12 @@ STRATEGIES = (
     "bucketed:collective=rs_ag",
     "ddp",
     "ddp:time_buckets=true",
+    "zero:stage=1",
     "zero",
     "fsdp",
 )
+# The strategies whose gradient memory after backward the table shows (the sharding comparison).
+GRAD_MEMORY = ("ddp", "zero", "fsdp")
 CUDA_STRATEGIES = tuple(s for s in STRATEGIES if s != "ddp:time_buckets=true")
 
 
@@ -110,6 +115,7 @@ class Result:
     bytes_per_step: float = 0.0
     floor_s: float = 0.0
     alone_s: float | None = None
+    grad_mb: float | None = None  # gradient MiB a rank holds after backward (sharding strategies and ddp)
 
     def row(self) -> dict[str, object]:
         fw, hw = statistics.median(self.framework_s), statistics.median(self.loop_s)
@@ -130,6 +136,7 @@ class Result:
             "sync_alone_ms": self.alone_s * 1e3 if self.alone_s else None,
             "floor_ms": self.floor_s * 1e3 if self.floor_s else None,
             "sync_efficiency": efficiency,
+            "grad_mb": self.grad_mb,
         }
 
 
@@ -155,6 +162,8 @@ def bench(model: str, strategy: str, args: argparse.Namespace, ctx: ddist.DistCo
         result.floor_s = measure("all_reduce", floor_bytes, iters=10, warmup=3, device=ctx.device)
         if framework.trainer.sync.comm_in_sync_phase:  # ddp communicates inside backward: no "alone"
             result.alone_s = framework.sync_alone(repeats=11)
+    if strategy.split(":")[0] in GRAD_MEMORY:
+        result.grad_mb = framework.gradient_mb()
     return result
 
 
@@ -164,8 +173,8 @@ def format_table(rows: list[dict[str, object]]) -> str:
 
     lines = [
         "| model | sync | framework ms/step | hand-written ms/step | framework / hand-written | extra µs/step "
-        "| MB/step | comm in step ms | exposed ms | sync alone ms | floor ms | floor / sync alone |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| MB/step | comm in step ms | exposed ms | sync alone ms | floor ms | floor / sync alone | grad MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
@@ -173,7 +182,7 @@ def format_table(rows: list[dict[str, object]]) -> str:
             f"| {r['extra_us']:.0f} "
             f"| {r['mb_per_step']:.1f} | {cell(r['comm_in_step_ms'], '.1f')} | {cell(r['exposed_ms'], '.1f')} "
             f"| {cell(r['sync_alone_ms'], '.1f')} "
-            f"| {cell(r['floor_ms'], '.1f')} | {cell(r['sync_efficiency'], '.2f')} |"
+            f"| {cell(r['floor_ms'], '.1f')} | {cell(r['sync_efficiency'], '.2f')} | {cell(r['grad_mb'], '.2f')} |"
         )
     return "\n".join(lines)
 

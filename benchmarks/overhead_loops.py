@@ -138,6 +138,23 @@ class Framework:
         trainer.sync.take_comm()  # not training: keep it out of the counters
         return statistics.median(times)
 
+    def gradient_mb(self) -> float:
+        """MiB of gradient tensors this rank holds right after after_backward, from the tensors themselves:
+        each distinct storage behind a model parameter's or an optimizer parameter's .grad (so a flat
+        buffer counts once, padding included; DDP's own reducer buckets, not a .grad, are not seen)."""
+        trainer = self.trainer
+        inputs, targets = next(iter(trainer.train_loader))
+        loss = F.cross_entropy(trainer.train_model(inputs.to(trainer.ctx.device)), targets.to(trainer.ctx.device))
+        loss.backward()
+        trainer.sync.after_backward(trainer.train_model)
+        params = [*trainer.model.parameters(), *(p for g in trainer.optimizer.param_groups for p in g["params"])]
+        grads = [p.grad for p in params if p.grad is not None]
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # fsdp: this rank's DTensor shard
+        held = {s.data_ptr(): s.nbytes() for s in (g.untyped_storage() for g in local)}
+        trainer.sync.zero_grad(trainer.optimizer)
+        trainer.sync.take_comm()  # not training: keep it out of the counters
+        return sum(held.values()) / 2**20
+
     def comm(self, skip_rows: int) -> tuple[float, float, float]:
         """Median communication and exposed seconds, and bytes, per step over this rank's rows after warm-up.
 

@@ -17,7 +17,7 @@ from tests.dist_helpers import run_on_ranks
 from tests.edge_models import Case, batch, make, optimizer_for, reference, train
 from tests.test_fsdp import real_collectives
 from trainer.sync import averaging
-from trainer.sync.bucket_clock import Clock
+from trainer.sync.bucket_clock import Clock, timed
 from trainer.sync.bucketed import BucketedSync
 from trainer.sync.ddp import DDPSync
 from trainer.sync.flat import FlatGrads
@@ -38,6 +38,8 @@ EVERY_STRATEGY = {
     "bucketed-rs_ag": partial(BucketedSync, bucket_cap_mb=TINY_MB, collective="rs_ag"),
     "ddp": DDPSync,
     "zero": ZeroSync,
+    "zero-tiny": partial(ZeroSync, bucket_cap_mb=TINY_MB),  # a bucket per tensor or two, several in flight
+    "zero-stage1": partial(ZeroSync, stage=1, bucket_cap_mb=TINY_MB),
     "fsdp": FSDPSync,  # wrap=auto: the blocks are units, the tied embedding and head in the root
     "fsdp-module": partial(FSDPSync, wrap="module"),  # the tied modules are left to the root
 }
@@ -48,6 +50,8 @@ MANUAL_GROUPINGS = {
     "manual-above-cap": (partial(ManualSync, coalesce_mb=TINY_MB, **FIND), "branchy"),
     "manual-mixed-dtypes": (partial(ManualSync, **FIND), "branchy-mixed"),
     "zero": (partial(ZeroSync, **FIND), "branchy"),
+    "zero-tiny": (partial(ZeroSync, bucket_cap_mb=TINY_MB, **FIND), "branchy"),
+    "zero-stage1": (partial(ZeroSync, stage=1, bucket_cap_mb=TINY_MB, **FIND), "branchy"),
     "ddp": (partial(DDPSync, **FIND), "branchy"),
 }
 
@@ -62,11 +66,14 @@ CASES: dict[str, Case] = {
     "reused-nonreentrant-bucketed": Case("reused-nonreentrant", partial(BucketedSync, bucket_cap_mb=TINY_MB)),
     "reused-ddp-static": Case("reused", partial(DDPSync, static_graph=True)),
     "reused-zero": Case("reused", ZeroSync),
+    "reused-zero-tiny": Case("reused", partial(ZeroSync, bucket_cap_mb=TINY_MB)),  # staged, added to, sent
+    "reused-zero-stage1": Case("reused", partial(ZeroSync, stage=1, bucket_cap_mb=TINY_MB, time_every_n_steps=1)),
     **{f"unused-all-{n}": Case(m, s) for n, (s, m) in MANUAL_GROUPINGS.items()},
     **{f"unused-one-{n}": Case(m, s, branch_ranks=(1,)) for n, (s, m) in MANUAL_GROUPINGS.items()},
     "unused-all-fsdp": Case("branchy", FSDPSync),
     # zero after a plain optimizer.zero_grad() (set_to_none), and the flat-buffer strategies too
     "zero-grad-zero": Case("tied", ZeroSync, plain_zero_grad=True),
+    "zero-grad-zero-stage1": Case("tied", partial(ZeroSync, stage=1, bucket_cap_mb=TINY_MB), plain_zero_grad=True),
     "zero-grad-manual": Case("tied", ManualSync, plain_zero_grad=True),
     "zero-grad-bucketed": Case("tied", partial(BucketedSync, bucket_cap_mb=TINY_MB), plain_zero_grad=True),
 }
@@ -75,6 +82,7 @@ REFUSED = {
     "unused-all-manual-noflag": (Case("branchy", ManualSync), "'branch.weight'"),
     "unused-one-manual-noflag": (Case("branchy", partial(ManualSync, coalesce_mb=0), branch_ranks=(1,)), "1 of 2"),
     "unused-all-zero-noflag": (Case("branchy", ZeroSync), "'branch.weight'"),
+    "unused-one-zero-noflag": (Case("branchy", partial(ZeroSync, bucket_cap_mb=TINY_MB), branch_ranks=(1,)), "1 of 2"),
     "unused-all-bucketed": (Case("branchy", BucketedSync), "'branch.weight'"),
     "unused-one-bucketed": (Case("branchy", BucketedSync, branch_ranks=(1,)), "'branch.weight'"),
 }
@@ -123,14 +131,13 @@ def _fsdp_comm(rank: int, wrap: str) -> dict[str, Any]:
 
 
 def _timed_future(rank: int, world_size: int) -> tuple[Any, torch.Tensor]:
-    """bucketed's timed wait on a real collective: what wait() yields, and the bucket after it."""
-    sync = BucketedSync()
-    sync._clock = Clock(torch.device("cpu"))
+    """The bucket launcher's timed wait on a real collective: what wait() yields, and the bucket after it."""
+    clock, spans = Clock(torch.device("cpu")), []  # as bucket_launch.py times every bucket
     param = torch.nn.Parameter(torch.zeros(5, dtype=torch.float64))
     bucket = FlatGrads([[param]], world_size).buckets[0]
     bucket.grads.copy_(torch.arange(5.0) + rank)
-    waited = sync._timed_work(averaging.start(bucket, "all_reduce"), sync._clock.now()).wait()
-    assert len(sync._spans) == 1, "the arrival was noted"
+    waited = timed(averaging.start(bucket, "all_reduce"), clock.now(), clock, spans).wait()
+    assert len(spans) == 1, "the arrival was noted"
     return waited, bucket.grads.clone()
 
 

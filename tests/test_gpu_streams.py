@@ -16,8 +16,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.sync import averaging
-from trainer.sync.bucket_clock import Clock
-from trainer.sync.bucketed import BucketedSync
+from trainer.sync.bucket_clock import Clock, timed
 from trainer.sync.flat import FlatGrads
 
 
@@ -26,8 +25,7 @@ def test_timed_wait_orders_the_stream_after_nccl(tmp_path: Path) -> None:
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda:0"))
     try:
-        sync = BucketedSync()
-        sync._clock = Clock(torch.device("cuda:0"))
+        clock, spans = Clock(torch.device("cuda:0")), []  # as bucket_launch.py times every bucket
         param = torch.nn.Parameter(torch.zeros(1 << 20, device="cuda:0"))
         bucket = FlatGrads([[param]], 1).buckets[0]
         torch.cuda.synchronize()
@@ -37,11 +35,11 @@ def test_timed_wait_orders_the_stream_after_nccl(tmp_path: Path) -> None:
             torch.cuda._sleep(2_000_000_000)  # about a second of GPU cycles: the host runs far ahead
             bucket.grads.add_(1.0)
             work = averaging.start(bucket, "all_reduce")
-        waited = sync._timed_work(work, sync._clock.now()).wait()
+        waited = timed(work, clock.now(), clock, spans).wait()
         seen = bucket.grads.clone()  # on the default stream, right after the wait
         torch.cuda.synchronize()
         assert isinstance(waited, list) and waited[0].is_cuda, waited
         assert bool((seen == 1.0).all()), "the default stream read the bucket before the all_reduce landed"
-        assert len(sync._spans) == 1
+        assert len(spans) == 1
     finally:
         dist.destroy_process_group()

@@ -41,7 +41,7 @@ CASES = {
     "bucketed": ["sync=bucketed", "sync.bucket_cap_mb=0.02"],
     # DDP's first bucket holds 1 MiB whatever the cap: a larger model for several buckets.
     "ddp": ["sync=ddp", "sync.bucket_cap_mb=0.25", "model.hidden_sizes=[512,256,256]"],
-    "zero": ["sync=zero"],
+    "zero": ["sync=zero", "sync.bucket_cap_mb=0.02"],  # several buckets, each reduce_scattered and gathered
     "fsdp": ["sync=fsdp"],
     "wandb": ["sync=bucketed", "sync.bucket_cap_mb=0.02"],  # with an offline W&B run per rank
     "off": ["sync=bucketed", "sync.bucket_cap_mb=0.02", "trainer.profile=false"],  # the zero-cost case
@@ -118,9 +118,12 @@ def test_every_strategy_end_to_end(runs: tuple[Path, list[dict[str, Any]]], case
             if case == "ddp":  # DDP's own count of its reducer's collectives in this step
                 assert sum("all_reduce" in n for n in mine) == rows[step]["comm/collectives_per_step"]
             buckets = describe.get("num_buckets", describe.get("num_buffers"))
-            if buckets is not None:  # one named span per bucket: bucket 0 .. bucket n-1
-                named = sorted(int(n.split()[1]) for n in mine if n.startswith("bucket "))
-                assert named == list(range(buckets)), (case, mine)
+            if buckets is not None:  # per kind, one named span per bucket: bucket 0 .. bucket n-1
+                named: dict[str, list[int]] = {}
+                for n in mine:
+                    if n.startswith("bucket "):
+                        named.setdefault(n.split()[2], []).append(int(n.split()[1]))
+                assert named and all(sorted(v) == list(range(buckets)) for v in named.values()), (case, mine)
                 assert buckets > 1
     width, height = Image.open(run_dir / "timeline.png").size
     assert 1000 <= width <= 2000 and 300 <= height <= 1200

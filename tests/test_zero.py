@@ -45,18 +45,36 @@ COMMON = [
 NUMEL = 32 * 32 + 32 + 31 * 32 + 31 + 31 * 10 + 10
 ZERO = ["sync=zero", "data.batch_size=8"]
 ACCUM = ["sync=zero", "data.batch_size=4", "trainer.grad_accum_steps=2"]
+# About 1 KiB per bucket: the parameters, last first, make 6 buckets (10 | 310 | 31 | 992 | 32 | 1024
+# elements), several in flight at once; the 31-element bias pads its bucket by one.
+TINY = "sync.bucket_cap_mb=0.001"
+TINY_GRADS = [10, 310, 31, 992, 32, 1024]
+TINY_BUCKETS = [10, 310, 32, 992, 32, 1024]  # padded to a multiple of 2
+S1 = "sync.stage=1"
 
 CASES = {
     "sgd": [*ZERO, "optim=sgd"],
     "adamw": [*ZERO, "optim=adamw"],
     "sgd-accum": [*ACCUM, "optim=sgd"],
     "adamw-accum": [*ACCUM, "optim=adamw"],
+    "tiny-sgd": [*ZERO, "optim=sgd", TINY],
+    "tiny-adamw": [*ZERO, "optim=adamw", TINY],
+    "tiny-adamw-accum": [*ACCUM, "optim=adamw", TINY],
+    "s1-sgd": [*ZERO, "optim=sgd", S1],
+    "s1-adamw": [*ZERO, "optim=adamw", S1],
+    "s1-adamw-accum": [*ACCUM, "optim=adamw", S1],
+    "s1-tiny-sgd": [*ZERO, "optim=sgd", S1, TINY],
+    "s1-tiny-adamw-accum": [*ACCUM, "optim=adamw", S1, TINY],
     "ddp-adamw": ["sync=ddp", "data.batch_size=8", "optim=adamw"],  # the state zero must shard and rebuild
     # Checkpoints at step 3 (and 6); then step 6 is deleted and a new trainer resumes from step 3.
     "resume": [*ZERO, "optim=adamw", "trainer.checkpoint_every_n_steps=3"],
     # An optimizer with no YAML of its own: the typed optim group replaced by a plain node.
     "lbfgs": [*ZERO, "~optim", "+optim._target_=torch.optim.LBFGS", "+optim._partial_=true", "+optim.lr=0.1"],
+    "resume-tiny": [*ZERO, "optim=adamw", TINY, "trainer.checkpoint_every_n_steps=3"],
+    "stage3": [*ZERO, "sync.stage=3"],
+    "stage0": [*ZERO, "sync.stage=0"],
 }
+EQUIVALENT = [c for c in CASES if c.split("-")[0] in ("sgd", "adamw", "tiny", "s1")]
 
 
 def _train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dict[str, Any]:
@@ -71,6 +89,7 @@ def _train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> di
         "optimizer": optimizer_state,
         "checkpoint": load_checkpoint(Path(run_dir) / "checkpoints" / "last.pt")["optimizer"],
         "describe": trainer.sync.describe(),
+        "row": trainer.sync.row_metrics(),
     }
 
 
@@ -90,35 +109,58 @@ def _resume(rank: int, world_size: int, overrides: list[str], run_dir: str) -> d
 
 
 def _case(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dict[str, Any]:
-    return (_resume if Path(run_dir).name == "resume" else _train)(rank, world_size, overrides, run_dir)
+    return (_resume if Path(run_dir).name.startswith("resume") else _train)(rank, world_size, overrides, run_dir)
 
 
-def _mechanism(rank: int, world_size: int) -> dict[str, Any]:
-    """The strategy alone on a toy model of 23 parameters (padded to 24): views, counts, checks, refusals."""
+# (stage, bucket_cap_mb): one bucket of the toy's 23 parameters (padded to 24), or one per tensor,
+# last layer first: 2 | 6 | 3 (padded to 4) | 12 elements.
+MECHANISMS = {"s2": (2, 25.0), "s2-per-tensor": (2, 1e-6), "s1-per-tensor": (1, 1e-6)}
+
+
+def _mechanism(rank: int, world_size: int, stage: int, cap_mb: float) -> dict[str, Any]:
+    """The strategy alone on a toy model of 23 parameters: views, counts, checks, refusals."""
     torch.manual_seed(rank)  # each rank draws other weights: wrap() must replace them with rank 0's
     model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
-    sync = ZeroSync()
+    sync = ZeroSync(stage=stage, bucket_cap_mb=cap_mb, time_every_n_steps=1)
     sync.wrap(model)
     optimizer = sync.build_optimizer(model, partial(torch.optim.SGD, lr=0.1))
     flat = sync._params
-    assert flat is not None
+    assert flat is not None and sync._launcher is not None and sync._grads is not None
     in_buffer = all(p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for p in model.parameters())
+    launched: list[int] = []
 
-    def backward(poison: bool = False) -> bool:
+    def backward(poison: bool = False, first_layer: bool = True) -> bool:
         torch.manual_seed(100 + rank)  # each rank its own data
-        F.cross_entropy(model(torch.randn(4, 4)), torch.randint(0, 2, (4,))).backward()
+        x, y = torch.randn(4, 4), torch.randint(0, 2, (4,))
+        F.cross_entropy(model(x) if first_layer else model[2](x[:, :3]), y).backward()
+        launched.append(len(sync._launcher.works))  # type: ignore[union-attr]
         sync.after_backward(model)
         if poison:
-            sync._bucket.shard[0] = float("nan")  # one rank's shard only: both must still answer False
+            sync._grads.shard[0] = float("nan")  # type: ignore[union-attr]  # one rank's shard: both must answer False
         return sync.grads_finite(model, optimizer)
 
     finite = backward()
     sync.optimizer_step(optimizer)
     sync.zero_grad(optimizer)
     counts = sync.take_comm()
-    zeroed = all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    memory = sync.row_metrics()
+    zeroed = all((p.grad is None) if stage == 2 else not p.grad.any() for p in model.parameters())  # type: ignore[union-attr]
     nonfinite = backward(poison=rank == 1)
     sync.zero_grad(optimizer)
+    # Rank 1's first layer gets no gradient (find_unused_parameters=false, after step 1's check):
+    # its buckets start after backward there, during it on rank 0; nothing hangs, the gradient
+    # missing counts as zero: the first layer moves by lr * rank 0's gradient / 2.
+    before = model[0].weight.detach().clone()
+    torch.manual_seed(100)
+    x, y = torch.randn(4, 4), torch.randint(0, 2, (4,))
+    probe = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    probe.load_state_dict(model.state_dict())
+    F.cross_entropy(probe(x), y).backward()
+    backward(first_layer=rank == 0)
+    sync.optimizer_step(optimizer)
+    sync.zero_grad(optimizer)
+    moved = model[0].weight.detach() - before
+    expected_move = -0.1 * probe[0].weight.grad / 2  # type: ignore[operator]
     refusals: dict[str, str] = {}
     factories: dict[str, Any] = {
         "lbfgs": partial(torch.optim.LBFGS, lr=1.0),
@@ -139,6 +181,9 @@ def _mechanism(rank: int, world_size: int) -> dict[str, Any]:
         "nonfinite": nonfinite,
         "zeroed": zeroed,
         "counts": counts,
+        "memory": memory,
+        "launched": launched,
+        "late_move_error": (moved - expected_move).abs().max().item(),
         "refusals": refusals,
         "describe": sync.describe(),
         "params": [p.detach().clone() for p in model.parameters()],
@@ -148,10 +193,11 @@ def _mechanism(rank: int, world_size: int) -> dict[str, Any]:
 def _ranks(rank: int, world_size: int, root: str) -> dict[str, Any]:
     """Everything at 2 ranks in one spawn: the trainer's cases one after another, then the mechanism."""
     results = {"cases": train_each(rank, world_size, _case, CASES, root)}
-    try:
-        results["mechanism"] = _mechanism(rank, world_size)
-    except Exception:  # reported by the mechanism's own test
-        results["mechanism"] = traceback.format_exc()
+    for name, (stage, cap_mb) in MECHANISMS.items():
+        try:
+            results[name] = _mechanism(rank, world_size, stage, cap_mb)
+        except Exception:  # reported by the mechanism's own test
+            results[name] = traceback.format_exc()
     return results
 
 
@@ -174,17 +220,34 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, torc
     return {optim: case_results([results], optim)[0]["params"] for optim in refs}
 
 
-@pytest.mark.parametrize("case", ["sgd", "adamw", "sgd-accum", "adamw-accum"])
+@pytest.mark.parametrize("case", EQUIVALENT)
 def test_two_ranks_equal_one_process_with_twice_the_batch(
     ranks: list[dict[str, Any]], single: dict[str, dict[str, torch.Tensor]], case: str
 ) -> None:
     rank0, rank1 = _cases(ranks, case)
-    reference = single[case.split("-")[0]]
+    reference = single["adamw" if "adamw" in case else "sgd"]
     assert_same_model([rank0["params"], rank1["params"]], reference)
     assert max_abs_diff(rank0["params"], initial_params()) > 1e-3, "nothing was trained"
     info = rank0["describe"]
     assert info["strategy"] == "zero" and info["world_size"] == 2 and info["numel"] == NUMEL
+    assert info["stage"] == (1 if case.startswith("s1") else 2)
     assert info["padded_numel"] == NUMEL + 1 and info["shard_numel"] == (NUMEL + 1) // 2
+    assert info["bucket_sizes_bytes"] == [4 * n for n in (TINY_GRADS if "tiny" in case else [NUMEL])]
+
+
+@pytest.mark.parametrize("case", ["adamw", "tiny-adamw", "s1-adamw", "s1-tiny-sgd"])
+def test_gradient_memory_is_the_shard_under_stage_2(ranks: list[dict[str, Any]], case: str) -> None:
+    """memory/gradients_mb, as the rows log it: stage 2 holds this rank's shard of the gradient after
+    backward; stage 1 the full (padded) buckets and the shard. The peak covers backward's buckets."""
+    shard, padded = 4 * (NUMEL + 1) // 2, 4 * (NUMEL + 1)
+    for rank in _cases(ranks, case):
+        held, peak = rank["row"]["memory/gradients_mb"] * 2**20, rank["row"]["memory/gradients_peak_mb"] * 2**20
+        if case.startswith("s1"):
+            assert held == peak == shard + padded
+        else:
+            assert held == shard
+            largest = max(TINY_BUCKETS if "tiny" in case else [NUMEL + 1]) * 4
+            assert shard + largest <= peak <= shard + padded  # at least one full bucket, at most all
 
 
 def initial_params() -> dict[str, torch.Tensor]:
@@ -198,8 +261,9 @@ def test_each_rank_holds_half_of_ddps_optimizer_state(ranks: list[dict[str, Any]
     assert 0.45 <= zero / ddp <= 0.55, (zero, ddp)
 
 
-def test_checkpoint_holds_the_full_optimizer_state_of_a_plain_optimizer(ranks: list[dict[str, Any]]) -> None:
-    zero0, zero1 = _cases(ranks, "adamw")
+@pytest.mark.parametrize("case", ["adamw", "tiny-adamw", "s1-adamw"])
+def test_checkpoint_holds_the_full_optimizer_state_of_a_plain_optimizer(ranks: list[dict[str, Any]], case: str) -> None:
+    zero0, zero1 = _cases(ranks, case)
     expected = _cases(ranks, "ddp-adamw")[0]["optimizer"]  # a plain AdamW over model.parameters()
     for full in (zero0["optimizer"], zero1["optimizer"], zero0["checkpoint"]):  # gathered on every rank; written
         assert full["param_groups"] == expected["param_groups"]
@@ -211,36 +275,61 @@ def test_checkpoint_holds_the_full_optimizer_state_of_a_plain_optimizer(ranks: l
                 assert (full["state"][index][key] - value).abs().max() <= 1e-6, (index, key)
 
 
-def test_resume_from_a_mid_run_checkpoint_is_bit_identical(ranks: list[dict[str, Any]]) -> None:
-    rank0, rank1 = _cases(ranks, "resume")
+@pytest.mark.parametrize("case", ["resume", "resume-tiny"])
+def test_resume_from_a_mid_run_checkpoint_is_bit_identical(ranks: list[dict[str, Any]], case: str) -> None:
+    rank0, rank1 = _cases(ranks, case)
     assert rank0["resumed_at"] == rank1["resumed_at"] == 3
-    straight = _cases(ranks, "adamw")[0]["params"]
+    straight = _cases(ranks, "tiny-adamw" if "tiny" in case else "adamw")[0]["params"]
     assert bit_identical(rank0["first"], straight)  # checkpointing changes nothing
     assert bit_identical(rank0["params"], straight) and bit_identical(rank1["params"], straight)
 
 
-def test_strategy_mechanism(ranks: list[dict[str, Any]]) -> None:
-    results = [r["mechanism"] for r in ranks]
+@pytest.mark.parametrize("mechanism", sorted(MECHANISMS))
+def test_strategy_mechanism(ranks: list[dict[str, Any]], mechanism: str) -> None:
+    results = [r[mechanism] for r in ranks]
     assert not any(isinstance(r, str) for r in results), "\n".join(map(str, results))
     rank0, rank1 = results
     assert all(torch.equal(a, b) for a, b in zip(rank0["params"], rank1["params"], strict=True))
+    stage, cap_mb = MECHANISMS[mechanism]
+    buckets = [24] if cap_mb > 1 else [2, 6, 4, 12]  # padded elements per bucket, in the order they are sent
     for rank in results:
         assert rank["in_buffer"] and rank["zeroed"]
         assert rank["finite"] is True and rank["nonfinite"] is False  # rank 1's NaN reached rank 0's answer
         info = rank["describe"]
         assert (info["numel"], info["padded_numel"], info["shard_numel"]) == (23, 24, 12)
-        # One step: a reduce_scatter and an all_gather of the padded buffer; the gradient bytes once.
+        grads = [23] if cap_mb > 1 else [2, 6, 3, 12]  # bucket_sizes_bytes: gradient bytes, as bucketed's
+        assert info["num_buckets"] == len(buckets) and info["bucket_sizes_bytes"] == [4 * n for n in grads]
+        # One step: per bucket, its reduction (stage 1: all_reduce of the gradients; stage 2:
+        # reduce_scatter of the padded bucket) and an all_gather of the padded bucket; gradient bytes once.
         counts = rank["counts"]
-        assert counts.kinds == {"reduce_scatter": [24 * 4, 1], "all_gather": [24 * 4, 1]}
-        assert counts.bytes == 23 * 4 and counts.collectives == 2
+        reduce = {"all_reduce": [23 * 4, len(buckets)]} if stage == 1 else {"reduce_scatter": [24 * 4, len(buckets)]}
+        assert counts.kinds == {**reduce, "all_gather": [24 * 4, len(buckets)]}
+        assert counts.bytes == 23 * 4 and counts.collectives == 2 * len(buckets)
+        # Timed as bucketed's (time/comm_s, time/comm_exposed_s): the all_gathers after the step are exposed.
+        assert counts.timed_steps == 1 and counts.seconds > 0 and counts.exposed_seconds > 0
+        # Gradient memory after backward: the 12-element shard (stage 2), or it and the 24 of the buckets.
+        assert rank["memory"]["memory/gradients_mb"] * 2**20 == 4 * (12 if stage == 2 else 12 + 24)
+        assert rank["late_move_error"] < 1e-7
+    # Step 1 learns the hook counts: every bucket starts after backward. Then, all during backward;
+    # in step 3 rank 1's first layer got no gradient: its buckets (the last two) wait for after_backward.
+    assert rank0["launched"] == [0, len(buckets), len(buckets)]
+    assert rank1["launched"] == [0, len(buckets), len(buckets) - 2 if len(buckets) > 1 else 0]
 
 
 def test_refusals_name_the_key_and_the_reason(ranks: list[dict[str, Any]]) -> None:
     through_config = [r["cases"]["lbfgs"] for r in ranks]  # the trainer's build raised: its traceback
     assert all(isinstance(e, str) and "ConfigError" in e for e in through_config), through_config
-    for error in through_config + [r["mechanism"]["refusals"]["lbfgs"] for r in ranks]:
+    for error in through_config + [r["s2"]["refusals"]["lbfgs"] for r in ranks]:
         assert "optim._target_=torch.optim.LBFGS is invalid with sync=zero" in error
         assert "element-wise" in error and "torch.optim.AdamW" in error
-    refusals = ranks[0]["mechanism"]["refusals"]
+    refusals = ranks[0]["s2"]["refusals"]
     assert "2 param groups" in refusals["groups"]
     assert "torch.float32" in refusals["mixed"] and "torch.float64" in refusals["mixed"]
+
+
+@pytest.mark.parametrize("stage", ["stage3", "stage0"])
+def test_stage_0_and_3_are_refused_pointing_to_the_strategy_they_are(ranks: list[dict[str, Any]], stage: str) -> None:
+    for error in (r["cases"][stage] for r in ranks):  # the trainer's build raised: its traceback
+        assert isinstance(error, str) and "ConfigError" in error, error
+        assert f"sync.stage={stage[-1]} is invalid with sync=zero" in error and "accepted: 1" in error
+        assert ("sync=fsdp" if stage == "stage3" else "sync=ddp") in error

@@ -80,15 +80,20 @@ class FlatGrads:
 
     def bind(self) -> None:
         """Make every parameter's .grad its view again, keeping any gradient it already holds."""
-        for bucket in self.buckets:
-            for param, view in zip(bucket.params, bucket.views, strict=True):
-                if param.grad is view:
-                    continue
-                if param.grad is None:
-                    view.zero_()
-                else:
-                    view.copy_(param.grad)
-                param.grad = view
+        for index in range(len(self.buckets)):
+            self.bind_bucket(index)
+
+    def bind_bucket(self, index: int) -> None:
+        """bind(), for one bucket."""
+        bucket = self.buckets[index]
+        for param, view in zip(bucket.params, bucket.views, strict=True):
+            if param.grad is view:
+                continue
+            if param.grad is None:
+                view.zero_()
+            else:
+                view.copy_(param.grad)
+            param.grad = view
 
     def zero(self) -> None:
         """Clear every gradient: one fill per bucket, and the views stay bound."""

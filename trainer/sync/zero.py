@@ -1,26 +1,34 @@
-"""ZeRO stage 2 by hand: every rank keeps the full parameters, but only 1/N of the optimizer state
-and of the averaged gradient.
+"""ZeRO by hand, stages 1 and 2: every rank keeps the full parameters, but only 1/N of the optimizer
+state and (stage 2) of the gradient.
 
-wrap() lays every trainable parameter into one flat buffer padded to a multiple of the world size
-(each parameter a view of it) and the gradients into a flat buffer of the same layout (FlatGrads).
-A step then moves what all_reduce would, in its two halves, with the optimizer in between:
+wrap() groups the trainable parameters into buckets of about `bucket_cap_mb` (bucketed's rule,
+flat.plan in reverse registration order) and lays them into one flat parameter buffer, bucket after
+bucket, each padded to a multiple of the world size (zero_state.Layout; each parameter a view of
+it). This rank's shard is its 1/N slice of every bucket, side by side in a tensor of its own: the
+optimizer's one parameter. A step:
 
-    after_backward:  reduce_scatter(SUM) the gradient buffer -> this rank's shard; divide by N
-    optimizer_step:  the shard optimizer updates this rank's slice of the parameter buffer in place;
-                     all_gather the slices back into the buffer: every rank holds the new parameters
+    backward:        bucketed's hooks (bucket_launch.py) start each bucket's collective as soon as
+                     backward has produced its gradients, in order: stage 1 all_reduces the full
+                     bucket, stage 2 reduce_scatters it into this rank's shard of the gradient and
+                     frees it (zero_grads.py)
+    after_backward:  waits only for what is still in flight; this rank's shard, averaged
+    optimizer_step:  the optimizer updates the shard; each bucket's updated slices are all_gathered
+                     back into every rank's parameter buffer (the first layers' buckets first)
 
-Forward, backward and evaluation stay local (every rank has the whole model); the optimizer holds
-one parameter, the shard, so its state (momentum, Adam's moments) is 1/N of ddp's. Checkpoints
-speak in the full model's terms (zero_state.py).
+Forward, backward and evaluation stay local; the optimizer's state is 1/N of ddp's. Checkpoints
+speak in the full model's terms (zero_state.py). Micro-batches under no_sync accumulate locally.
 
 A parameter no rank used (find_unused_parameters=true, trainer/sync/unused.py) gets no update: the
 optimizer steps on the whole shard, so its slice of the shard's parameters and optimizer state is
-put back as it was. The gradient buffer is cleared right after the step, so a caller's plain
-optimizer.zero_grad() (which drops the shard's .grad, re-bound here at the next step) is enough.
+put back as it was (zero_frozen.py). With find_unused_parameters=true no bucket starts during
+backward (one could wait for a gradient that never comes): they all start after it, in order. The
+gradient buckets are cleared right after the step, so a caller's plain optimizer.zero_grad() (which
+drops the shard's .grad, re-bound here at the next step) is enough.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -28,163 +36,192 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from trainer.errors import ConfigError, check
+from trainer import spans
+from trainer.errors import check, is_number
 from trainer.sync import averaging
 from trainer.sync.base import OptimizerFactory, SyncStrategy
-from trainer.sync.flat import Bucket, FlatGrads
+from trainer.sync.bucket_launch import BucketLauncher
+from trainer.sync.comm import CommCounters, check_time_every_n_steps
+from trainer.sync.flat import plan
 from trainer.sync.manual import broadcast_from_rank0
 from trainer.sync.unused import UsedParams, names_of
+from trainer.sync.zero_checks import ELEMENTWISE, check_one_kind, check_optimizer, check_stage
+from trainer.sync.zero_frozen import keep, restore
+from trainer.sync.zero_grads import ShardedGrads
 from trainer.sync.zero_state import Layout, gather_full_state, shard_of_full_state
 
-# Optimizers whose update of an element depends only on that element's parameter, gradient and
-# state (and on scalars such as the step count): on a flat shard they compute exactly what they
-# compute on the parameters. An allowlist, not a denylist: an optimizer not known to be
-# element-wise (LBFGS's line search over all parameters, Adafactor's row/column factors, Muon's
-# orthogonalised matrices, SparseAdam's sparse gradients, a third-party LAMB's per-layer trust
-# ratio) would silently train a different model on a shard.
-ELEMENTWISE = (
-    torch.optim.SGD,
-    torch.optim.Adam,
-    torch.optim.AdamW,
-    torch.optim.Adamax,
-    torch.optim.NAdam,
-    torch.optim.RAdam,
-    torch.optim.RMSprop,
-    torch.optim.Rprop,
-    torch.optim.Adagrad,
-    torch.optim.Adadelta,
-    torch.optim.ASGD,
-)
+__all__ = ["ELEMENTWISE", "ZeroSync"]
 
 
 class ZeroSync(SyncStrategy):
-    """Sharded optimizer state and gradient (ZeRO-2) from reduce_scatter and all_gather."""
+    """Sharded optimizer state (stage 1) and gradient (stage 2), reduced bucket by bucket during backward."""
 
-    # The reduce_scatter runs in after_backward, but the all_gather in the optimizer phase, which
-    # the trainer times as optimizer time: the sync phase is not all of this strategy's
-    # communication, and nothing else times it, so rows carry bytes and calls but no comm time.
+    # The reduction overlaps backward and the all_gather runs in the optimizer phase: the sync phase
+    # is not this strategy's communication time; its own per-collective clocks are (take_comm).
     comm_in_sync_phase = False
     keeps_replicas_equal = True  # the all_gather leaves every rank the same full parameters
 
-    def __init__(self, find_unused_parameters: bool = False) -> None:
+    def __init__(
+        self,
+        stage: int = 2,
+        bucket_cap_mb: float = 25.0,
+        find_unused_parameters: bool = False,
+        time_every_n_steps: int = 10,
+    ) -> None:
         super().__init__()
+        check_stage(stage)
+        check(
+            is_number(bucket_cap_mb) and bucket_cap_mb > 0,
+            "sync.bucket_cap_mb",
+            bucket_cap_mb,
+            "must be a number > 0 (MiB of gradients per bucket, as bucketed's; a tensor larger goes alone)",
+        )
         check(
             isinstance(find_unused_parameters, bool),
             "sync.find_unused_parameters",
             find_unused_parameters,
             "accepted: true or false",
         )
+        check_time_every_n_steps(time_every_n_steps, "the bucket clocks")
+        self.stage, self.bucket_cap_mb = stage, float(bucket_cap_mb)
         self.find_unused_parameters = find_unused_parameters
+        self.time_every_n_steps = time_every_n_steps
         self._used: UsedParams | None = None
         self._frozen: list[tuple[int, int]] = []  # this step: shard slices [lo, hi) of parameters no rank used
         self._shard: nn.Parameter | None = None  # the optimizer's one parameter
-        self._cleared = False  # the gradient buffer was zeroed after this step's optimizer step
-        self._flat: FlatGrads | None = None
+        self._cleared = False  # the gradient buckets were cleared after this step's optimizer step
+        self._step_open = False  # the launcher's step has not ended yet
+        self._grads: ShardedGrads | None = None
+        self._launcher: BucketLauncher | None = None
         self._layout: Layout | None = None
         self._params: torch.Tensor | None = None  # the flat parameter buffer
-        self._param_shard: torch.Tensor | None = None  # this rank's slice of it (a view)
+        self._param_shard: torch.Tensor | None = None  # this rank's shard of it (its own memory)
+        self._gather_order: list[tuple[torch.Tensor, torch.Tensor]] = []  # (bucket in the buffer, its shard)
+        self._held_after_backward = 0  # gradient bytes held when after_backward returned
         self._rank = 0
-
-    @property
-    def _bucket(self) -> Bucket:
-        assert self._flat is not None, "wrap() first"
-        return self._flat.buckets[0]
 
     def wrap(self, model: nn.Module) -> nn.Module:
         params = [p for p in model.parameters() if p.requires_grad]
-        _check_one_kind(params)  # before any collective: every rank refuses alike
+        check_one_kind(params)  # before any collective: every rank refuses alike
         broadcast_from_rank0(model)
         world_size, self._rank = dist.get_world_size(), dist.get_rank()
-        self._layout = Layout.of(model, world_size)
-        flat = torch.zeros(self._layout.padded_numel, dtype=params[0].dtype, device=params[0].device)
+        # Reverse registration order: the last layers' gradients are ready first in backward.
+        groups = list(plan(reversed(params), int(self.bucket_cap_mb * 2**20)))
+        self._layout = layout = Layout.of(model, groups, world_size)
+        flat = torch.zeros(layout.padded_numel, dtype=params[0].dtype, device=params[0].device)
+        trainable = [p for p in model.parameters() if p.requires_grad]  # in layout order
         with torch.no_grad():
-            for param, view in zip(params, self._layout.split(flat), strict=True):
+            for param, view in zip(trainable, layout.split(flat), strict=True):
                 view.copy_(param)
                 param.data = view  # the parameter now lives in the buffer: all_gather updates it
         self._params = flat
-        shard = self._layout.shard_numel
-        self._param_shard = flat[self._rank * shard : (self._rank + 1) * shard]
-        # One group: the gradient buffer has the parameter buffer's layout and padding.
-        self._flat = FlatGrads([params], world_size)
-        assert self._bucket.buffer.numel() == flat.numel()
-        self._used = UsedParams(params, names_of(model, params), self.find_unused_parameters, "zero")
+        self._param_shard = layout.shard_of(flat, self._rank)
+        # The last bucket holds the first layers: gathered first, as the next forward needs them first.
+        pieces = zip(layout.buckets, layout.pieces(0), strict=True)
+        self._gather_order = [
+            (flat[lo : lo + padded], self._param_shard[at : at + n]) for (lo, padded), (_, at, n) in pieces
+        ][::-1]
+        self._grads = ShardedGrads(self.stage, groups, layout, self._rank)
+        names = names_of(model, params)
+        self._launcher = BucketLauncher(
+            "zero", params, names, self.time_every_n_steps, strict=False, in_backward=not self.find_unused_parameters
+        )
+        self._launcher.build(groups, self._grads.on_grad, self._grads.start)
+        self._used = UsedParams(params, names, self.find_unused_parameters, "zero")
         return model
 
     def build_optimizer(self, model: nn.Module, factory: OptimizerFactory) -> Optimizer:
-        """The optimizer over one parameter: this rank's slice of the parameter buffer.
-
-        Its .grad is the shard reduce_scatter writes, and its in-place update lands in the buffer.
-        """
-        assert self._param_shard is not None, "wrap() first"
-        shard = nn.Parameter(self._param_shard)  # shares the buffer's memory: no copy
-        shard.grad = self._bucket.shard
+        """The optimizer over one parameter: this rank's shard of the parameter buffer, whose .grad is
+        this rank's shard of the averaged gradient."""
+        assert self._param_shard is not None and self._grads is not None, "wrap() first"
+        shard = nn.Parameter(self._param_shard)  # shares the shard's memory: no copy
+        shard.grad = self._grads.shard
         self._shard = shard
         optimizer = factory([shard])
-        cls = type(optimizer)
-        # The name a config would use: torch.optim.LBFGS rather than torch.optim.lbfgs.LBFGS.
-        exported = getattr(torch.optim, cls.__name__, None) is cls
-        name = f"torch.optim.{cls.__name__}" if exported else f"{cls.__module__}.{cls.__qualname__}"
-        if not isinstance(optimizer, ELEMENTWISE):
-            raise ConfigError(
-                f"optim._target_={name} is invalid with sync=zero: {cls.__name__} is not known to be element-wise, "
-                "and sync=zero runs the optimizer on a flat 1/N slice of all parameters, which only gives the "
-                "same update for element-wise optimizers; accepted: "
-                + ", ".join(f"torch.optim.{c.__name__}" for c in ELEMENTWISE)
-                + "; or use sync=ddp"
-            )
-        groups = optimizer.param_groups
-        if len(groups) != 1 or len(groups[0]["params"]) != 1 or groups[0]["params"][0] is not shard:
-            raise ConfigError(
-                f"optim._target_={name} built {len(groups)} param groups: sync=zero gives "
-                "the optimizer one flat parameter, so per-group hyperparameters cannot apply; use one group"
-            )
+        check_optimizer(optimizer, shard)
         return optimizer
 
+    def no_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
+        assert self._launcher is not None, "wrap() first"
+        return self._launcher.local()
+
     def after_backward(self, model: nn.Module) -> None:
-        assert self._flat is not None and self._used is not None and self._layout is not None, "wrap() first"
+        assert self._grads is not None and self._used is not None and self._layout is not None, "wrap() first"
+        assert self._launcher is not None
         self._frozen = self._layout.shard_slices(self._used.unused_everywhere(), self._rank)
         self._cleared = False
-        self._flat.bind()  # a no-op unless something replaced a gradient
-        bucket = self._bucket
-        # Every rank, the same call: even one whose micro-batch had no samples (zero gradients).
-        averaging.reduce_scatter_tensor(bucket.shard, bucket.buffer, op=dist.ReduceOp.SUM)
-        bucket.shard.div_(dist.get_world_size())
-        # comm.bytes counts the gradient bytes once per step, as for manual's rs_ag: the pair moves
-        # what one all_reduce of them does. Each collective counts its padded buffer.
-        self.comm.bytes += bucket.nbytes
-        self.comm.add("reduce_scatter", bucket.padded_nbytes)
+        # Every rank, the same buckets in the same order: even one whose micro-batch had no samples.
+        works = self._launcher.finish_backward(self._grads.late)
+        for index, work in enumerate(works):
+            self._grads.finish(index, work, self.comm)
+        self._held_after_backward = self._grads.held_bytes
+        self._step_open = True
 
     def optimizer_step(self, optimizer: Optimizer) -> None:
         assert self._params is not None and self._param_shard is not None and self._shard is not None, "wrap() first"
-        assert self._flat is not None
-        if self._shard.grad is not self._bucket.shard:  # a plain optimizer.zero_grad() dropped it
-            self._shard.grad = self._bucket.shard
-        kept = _keep(self._param_shard, optimizer, self._frozen)
-        optimizer.step()  # updates this rank's slice of the parameter buffer
-        _restore(self._param_shard, optimizer, kept)
-        # In place: this rank's input is its own slot of the output. Every rank must reach this
-        # (a skipped step, on_nonfinite=skip, skips it on every rank alike).
-        averaging.all_gather_tensor(self._params, self._param_shard)
-        self.comm.add("all_gather", self._bucket.padded_nbytes)
+        assert self._grads is not None and self._layout is not None and self._launcher is not None
+        if self._shard.grad is not self._grads.shard:  # a plain optimizer.zero_grad() dropped it
+            self._shard.grad = self._grads.shard
+        kept = keep(self._param_shard, optimizer, self._frozen)
+        optimizer.step()  # updates this rank's shard
+        restore(self._param_shard, optimizer, kept)
+        # Every rank must reach these (a skipped step, on_nonfinite=skip, skips them on every rank
+        # alike), in _gather_order.
+        launcher, gathers = self._launcher, []
+        last = len(self._gather_order) - 1
+        for position, (output, mine) in enumerate(self._gather_order):
+            started = launcher.now()
+            index = last - position  # the bucket's own index: gathered last bucket first
+            with spans.named("all_gather", output.numel() * output.element_size(), index):  # trainer.profile only
+                work = averaging.all_gather_tensor(output, mine, async_op=True)
+            assert work is not None
+            gathers.append((started, work))
+            self.comm.add("all_gather", output.numel() * output.element_size())
+        for started, work in gathers:
+            work.wait()
+            launcher.note(started, after_sync=True)
         # Cleared now, not only in zero_grad: the optimizer cannot reach the model's gradient views,
         # so a caller that clears gradients with optimizer.zero_grad() alone would accumulate them.
-        self._flat.zero()
+        self._grads.zero()
         self._cleared = True
+        self._end_step()
+
+    def _end_step(self) -> None:
+        if self._step_open:
+            assert self._launcher is not None
+            self._launcher.end_step()
+            self._step_open = False
 
     def zero_grad(self, optimizer: Optimizer) -> None:
-        # The flat buffer, never set_to_none: that would drop the views autograd accumulates into.
-        # The shard's .grad needs no zeroing: reduce_scatter overwrites it. After a step the buffer
-        # is clear already; a skipped step (on_nonfinite=skip) leaves it to clear here.
-        assert self._flat is not None, "wrap() first"
+        # The buckets, never set_to_none: that would drop the views autograd accumulates into.
+        # The shard's .grad needs no zeroing: the reduction overwrites it. After a step the buckets
+        # are clear already; a skipped step (on_nonfinite=skip) leaves them to clear here.
+        assert self._grads is not None, "wrap() first"
         if not self._cleared:
-            self._flat.zero()
+            self._grads.zero()
+        self._end_step()
 
     def grads_finite(self, model: nn.Module, optimizer: Optimizer) -> bool:
         """Each rank holds only its shard's average: the ranks agree through a one-element all_reduce
         (not counted in comm: a check, like the replica check, not gradient traffic)."""
-        finite = torch.isfinite(self._bucket.shard).all().to(torch.int32)
+        assert self._grads is not None, "wrap() first"
+        finite = torch.isfinite(self._grads.shard).all().to(torch.int32)
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # every rank must reach this
         return bool(finite.item())
+
+    def take_comm(self) -> CommCounters:
+        counts = self.comm.take()
+        assert self._launcher is not None, "wrap() first"
+        self._launcher.take_timing(counts)
+        return counts
+
+    def row_metrics(self) -> dict[str, float]:
+        """Gradient memory a rank holds: when after_backward returned, and at most (backward included)."""
+        assert self._grads is not None, "wrap() first"
+        return {
+            "memory/gradients_mb": self._held_after_backward / 2**20,
+            "memory/gradients_peak_mb": self._grads.peak_bytes / 2**20,
+        }
 
     def state_dicts(self, model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
         """The model's state is full on every rank already; the optimizer's is gathered (a collective)."""
@@ -194,62 +231,27 @@ class ZeroSync(SyncStrategy):
     def load_state_dicts(
         self, model: nn.Module, optimizer: Optimizer, model_state: dict[str, Any], optimizer_state: dict[str, Any]
     ) -> None:
-        assert self._layout is not None, "wrap() first"
+        assert self._layout is not None and self._params is not None and self._param_shard is not None, "wrap() first"
         model.load_state_dict(model_state)  # copies into the parameters: into the flat buffer
+        with torch.no_grad():
+            self._param_shard.copy_(self._layout.shard_of(self._params, self._rank))
         optimizer.load_state_dict(shard_of_full_state(optimizer_state, self._layout, self._rank))
 
     def describe(self) -> dict[str, Any]:
-        info: dict[str, Any] = {"strategy": "zero"}
+        info: dict[str, Any] = {
+            "strategy": "zero",
+            "stage": self.stage,
+            "bucket_cap_mb": self.bucket_cap_mb,
+            "comm_timing": f"per bucket, 1 step in {self.time_every_n_steps}",
+        }
         if self._layout is not None:
-            info["world_size"] = self._layout.world_size
-            info["num_params"] = len(self._layout.indices)
-            info["numel"] = self._layout.numel
-            info["padded_numel"] = self._layout.padded_numel
-            info["shard_numel"] = self._layout.shard_numel
+            layout = self._layout
+            info["world_size"] = layout.world_size
+            info["num_params"] = len(layout.indices)
+            info["numel"] = layout.numel
+            info["padded_numel"] = layout.padded_numel
+            info["shard_numel"] = layout.shard_numel
+            info["num_buckets"] = len(layout.buckets)
+        if self._grads is not None:  # the gradient bytes per bucket, without padding, as bucketed lists them
+            info["bucket_sizes_bytes"] = [n * self._grads.element_size for n in self._grads.numels]
         return info
-
-
-Kept = list[tuple[torch.Tensor, torch.Tensor]]
-
-
-def _per_element_state(shard: torch.Tensor, optimizer: Optimizer) -> dict[str, torch.Tensor]:
-    state = optimizer.state.get(optimizer.param_groups[0]["params"][0], {})
-    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == shard.shape}
-
-
-def _keep(
-    shard: torch.Tensor, optimizer: Optimizer, slices: list[tuple[int, int]]
-) -> tuple[list[tuple[int, int]], Kept]:
-    """Copies of the shard's parameters and per-element optimizer state in `slices`, to put back after
-    the step: one process's optimizer skips a parameter without a gradient."""
-    if not slices:  # the usual step: nothing to keep, nothing looked up
-        return slices, []
-    tensors = [shard, *_per_element_state(shard, optimizer).values()]
-    return slices, [(t[lo:hi], t[lo:hi].clone()) for t in tensors for lo, hi in slices]
-
-
-def _restore(shard: torch.Tensor, optimizer: Optimizer, kept: tuple[list[tuple[int, int]], Kept]) -> None:
-    """Put back what _keep copied; state this step created (e.g. Adam's moments) starts at zero there."""
-    slices, saved = kept
-    if not slices:
-        return
-    with torch.no_grad():
-        for view, copy in saved:
-            view.copy_(copy)
-        restored = {view.data_ptr() for view, _ in saved}
-        for value in _per_element_state(shard, optimizer).values():
-            for lo, hi in slices:
-                if value[lo:hi].data_ptr() not in restored:
-                    value[lo:hi].zero_()
-
-
-def _check_one_kind(params: list[nn.Parameter]) -> None:
-    """One flat buffer holds every trainable parameter, so they must share a dtype and a device."""
-    if not params:
-        raise ConfigError("sync=zero needs a model with trainable parameters; this one has none")
-    kinds = sorted({f"{p.dtype} on {p.device}" for p in params})
-    if len(kinds) > 1:
-        raise ConfigError(
-            f"sync=zero lays every trainable parameter into one flat buffer, so they must share one dtype "
-            f"and device; this model mixes {', '.join(kinds)}: cast the model to one dtype, or use sync=ddp"
-        )

@@ -22,42 +22,76 @@ from trainer.sync import averaging
 
 @dataclass(frozen=True)
 class Layout:
-    """Where each trainable parameter lies in the flat buffer, and which of model.parameters() it is."""
+    """Where each trainable parameter lies in the flat buffer, and which of model.parameters() it is.
+
+    The buffer is bucket-major: the buckets (groups of parameters, in the order their gradients
+    are reduced) one after another, each padded to a multiple of the world size, so that each
+    bucket's reduce_scatter and all_gather split it evenly. Rank r's shard is the concatenation of
+    its 1/N slice of every bucket: `pieces(r)` says which.
+    """
 
     indices: list[int]  # position in model.parameters() (frozen parameters are not in the buffer)
     shapes: list[torch.Size]
-    offsets: list[int]
+    offsets: list[int]  # in the padded, bucket-major buffer
     num_params: int  # every parameter of the model, frozen ones included: the full state's key range
     numel: int  # trainable elements
-    padded_numel: int  # numel rounded up to a multiple of the world size
+    padded_numel: int  # the buffer: every bucket rounded up to a multiple of the world size
     world_size: int
+    buckets: list[tuple[int, int]]  # per bucket, (start, padded numel) in the buffer
 
     @property
     def shard_numel(self) -> int:
         return self.padded_numel // self.world_size
 
     @staticmethod
-    def of(model: nn.Module, world_size: int) -> Layout:
-        indices, shapes, offsets, offset = [], [], [], 0
+    def of(model: nn.Module, groups: Sequence[Sequence[nn.Parameter]], world_size: int) -> Layout:
+        """The layout of these buckets (every trainable parameter of the model in exactly one)."""
         params = list(model.parameters())
-        for index, param in enumerate(params):
-            if param.requires_grad:
-                indices.append(index)
-                shapes.append(param.shape)
-                offsets.append(offset)
+        position = {id(p): i for i, p in enumerate(params)}
+        offset_of: dict[int, int] = {}
+        buckets, start = [], 0
+        for group in groups:
+            offset = start
+            for param in group:
+                offset_of[position[id(param)]] = offset
                 offset += param.numel()
-        padded = -(-offset // world_size) * world_size
-        return Layout(indices, shapes, offsets, len(params), offset, padded, world_size)
+            padded = -(-(offset - start) // world_size) * world_size
+            buckets.append((start, padded))
+            start += padded
+        indices = [i for i, p in enumerate(params) if p.requires_grad]
+        assert sorted(offset_of) == indices, "every trainable parameter in exactly one bucket"
+        shapes = [params[i].shape for i in indices]
+        numel = sum(shape.numel() for shape in shapes)
+        return Layout(indices, shapes, [offset_of[i] for i in indices], len(params), numel, start, world_size, buckets)
+
+    def pieces(self, rank: int) -> list[tuple[int, int, int]]:
+        """Rank's shard as (start in the buffer, start in the shard, length), one per bucket."""
+        out, shard_at = [], 0
+        for start, padded in self.buckets:
+            size = padded // self.world_size
+            out.append((start + rank * size, shard_at, size))
+            shard_at += size
+        return out
+
+    def shard_of(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank's shard of a flat buffer of this layout (a copy: its pieces are not contiguous)."""
+        return torch.cat([flat[lo : lo + n] for lo, _, n in self.pieces(rank)])
+
+    def gather(self, flat: torch.Tensor, shard: torch.Tensor) -> None:
+        """Every rank's shard into `flat`, bucket by bucket (a collective: every rank must reach it)."""
+        for (start, padded), (_, at, n) in zip(self.buckets, self.pieces(0), strict=True):
+            averaging.all_gather_tensor(flat[start : start + padded], shard[at : at + n])
 
     def shard_slices(self, trainable: list[int], rank: int) -> list[tuple[int, int]]:
         """The parts of rank's shard, as [lo, hi) in the shard, that the given trainable parameters
-        (positions in the buffer's order) occupy."""
-        start, stop = rank * self.shard_numel, (rank + 1) * self.shard_numel
+        (positions in layout order) occupy."""
         slices = []
         for i in trainable:
-            lo, hi = max(self.offsets[i], start), min(self.offsets[i] + self.shapes[i].numel(), stop)
-            if lo < hi:
-                slices.append((lo - start, hi - start))
+            first, last = self.offsets[i], self.offsets[i] + self.shapes[i].numel()
+            for lo, at, n in self.pieces(rank):
+                a, b = max(first, lo), min(last, lo + n)
+                if a < b:
+                    slices.append((a - lo + at, b - lo + at))
         return slices
 
     def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -82,7 +116,7 @@ def gather_full_state(shard_state: dict[str, Any], layout: Layout) -> dict[str, 
     for key, value in mine.items():  # the same keys in the same order on every rank: same optimizer, same steps
         if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == layout.shard_numel:
             full = value.new_empty(layout.padded_numel)
-            averaging.all_gather_tensor(full, value.contiguous())  # every rank must reach this
+            layout.gather(full, value.contiguous())  # every rank must reach this
             pieces = layout.split(full)
         else:
             pieces = [value.clone() if isinstance(value, torch.Tensor) else value for _ in layout.indices]
@@ -107,14 +141,14 @@ def shard_of_full_state(full_state: dict[str, Any], layout: Layout, rank: int) -
         missing = [index for index, state in zip(layout.indices, states, strict=True) if not state]
         raise ValueError(f"optimizer state has no entry for trainable parameter(s) {missing}: cannot shard it")
     present: list[dict[str, Any]] = [state for state in states if state]
-    lo, hi = rank * layout.shard_numel, (rank + 1) * layout.shard_numel
     mine: dict[str, Any] = {}
     for key in present[0]:
         values = [state[key] for state in present]
         if _per_element(values, layout.shapes):
-            flat = torch.cat([v.reshape(-1) for v in values])
-            padded = torch.cat([flat, flat.new_zeros(layout.padded_numel - layout.numel)])
-            mine[key] = padded[lo:hi].clone()  # its own memory: the checkpoint's tensors are not kept alive
+            flat = values[0].new_zeros(layout.padded_numel)  # the padding stays zero
+            for view, value in zip(layout.split(flat), values, strict=True):
+                view.copy_(value)
+            mine[key] = layout.shard_of(flat, rank)  # its own memory: the checkpoint's tensors are not kept alive
         else:
             mine[key] = values[0].clone() if isinstance(values[0], torch.Tensor) else values[0]
     return {"state": {0: mine}, "param_groups": shard_groups}

@@ -25,9 +25,9 @@ class HasLayout(Protocol):
 def bucket_layout(summary: dict[str, Any] | None) -> tuple[int, ...] | None:
     """Bucket sizes in bytes from summary.json's `sync` facts; None when the strategy has no buckets.
 
-    DDP and `bucketed` list theirs (`bucket_sizes_bytes`, DDP's after its first-iteration rebuild);
-    `zero` keeps one flat buffer, padded to a multiple of the world size (`padded_numel` elements
-    of the model's parameter bytes per element).
+    DDP, `bucketed` and `zero` list theirs (`bucket_sizes_bytes`, DDP's after its first-iteration
+    rebuild); a `zero` summary from before its buckets has one flat buffer, padded to a multiple of
+    the world size (`padded_numel` elements of the model's parameter bytes per element).
     """
     facts = (summary or {}).get("sync") or {}
     sizes = facts.get("bucket_sizes_bytes")

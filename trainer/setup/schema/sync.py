@@ -57,7 +57,10 @@ class ManualConfig(SyncConfig):
 
 @dataclass
 class ZeroConfig(SyncConfig):
+    stage: int = key(choices=(1, 2), note="1: optimizer state sharded; 2: gradients too; stage 3 is sync=fsdp")
+    bucket_cap_mb: float = key(gt=0, note="MiB of gradients per bucket")
     find_unused_parameters: bool = key()
+    time_every_n_steps: int = key(ge=1)
 
 
 @dataclass

@@ -1,0 +1,80 @@
+"""What sync=zero refuses, before it trains a different model than one process would: a stage it is
+not, an optimizer that is not element-wise or has several groups, parameters of mixed kinds."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from trainer.errors import ConfigError
+
+# Optimizers whose update of an element depends only on that element's parameter, gradient and
+# state (and on scalars such as the step count): on a flat shard they compute exactly what they
+# compute on the parameters. An allowlist, not a denylist: an optimizer not known to be
+# element-wise (LBFGS's line search over all parameters, Adafactor's row/column factors, Muon's
+# orthogonalised matrices, SparseAdam's sparse gradients, a third-party LAMB's per-layer trust
+# ratio) would silently train a different model on a shard.
+ELEMENTWISE = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.Rprop,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+    torch.optim.ASGD,
+)
+
+
+def check_stage(stage: object) -> None:
+    """sync.stage: 1 or 2; 0 and 3 are other strategies, and the message says which."""
+    if stage in (1, 2) and not isinstance(stage, bool):
+        return
+    if stage == 3:
+        hint = "stage 3 (parameters sharded too) is sync=fsdp"
+    elif stage == 0:
+        hint = "stage 0 (nothing sharded) is sync=ddp or sync=bucketed"
+    else:
+        hint = "stage 3 is sync=fsdp; stage 0 is sync=ddp"
+    raise ConfigError(
+        f"sync.stage={stage!r} is invalid with sync=zero: accepted: 1 (optimizer state sharded) or 2 (optimizer "
+        f"state and gradients sharded); {hint}"
+    )
+
+
+def check_optimizer(optimizer: Optimizer, shard: nn.Parameter) -> None:
+    """The shard optimizer must be element-wise and hold the shard as its one parameter."""
+    cls = type(optimizer)
+    # The name a config would use: torch.optim.LBFGS rather than torch.optim.lbfgs.LBFGS.
+    exported = getattr(torch.optim, cls.__name__, None) is cls
+    name = f"torch.optim.{cls.__name__}" if exported else f"{cls.__module__}.{cls.__qualname__}"
+    if not isinstance(optimizer, ELEMENTWISE):
+        raise ConfigError(
+            f"optim._target_={name} is invalid with sync=zero: {cls.__name__} is not known to be element-wise, "
+            "and sync=zero runs the optimizer on a flat 1/N slice of all parameters, which only gives the "
+            "same update for element-wise optimizers; accepted: "
+            + ", ".join(f"torch.optim.{c.__name__}" for c in ELEMENTWISE)
+            + "; or use sync=ddp"
+        )
+    groups = optimizer.param_groups
+    if len(groups) != 1 or len(groups[0]["params"]) != 1 or groups[0]["params"][0] is not shard:
+        raise ConfigError(
+            f"optim._target_={name} built {len(groups)} param groups: sync=zero gives "
+            "the optimizer one flat parameter, so per-group hyperparameters cannot apply; use one group"
+        )
+
+
+def check_one_kind(params: list[nn.Parameter]) -> None:
+    """One flat buffer holds every trainable parameter, so they must share a dtype and a device."""
+    if not params:
+        raise ConfigError("sync=zero needs a model with trainable parameters; this one has none")
+    kinds = sorted({f"{p.dtype} on {p.device}" for p in params})
+    if len(kinds) > 1:
+        raise ConfigError(
+            f"sync=zero lays every trainable parameter into one flat buffer, so they must share one dtype "
+            f"and device; this model mixes {', '.join(kinds)}: cast the model to one dtype, or use sync=ddp"
+        )

@@ -1,0 +1,135 @@
+"""sync=zero's gradients, bucket by bucket: what a bucket holds in backward and which collective it starts.
+
+Stage 1 (only the optimizer state sharded): the gradients live in flat bucket buffers (each .grad a
+view, as `bucketed`'s), each bucket is all-reduced in full as soon as backward has filled it, and
+this rank's slice of the averaged bucket is copied into its shard of the gradient (what the
+optimizer steps on). A rank holds the full gradient, plus its 1/N shard.
+
+Stage 2 (the gradients sharded too): a gradient is moved, as its hook fires, into its bucket's
+staging buffer (allocated when the bucket's first gradient arrives), and the parameter's .grad is
+dropped; the full bucket is reduce-scattered straight into this rank's shard of the gradient, then
+the staging buffer is freed. After backward a rank holds 1/N of the gradient; during backward, the
+buckets being filled or in flight. Under no_sync the hooks do nothing: autograd accumulates the
+full local gradient in each .grad, and the last micro-batch's hooks move it.
+
+A gradient that never arrived in the last backward (a parameter unused there, or one whose .grad
+was replaced) is folded in by late() before its bucket starts (after backward, in order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainer import spans
+from trainer.sync import averaging
+from trainer.sync.comm import CommCounters
+from trainer.sync.flat import FlatGrads
+from trainer.sync.zero_state import Layout
+
+
+class ShardedGrads:
+    """The gradient buckets of one stage, and this rank's contiguous shard of the averaged gradient."""
+
+    def __init__(self, stage: int, groups: Sequence[Sequence[nn.Parameter]], layout: Layout, rank: int) -> None:
+        self.stage = stage
+        self.world_size = layout.world_size
+        params = groups[0][0]
+        self.shard = torch.zeros(layout.shard_numel, dtype=params.dtype, device=params.device)  # the optimizer's .grad
+        pieces = layout.pieces(rank)
+        self.shards = [self.shard[at : at + n] for _, at, n in pieces]  # per bucket, this rank's slice
+        self.groups = [list(g) for g in groups]
+        self.padded = [padded for _, padded in layout.buckets]
+        self.numels = [sum(p.numel() for p in g) for g in self.groups]
+        # Per bucket and parameter, where its gradient lies in the bucket.
+        self.offsets = [[sum(p.numel() for p in g[:j]) for j in range(len(g))] for g in self.groups]
+        self.element_size = self.shard.element_size()
+        self._rank = rank
+        self.flat: FlatGrads | None = None
+        self.staging: list[torch.Tensor | None] = [None] * len(self.groups)
+        if stage == 1:
+            self.flat = FlatGrads(self.groups, self.world_size)
+            for bucket, shard in zip(self.flat.buckets, self.shards, strict=True):
+                bucket.shard = shard  # one contiguous shard for the optimizer, not one per bucket
+        self._live = 0  # bytes of staging buffers allocated now (stage 2)
+        self.peak_bytes = self.held_bytes  # the most gradient memory held at once, during backward included
+
+    @property
+    def held_bytes(self) -> int:
+        """Gradient bytes this rank holds now: the shard, and the full buckets (stage 1) or those staged."""
+        full = sum(b.padded_nbytes for b in self.flat.buckets) if self.flat is not None else self._live
+        return self.shard.numel() * self.element_size + full
+
+    def on_grad(self, index: int, j: int, param: nn.Parameter, first: bool) -> None:
+        """A gradient for `param` was accumulated (its hook): into its bucket (see the module's doc)."""
+        grad = param.grad
+        assert grad is not None, "autograd calls this hook after accumulating a gradient"
+        if self.flat is not None:
+            view = self.flat.buckets[index].views[j]
+            if grad is not view:  # e.g. set_to_none: put the view back
+                view.copy_(grad)
+                param.grad = view
+            return
+        lo = self.offsets[index][j]
+        staged = self._staging(index)[lo : lo + param.numel()].view_as(param)
+        if first:
+            staged.copy_(grad)
+        else:  # a reused parameter's next gradient: autograd began a fresh .grad after we dropped it
+            staged.add_(grad)
+        param.grad = None  # stage 2 keeps only the staged copy
+
+    def _staging(self, index: int) -> torch.Tensor:
+        buffer = self.staging[index]
+        if buffer is None:
+            buffer = self.shard.new_zeros(self.padded[index])  # zeros: a gradient that never comes counts as zero
+            self.staging[index] = buffer
+            self._live += buffer.numel() * self.element_size
+            self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+        return buffer
+
+    def late(self, index: int) -> None:
+        """Before a bucket starts after backward: gradients its hooks did not deliver, folded in."""
+        if self.flat is not None:
+            self.flat.bind_bucket(index)
+            return
+        self._staging(index)  # a bucket none of whose gradients came still sends its zeros
+        for j, param in enumerate(self.groups[index]):
+            if param.grad is not None:  # accumulated under no_sync, no hook in the last backward
+                self.on_grad(index, j, param, False)
+
+    def start(self, index: int) -> dist.Work:
+        """The bucket's collective, asynchronously: all_reduce (stage 1) or reduce_scatter into the shard."""
+        if self.flat is not None:
+            return averaging.start(self.flat.buckets[index], "all_reduce", index)
+        staged = self.staging[index]
+        assert staged is not None, "a bucket starts after its gradients (or late()) staged it"
+        with spans.named("reduce_scatter", staged.numel() * staged.element_size(), index):  # trainer.profile only
+            work = averaging.reduce_scatter_tensor(self.shards[index], staged, op=dist.ReduceOp.SUM, async_op=True)
+        assert work is not None
+        return work
+
+    def finish(self, index: int, work: averaging.Waitable, comm: CommCounters) -> None:
+        """Wait for the bucket's collective; this rank's slice averaged into the shard; counted."""
+        work.wait()
+        shard = self.shards[index]
+        comm.bytes += self.numels[index] * self.element_size  # the gradient bytes, once per step
+        if self.flat is not None:
+            bucket = self.flat.buckets[index]
+            size = shard.numel()
+            shard.copy_(bucket.buffer[self._rank * size : (self._rank + 1) * size])
+            comm.add("all_reduce", bucket.nbytes)
+        else:
+            staged = self.staging[index]
+            assert staged is not None
+            self._live -= staged.numel() * self.element_size
+            self.staging[index] = None  # freed: only the shard is kept
+            comm.add("reduce_scatter", self.padded[index] * self.element_size)
+        shard.div_(self.world_size)
+
+    def zero(self) -> None:
+        """Clear the full gradient buckets (stage 1); stage 2's shard is overwritten by the next reduce."""
+        if self.flat is not None:
+            self.flat.zero()
