@@ -137,6 +137,10 @@ def test_strategies_by_hand() -> None:
     assert predict(profile, topo, "bucketed", cap_mb=2, overlap=False).exposed_s == pytest.approx(2 * ar(2 * mib))
     zero = predict(profile, topo, "zero")  # the optimizer steps on 1/4 of the parameters
     assert zero.step_s == pytest.approx(0.030 + 0.001 + 2 * half(4 * mib))
+    # With 2 MiB buckets the first bucket's reduce_scatter hides under backward; the other and both
+    # all_gathers (after the optimizer step) are exposed.
+    zero2 = predict(profile, topo, "zero", cap_mb=2)
+    assert zero2.comm_s == pytest.approx(4 * half(2 * mib)) and zero2.exposed_s == pytest.approx(3 * half(2 * mib))
     # fsdp: units a (3 MiB, 3/4 of each pass's compute) and b (1 MiB). Forward: a's gather is
     # exposed, b's hides under a. Backward (b, then a): b's gather is exposed, a's hides under b,
     # b's reduce_scatter under a, and a's reduce_scatter comes after all compute.

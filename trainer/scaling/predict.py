@@ -136,10 +136,13 @@ def _comm(
         comm, exposed = overlapped(buckets(grads, cap_mb, first, ddp=strategy == "ddp"), p["backward"], all_reduce)
         return comm, exposed, p["optimizer"]
     shard_opt = p["optimizer"] / topo.ranks
-    if strategy == "zero":  # reduce_scatter after backward, all_gather after the sharded step
-        total = profile.gradient_bytes
-        comm = topo.collective_s("reduce_scatter", total) + topo.collective_s("all_gather", total)
-        return comm, comm, shard_opt
+    if strategy == "zero":  # stage 2: per bucket (bucketed's rule) a reduce_scatter during backward,
+        # overlapped as bucketed's all_reduces are; after the sharded step, each bucket's all_gather, exposed
+        layout = buckets(grads, cap_mb)
+        scatter = lambda s: topo.collective_s("reduce_scatter", s)  # noqa: E731
+        comm_rs, exposed_rs = overlapped(layout, p["backward"], scatter)
+        gathers = sum(topo.collective_s("all_gather", s) for s in layout)
+        return comm_rs + gathers, exposed_rs + gathers, shard_opt
     if strategy == "fsdp":  # units as sync.wrap makes them; resharded after forward
         units = fsdp_units(profile, fsdp_wrap)
         gather = lambda s: topo.collective_s("all_gather", s)  # noqa: E731
@@ -162,7 +165,7 @@ def predict(
     if not overlap:
         exposed = comm
     step = profile.compute_s - profile.phase_s["optimizer"] + optimizer + exposed
-    bucketing = strategy in ("manual", "bucketed", "ddp")
+    bucketing = strategy in ("manual", "bucketed", "ddp", "zero")
     return Prediction(
         strategy=strategy,
         ranks=topo.ranks,
