@@ -133,3 +133,9 @@ def test_sample_tool_reads_the_trained_run(single: tuple[dict[str, torch.Tensor]
     assert again.stdout == one.stdout and other.stdout != one.stdout
     bad = sample(run_dir, "--prompt", "QQ")  # not in the corpus's characters
     assert bad.returncode == 2 and "--prompt" in bad.stderr and "Traceback" not in bad.stderr
+    sweep = run_dir.parent / "sweep"  # a sweep dir: each job's sample in turn
+    for job in ("0", "1"):
+        (sweep / job).mkdir(parents=True, exist_ok=True)
+        (sweep / job / "checkpoints").symlink_to(run_dir / "checkpoints")
+    both = sample(sweep, "--prompt", "the ", "--tokens", "40", "--top-k", "5", "--seed", "1")
+    assert both.returncode == 0 and both.stdout.count("== job ") == 2 and both.stdout.count(one.stdout) == 2

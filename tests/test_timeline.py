@@ -159,6 +159,20 @@ def test_report_timelines(runs: tuple[Path, list[dict[str, Any]]], tmp_path: Pat
     assert "job 2: " in capsys.readouterr().err
 
 
+def test_the_command_takes_a_sweep_dir_job_by_job(
+    runs: tuple[Path, list[dict[str, Any]]], tmp_path: Path, capsys: Any
+) -> None:
+    root, _ = runs
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    for number, case in enumerate(("manual", "bucketed")):
+        (sweep / str(number)).symlink_to(root / case)
+    assert timeline.main([str(sweep), "--out", str(tmp_path / "out")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and all(line.startswith("timeline: steps 3-5") for line in lines), lines
+    assert (tmp_path / "out" / "0" / "timeline.png").is_file() and (tmp_path / "out" / "1" / "timeline.png").is_file()
+
+
 def test_wandb_gets_the_timeline(runs: tuple[Path, list[dict[str, Any]]]) -> None:
     """logger=wandb: rank 0's run holds the picture (an image in step 5's row) and the merged trace."""
     root, _ = runs

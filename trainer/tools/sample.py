@@ -20,6 +20,7 @@ from torch import nn
 
 from data.tokens import decode, encode
 from models.gpt import GPT
+from trainer.tools.jobs import job_dirs
 
 GPT_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "dropout", "bias")
 
@@ -76,7 +77,9 @@ def load_run(run_dir: Path) -> tuple[nn.Module, dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.tools.sample", description=__doc__.splitlines()[0])
-    parser.add_argument("run_dir", type=Path, help="a run directory with checkpoints/last.pt (data=text)")
+    parser.add_argument(
+        "run_dir", type=Path, help="a run directory with checkpoints/last.pt (data=text), or a sweep dir (each job)"
+    )
     parser.add_argument("--prompt", default="\n", help="text the sample continues (default: a newline)")
     parser.add_argument("--tokens", type=int, default=300, help="tokens to generate (default 300)")
     parser.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0: greedy")
@@ -90,15 +93,19 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--tokens={args.tokens} is invalid: must be >= 0")
     if args.top_k < 0:
         parser.error(f"--top-k={args.top_k} is invalid: must be >= 0 (0: no cut)")
-    model, vocab = load_run(args.run_dir)
-    try:
-        prompt = encode(args.prompt, vocab)
-    except ValueError as err:
-        parser.error(f"--prompt: {err}")
-    if not prompt:
-        parser.error("--prompt is empty: give at least one character")
-    ids = generate(model, prompt, args.tokens, args.temperature, args.top_k or None, args.seed)
-    sys.stdout.write(decode(ids, vocab) + "\n")
+    jobs = job_dirs(args.run_dir, "checkpoints/last.pt") or [args.run_dir]  # none: load_run says why
+    for job in jobs:
+        model, vocab = load_run(job)
+        try:
+            prompt = encode(args.prompt, vocab)
+        except ValueError as err:
+            parser.error(f"--prompt: {err}")
+        if not prompt:
+            parser.error("--prompt is empty: give at least one character")
+        ids = generate(model, prompt, args.tokens, args.temperature, args.top_k or None, args.seed)
+        if len(jobs) > 1:
+            sys.stdout.write(f"== job {job}\n")
+        sys.stdout.write(decode(ids, vocab) + "\n")
     return 0
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.tools import timeline_figures as fig
+from trainer.tools.jobs import job_dirs
 from trainer.tools.timeline_plot import plot
 from trainer.tools.timeline_trace import Interval, RankTimeline, TimelineError, find_traces, read_rank
 
@@ -175,18 +176,22 @@ def one_line(summary: dict[str, Any], out: Path) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.tools.timeline", description=__doc__.split("\n")[0])
-    parser.add_argument("run_dir", type=Path, help="a run dir of a trainer.profile=true run")
+    parser.add_argument(
+        "run_dir", type=Path, help="a run dir of a trainer.profile=true run, or a sweep dir (each job in turn)"
+    )
     parser.add_argument("--steps", help="training steps to show, e.g. 4 or 3-5 (default: every profiled step)")
     parser.add_argument("--ranks", help="ranks to show, e.g. 0,1 (default: all)")
     parser.add_argument("--out", type=Path, help="where to write (default: the run dir)")
     args = parser.parse_args(argv)
-    out = args.out or args.run_dir
-    try:
-        summary = write_timeline(args.run_dir, out, args.steps, args.ranks)
-    except TimelineError as err:
-        print(f"timeline: {err}", file=sys.stderr)
-        return 2
-    print(one_line(summary, out))
+    jobs = job_dirs(args.run_dir, "profiler") or [args.run_dir]  # no traces anywhere: the run dir says why
+    for job in jobs:
+        out = (args.out / job.name if len(jobs) > 1 else args.out) if args.out else job
+        try:
+            summary = write_timeline(job, out, args.steps, args.ranks)
+        except TimelineError as err:
+            print(f"timeline: {err}", file=sys.stderr)
+            return 2
+        print(one_line(summary, out))
     return 0
 
 
