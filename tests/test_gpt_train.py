@@ -43,7 +43,7 @@ def test_gpt_logs_tokens_per_s_perplexity_mfu_and_ends_with_a_sample(tmp_path: P
     [
         (["data.path=/no/such/corpus.txt"], "data.path=/no/such/corpus.txt does not exist"),
         (["model.n_head=3"], "model.n_embd=16 is not divisible by model.n_head=3"),
-        (["model=cnn"], "use model=gpt"),  # the gpt's own keys dropped below
+        (["model=cnn"], "use a model that reads tokens (model=gpt)"),  # the gpt's own keys dropped below
     ],
 )
 def test_bad_input_exits_2_before_anything_starts(tmp_path: Path, overrides: list[str], expected: str) -> None:
