@@ -4,6 +4,7 @@ launcher plugin (route 2), two torchrun "nodes" on loopback, and submitit's loca
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -151,7 +152,10 @@ def test_route2_isolates_a_failing_job_and_exits_nonzero(tmp_path: Path) -> None
     )
     text = output(proc)
     assert proc.returncode != 0, text
-    assert "job 0 (" in text and "failed: rank 1 exited with code 1" in text and "InjectedFault" in text
+    # The first failure torchrun records is rank 1's fault, or (on a loaded machine) rank 0 losing its
+    # peer a moment earlier; either way the job is named and rank 1's own error is on the console.
+    assert "job 0 (" in text and re.search(r"failed: rank [01] exited with code 1", text), text
+    assert "InjectedFault" in text, text
     sweep = sweep_dir(tmp_path)
     assert not (sweep / "0" / "summary.json").exists()
     assert_job_complete(sweep / "1")  # the next job still ran
