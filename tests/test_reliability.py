@@ -90,11 +90,18 @@ DRIFT = [
 
 
 def on_rank_0(rank: int, action: Callable[[], Any]) -> Any:
-    """action() on rank 0 while rank 1 waits; the barrier is reached even if it raises, so no rank hangs."""
-    try:
-        return action() if rank == 0 else None
-    finally:
-        dist.barrier()
+    """action() on rank 0 while rank 1 waits. If it raises, every rank raises, so that no rank goes on
+    to the next collective alone (the group would hang or crash, failing every test of the file)."""
+    result, error = None, [""]
+    if rank == 0:
+        try:
+            result = action()
+        except Exception:
+            error = [traceback.format_exc()]
+    dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise RuntimeError(f"rank 0 failed:\n{error[0]}")
+    return result
 
 
 def resume_mid_run(rank: int, world_size: int, sync: str, root: Path) -> dict:
