@@ -22,8 +22,10 @@ train: setup
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) train.py $(ARGS)
 
 # The whole suite, slow end-to-end tests included, after the linters: this is what CI runs (.ci/run).
+# Two workers (pytest-xdist), a test file to one worker so its module-scoped runs start once; the 20
+# slowest tests are listed at the end, so that drift shows in every run.
 test: lint
-	$(BIN)/pytest
+	$(BIN)/pytest -n 2 --dist loadfile --durations=20
 
 # The house rules (pyproject.toml): ruff's lint and format check, then mypy over the packages.
 lint: setup
@@ -36,7 +38,7 @@ format: setup
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-# Everything but the end-to-end torchrun tests, for a quick loop while editing.
+# Everything that starts no process (no ranks, no torchrun, no subprocess), for a quick loop while editing.
 test-fast: setup
 	$(BIN)/pytest -m "not slow"
 

@@ -1,4 +1,7 @@
 import os
+import types
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -6,9 +9,38 @@ import pytest
 os.environ["WANDB_MODE"] = "offline"
 os.environ["WANDB_SILENT"] = "true"
 
+# What starts a process: spawned gloo ranks, torchrun, train.py under plain python, any subprocess.
+STARTS_A_PROCESS = {"run_on_ranks", "torchrun", "python_train", "subprocess"}
+
+
+def _names(code: types.CodeType) -> set[str]:
+    """The global and attribute names a function's code uses, its nested functions' and lambdas' included."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
+
+
+def _starts_processes(fn: object, seen: set[Callable[..., Any]]) -> bool:
+    """Whether fn, or a function of tests/ that it calls by name (transitively), starts a process."""
+    if not isinstance(fn, types.FunctionType) or fn in seen or not fn.__module__.startswith("tests"):
+        return False
+    seen.add(fn)
+    names = _names(fn.__code__)
+    return bool(names & STARTS_A_PROCESS) or any(_starts_processes(fn.__globals__.get(n), seen) for n in names)
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked `gpu` run where CUDA is available and are skipped, saying why, everywhere else."""
+    """A test that starts processes, itself or through a fixture, is `slow` (make test-fast leaves it
+    out), whether or not it says so. Tests marked `gpu` run where CUDA is available and are skipped,
+    saying why, everywhere else."""
+    for item in items:
+        if not isinstance(item, pytest.Function) or item.get_closest_marker("slow"):
+            continue
+        fixtures = [d.func for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs]
+        if any(_starts_processes(fn, set()) for fn in [item.function, *fixtures]):
+            item.add_marker(pytest.mark.slow)
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:
         return

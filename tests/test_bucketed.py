@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -63,8 +63,18 @@ def _mechanism(rank: int, world_size: int, collective: str) -> dict[str, Any]:
     }
 
 
-def test_buckets_start_during_backward_and_average_in_place(tmp_path: Path) -> None:
-    rank0, rank1 = run_on_ranks(_mechanism, 2, tmp_path / "run", "all_reduce")
+def _both(rank: int, world_size: int) -> dict[str, dict[str, Any]]:
+    """_mechanism with each collective on one pair of ranks: a spawn costs more than both."""
+    return {collective: _mechanism(rank, world_size, collective) for collective in ("all_reduce", "rs_ag")}
+
+
+@pytest.fixture(scope="module")
+def mechanism(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict[str, Any]]]:
+    return run_on_ranks(_both, 2, tmp_path_factory.mktemp("bucketed") / "run")
+
+
+def test_buckets_start_during_backward_and_average_in_place(mechanism: list[dict[str, dict[str, Any]]]) -> None:
+    rank0, rank1 = (by_collective["all_reduce"] for by_collective in mechanism)
     for rank in (rank0, rank1):
         assert rank["buckets"] >= 3  # 5 of 6 gradient tensors are over 300 bytes: several buckets
         assert rank["learning"] == 0 and rank["started_in_no_sync"] == 0
@@ -80,9 +90,9 @@ def test_buckets_start_during_backward_and_average_in_place(tmp_path: Path) -> N
     assert counts.timed_steps == 1 and counts.seconds > 0 and 0 <= counts.exposed_seconds <= counts.seconds + 1e-3
 
 
-def test_rs_ag_gives_the_same_bits_as_all_reduce(tmp_path: Path) -> None:
-    all_reduce = run_on_ranks(_mechanism, 2, tmp_path / "ar", "all_reduce")
-    rs_ag = run_on_ranks(_mechanism, 2, tmp_path / "rsag", "rs_ag")
+def test_rs_ag_gives_the_same_bits_as_all_reduce(mechanism: list[dict[str, dict[str, Any]]]) -> None:
+    all_reduce = [by_collective["all_reduce"] for by_collective in mechanism]
+    rs_ag = [by_collective["rs_ag"] for by_collective in mechanism]
     for a, b in zip(all_reduce, rs_ag, strict=True):
         assert all(torch.equal(x, y) for x, y in zip(a["averaged"], b["averaged"], strict=True))
         assert b["started_by_hooks"] == b["buckets"]

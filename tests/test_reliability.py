@@ -6,14 +6,20 @@ and same() from here."""
 from __future__ import annotations
 
 import os
+import shutil
+import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from tests.cli import train_rows
 from tests.compose import compose_config
 from tests.dist_helpers import run_on_ranks
+from tests.train_helpers import case_results
 from trainer.errors import ConfigError
 from trainer.logger.jsonl import JsonlLogger
 from trainer.reliability.checkpoint import (
@@ -67,56 +73,127 @@ def same(a: dict, b: dict) -> bool:
 
 
 # bucketed: gradients as views into its own flat buffers, which a resumed run builds afresh.
-@pytest.mark.parametrize("sync", ["sync=ddp", "sync=bucketed"])
-def test_resume_from_a_mid_run_checkpoint_is_bit_identical(tmp_path: Path, sync: str) -> None:
+SYNCS = ["sync=ddp", "sync=bucketed"]
+CHECKPOINTED = ["trainer.max_steps=12", "trainer.checkpoint_every_n_steps=4", "trainer.keep_checkpoints=5"]
+NONFINITE = {
+    mode: ["trainer.max_steps=6", f"trainer.on_nonfinite={mode}", "trainer.fault.kind=nan_loss"]
+    + ["trainer.fault.rank=1", "trainer.fault.at_step=3"]
+    for mode in ("raise", "skip")
+}
+DRIFT = [
+    "trainer.max_steps=8",
+    "trainer.check_replicas_every_n_steps=4",
+    "trainer.fault.kind=perturb",
+    "trainer.fault.rank=1",
+    "trainer.fault.at_step=2",
+]
+
+
+def on_rank_0(rank: int, action: Callable[[], Any]) -> Any:
+    """action() on rank 0 while rank 1 waits. If it raises, every rank raises, so that no rank goes on
+    to the next collective alone (the group would hang or crash, failing every test of the file)."""
+    result, error = None, [""]
+    if rank == 0:
+        try:
+            result = action()
+        except Exception:
+            error = [traceback.format_exc()]
+    dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise RuntimeError(f"rank 0 failed:\n{error[0]}")
+    return result
+
+
+def resume_mid_run(rank: int, world_size: int, sync: str, root: Path) -> dict:
+    """Train 12 steps with checkpoints every 4; delete the end, resume from step 4; 12 straight to compare."""
+    straight = fit(rank, world_size, [sync, "trainer.max_steps=12"], str(root / "straight"))
+    first = fit(rank, world_size, [sync, *CHECKPOINTED], str(root / "resumed"))
+    ckpt = root / "resumed" / "checkpoints"
+    written = on_rank_0(rank, lambda: [p.name for p in step_files(ckpt)])
+
+    def died_after_step_4() -> None:
+        for name in ("step-12.pt", "step-8.pt"):
+            (ckpt / name).unlink()
+        (ckpt / "last.pt").unlink()
+        os.link(ckpt / "step-4.pt", ckpt / "last.pt")
+
+    on_rank_0(rank, died_after_step_4)
+    resumed = fit(rank, world_size, [sync, *CHECKPOINTED], str(root / "resumed"))
+    return {"straight": straight, "first": first, "written": written, "resumed": resumed}
+
+
+def refusals(rank: int, world_size: int, root: Path) -> dict:
+    """A 2-rank run, then resumes into its dir with a changed config, a logging knob, and resume=never.
+    A copy of the dir as the first run left it waits for the 1-rank job (its own spawn)."""
+    run_dir = str(root / "run")
+    fit(rank, world_size, ["trainer.max_steps=4"], run_dir)
+    on_rank_0(rank, lambda: shutil.copytree(run_dir, root / "for_one_rank"))
+    changed = fit(rank, world_size, ["trainer.max_steps=4", "optim.lr=0.5"], run_dir)
+    # Logging knobs are not training config: changing them still resumes.
+    fine = fit(rank, world_size, ["trainer.max_steps=4", "trainer.log_every_n_steps=1"], run_dir)
+    fresh = fit(rank, world_size, ["trainer.max_steps=4", "optim.lr=0.5", "trainer.resume=never"], run_dir)
+    return {"changed": changed, "fine": fine, "fresh": fresh}
+
+
+def scenarios(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Every 2-rank scenario of this file, one after another on one group: a spawn of the ranks costs
+    more than these small runs. Those that end in an error on every rank come last."""
+    cases: dict[str, Callable[[Path], Any]] = {
+        **{sync: lambda at, sync=sync: resume_mid_run(rank, world_size, sync, at) for sync in SYNCS},
+        "refusals": lambda at: refusals(rank, world_size, at),
+        **{
+            f"nonfinite-{mode}": lambda at, o=overrides: fit(rank, world_size, o, str(at / "run"))
+            for mode, overrides in NONFINITE.items()
+        },
+        "drift": lambda at: fit(rank, world_size, DRIFT, str(at / "run")),
+    }
+    results: dict[str, Any] = {}
+    for name, case in cases.items():
+        try:
+            results[name] = case(Path(root) / name)
+        except Exception:  # reported by that case's own test
+            results[name] = traceback.format_exc()
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    root = tmp_path_factory.mktemp("reliability")
+    return root / "runs", run_on_ranks(scenarios, 2, root / "ranks", str(root / "runs"), timeout_s=600)
+
+
+def results_of(runs: tuple[Path, list[dict[str, Any]]], case: str) -> tuple[Path, list[Any]]:
+    """One scenario's directory and every rank's result, failing with the traceback if it raised."""
+    root, ranks = runs
+    return root / case, case_results(ranks, case)
+
+
+@pytest.mark.parametrize("sync", SYNCS)
+def test_resume_from_a_mid_run_checkpoint_is_bit_identical(runs: tuple[Path, list[dict[str, Any]]], sync: str) -> None:
     """Train 12 steps with checkpoints every 4; delete the end, resume from step 4; compare with 12 straight."""
-    straight = run_on_ranks(fit, 2, tmp_path / "a", [sync, "trainer.max_steps=12"], str(tmp_path / "straight"))
-    run_dir = tmp_path / "resumed"
-    first = run_on_ranks(
-        fit,
-        2,
-        tmp_path / "b",
-        [sync, "trainer.max_steps=12", "trainer.checkpoint_every_n_steps=4", "trainer.keep_checkpoints=5"],
-        str(run_dir),
-    )
-    assert same(first[0]["model"], straight[0]["model"])  # checkpointing changes nothing
-    ckpt = run_dir / "checkpoints"
-    assert [p.name for p in step_files(ckpt)] == ["step-12.pt", "step-8.pt", "step-4.pt"]
-    for name in ("step-12.pt", "step-8.pt"):  # as if the run had died after its step-4 checkpoint
-        (ckpt / name).unlink()
-    (ckpt / "last.pt").unlink()
-    os.link(ckpt / "step-4.pt", ckpt / "last.pt")
-    resumed = run_on_ranks(
-        fit,
-        2,
-        tmp_path / "c",
-        [sync, "trainer.max_steps=12", "trainer.checkpoint_every_n_steps=4", "trainer.keep_checkpoints=5"],
-        str(run_dir),
-    )
-    assert resumed[0]["step"] == 12
-    assert same(resumed[0]["model"], straight[0]["model"]) and same(resumed[1]["model"], straight[0]["model"])
+    root, (r0, r1) = results_of(runs, sync)
+    straight = r0["straight"]
+    assert same(r0["first"]["model"], straight["model"])  # checkpointing changes nothing
+    assert r0["written"] == ["step-12.pt", "step-8.pt", "step-4.pt"]
+    assert r0["resumed"]["step"] == 12
+    assert same(r0["resumed"]["model"], straight["model"]) and same(r1["resumed"]["model"], straight["model"])
     # The JSONL continues the step count and the LR schedule where the checkpoint left them, and holds
     # each step once: the first run's rows after step 4 were dropped on resume and logged again.
-    rows = train_rows(run_dir / "metrics" / "rank0.jsonl")
-    straight_lr = {r["step"]: r["train/lr"] for r in train_rows(tmp_path / "straight" / "metrics" / "rank0.jsonl")}
+    rows = train_rows(root / "resumed" / "metrics" / "rank0.jsonl")
+    straight_lr = {r["step"]: r["train/lr"] for r in train_rows(root / "straight" / "metrics" / "rank0.jsonl")}
     assert [r["step"] for r in rows] == [2, 4, 6, 8, 10, 12]
     assert all(r["train/lr"] == straight_lr[r["step"]] for r in rows)
 
 
-def test_resume_refuses_another_world_size_or_training_config(tmp_path: Path) -> None:
-    run_dir = str(tmp_path / "run")
-    run_on_ranks(fit, 2, tmp_path / "a", ["trainer.max_steps=4"], run_dir)
-    (one,) = run_on_ranks(fit, 1, tmp_path / "b", ["trainer.max_steps=4"], run_dir)
+def test_resume_refuses_another_world_size_or_training_config(
+    runs: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    root, (r0, _) = results_of(runs, "refusals")
+    (one,) = run_on_ranks(fit, 1, tmp_path / "b", ["trainer.max_steps=4"], str(root / "for_one_rank"))
     assert "written by 2 ranks, this job has 1" in one["error"] and "trainer.resume=never" in one["error"]
-    changed = run_on_ranks(fit, 2, tmp_path / "c", ["trainer.max_steps=4", "optim.lr=0.5"], run_dir)
-    assert "optim.lr: checkpoint 0.1, now 0.5" in changed[0]["error"]
-    # Logging knobs are not training config: changing them still resumes.
-    fine = run_on_ranks(fit, 2, tmp_path / "d", ["trainer.max_steps=4", "trainer.log_every_n_steps=1"], run_dir)
-    assert "error" not in fine[0]
-    fresh = run_on_ranks(
-        fit, 2, tmp_path / "e", ["trainer.max_steps=4", "optim.lr=0.5", "trainer.resume=never"], run_dir
-    )
-    assert "error" not in fresh[0]
+    assert "optim.lr: checkpoint 0.1, now 0.5" in r0["changed"]["error"]
+    assert "error" not in r0["fine"]
+    assert "error" not in r0["fresh"]
 
 
 def test_corrupt_or_unsafe_checkpoints_are_refused_and_auto_falls_back(tmp_path: Path) -> None:
@@ -151,33 +228,21 @@ def test_keep_checkpoints_prunes_old_step_files(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("mode", "expect"), [("raise", "non-finite loss at step 3 on rank(s) 1"), ("skip", None)])
-def test_nonfinite_loss_raises_or_is_skipped_on_every_rank(tmp_path: Path, mode: str, expect: str | None) -> None:
-    overrides = [
-        "trainer.max_steps=6",
-        f"trainer.on_nonfinite={mode}",
-        "trainer.fault.kind=nan_loss",
-        "trainer.fault.rank=1",
-        "trainer.fault.at_step=3",
-    ]
-    results = run_on_ranks(fit, 2, tmp_path / "job", overrides, str(tmp_path / "run"))
+def test_nonfinite_loss_raises_or_is_skipped_on_every_rank(
+    runs: tuple[Path, list[dict[str, Any]]], mode: str, expect: str | None
+) -> None:
+    root, results = results_of(runs, f"nonfinite-{mode}")
     if expect:
         assert all(expect in r["error"] and "NonFiniteError" in r["error"] for r in results)
         return
     assert same(results[0]["model"], results[1]["model"])
     assert all(torch.isfinite(t).all() for t in results[0]["model"].values())
-    rows = train_rows(tmp_path / "run" / "metrics" / "rank0.jsonl")
+    rows = train_rows(root / "run" / "metrics" / "rank0.jsonl")
     assert rows[-1]["train/skipped_steps"] == 1
 
 
-def test_replica_check_names_the_rank_that_drifted(tmp_path: Path) -> None:
-    overrides = [
-        "trainer.max_steps=8",
-        "trainer.check_replicas_every_n_steps=4",
-        "trainer.fault.kind=perturb",
-        "trainer.fault.rank=1",
-        "trainer.fault.at_step=2",
-    ]
-    results = run_on_ranks(fit, 2, tmp_path / "job", overrides, str(tmp_path / "run"))
+def test_replica_check_names_the_rank_that_drifted(runs: tuple[Path, list[dict[str, Any]]]) -> None:
+    _, results = results_of(runs, "drift")
     assert all("replica check at step 4: the parameters of rank(s) 1 differ" in r["error"] for r in results)
 
 

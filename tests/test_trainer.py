@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from tests.compose import compose_config
 from tests.dist_helpers import run_on_ranks
+from tests.train_helpers import case_results, train_each
 from trainer.logger.jsonl import JsonlLogger
 from trainer.setup.build import build_parts, build_trainer, instantiate, prepare_data
 from trainer.setup.dist import DistContext
@@ -36,11 +38,51 @@ def rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics" / "rank0.jsonl").read_text().splitlines()]
 
 
-def test_num_epochs_sets_the_length_and_rows_carry_their_epoch(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
+# The runs of the tests below, by case: one spawn of the ranks serves all the cases of a world size
+# (train_each), since a spawn costs more than these small runs. The tests read their case's results.
+ONE_RANK = {
     # 256 samples / batch 32 = 8 steps per epoch.
-    overrides = ["data.batch_size=32", "trainer.max_steps=null", "trainer.num_epochs=2", "trainer.log_every_n_steps=4"]
-    (result,) = run_on_ranks(fit, 1, tmp_path / "job", overrides, str(run_dir))
+    "epochs": ["data.batch_size=32", "trainer.max_steps=null", "trainer.num_epochs=2", "trainer.log_every_n_steps=4"],
+    "bf16": ["trainer.precision=bf16", "trainer.max_steps=5"],
+}
+SMALL = ["model.hidden_sizes=[32,32]"]
+# DDP's runtime statistics time each of the first 10 steps, then one in sync.time_every_n_steps (by default
+# the logging interval, so each row's own step).
+SAMPLED = ["sync=ddp", *SMALL, "trainer.max_steps=24", "trainer.log_every_n_steps=12"]
+TWO_RANKS = {
+    # ~1 KB buckets on a ~10 KB model: DDP must end up with several.
+    "buckets": ["sync=ddp", "sync.bucket_cap_mb=0.001", *SMALL, "trainer.max_steps=4"],
+    "rows-manual": ["sync=manual", *SMALL, "trainer.max_steps=6", "trainer.log_every_n_steps=3"],
+    "rows-ddp": ["sync=ddp", *SMALL, "trainer.max_steps=6", "trainer.log_every_n_steps=3", "sync.time_buckets=true"],
+    "sampled-None": SAMPLED,
+    "sampled-100": [*SAMPLED, "sync.time_every_n_steps=100"],
+}
+Runs = tuple[Path, list[dict[str, Any]]]
+
+
+def run_cases(root: Path, world_size: int, cases: dict[str, list[str]]) -> Runs:
+    ranks = run_on_ranks(train_each, world_size, root / "ranks", fit, cases, str(root / "runs"), timeout_s=600)
+    return root / "runs", ranks
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    return run_cases(tmp_path_factory.mktemp("one_rank"), 1, ONE_RANK)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    return run_cases(tmp_path_factory.mktemp("two_ranks"), 2, TWO_RANKS)
+
+
+def results_of(runs: Runs, case: str) -> tuple[Path, list[dict]]:
+    """One case's run dir and every rank's result, failing with the traceback if it raised."""
+    root, ranks = runs
+    return root / case, case_results(ranks, case)
+
+
+def test_num_epochs_sets_the_length_and_rows_carry_their_epoch(one_rank: Runs) -> None:
+    run_dir, (result,) = results_of(one_rank, "epochs")
     assert result["total_steps"] == 16 and result["summary"]["epochs"] == 2.0
     train = [(r["step"], r["epoch"]) for r in rows(run_dir) if "train/loss" in r]
     assert train == [(4, 0), (8, 0), (12, 1), (16, 1)]
@@ -50,18 +92,14 @@ def test_num_epochs_sets_the_length_and_rows_carry_their_epoch(tmp_path: Path) -
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 16
 
 
-def test_bf16_autocast_trains_on_cpu(tmp_path: Path) -> None:
-    (result,) = run_on_ranks(
-        fit, 1, tmp_path / "job", ["trainer.precision=bf16", "trainer.max_steps=5"], str(tmp_path / "run")
-    )
+def test_bf16_autocast_trains_on_cpu(one_rank: Runs) -> None:
+    run_dir, (result,) = results_of(one_rank, "bf16")
     assert result["changed"]
-    assert all(torch.isfinite(torch.tensor(r["train/loss"])) for r in rows(tmp_path / "run") if "train/loss" in r)
+    assert all(torch.isfinite(torch.tensor(r["train/loss"])) for r in rows(run_dir) if "train/loss" in r)
 
 
-def test_ddp_reports_the_bucket_layout_after_its_rebuild(tmp_path: Path) -> None:
-    # ~1 KB buckets on a ~10 KB model: DDP must end up with several.
-    overrides = ["sync=ddp", "sync.bucket_cap_mb=0.001", "model.hidden_sizes=[32,32]", "trainer.max_steps=4"]
-    summaries = [r["summary"] for r in run_on_ranks(fit, 2, tmp_path / "job", overrides, str(tmp_path / "run"))]
+def test_ddp_reports_the_bucket_layout_after_its_rebuild(two_ranks: Runs) -> None:
+    summaries = [r["summary"] for r in results_of(two_ranks, "buckets")[1]]
     sync = summaries[0]["sync"]
     assert sync["buckets_rebuilt"] and sync["num_buckets"] > 2
     assert sum(sync["bucket_sizes_bytes"]) == sync["total_parameter_bytes"]
@@ -74,16 +112,8 @@ def param_bytes(rank: int, world_size: int) -> int:
 
 
 @pytest.mark.parametrize("sync", ["manual", "ddp"])
-def test_rows_account_for_communication_and_phases_add_up(tmp_path: Path, sync: str) -> None:
-    run_dir = tmp_path / "run"
-    overrides = [
-        f"sync={sync}",
-        "model.hidden_sizes=[32,32]",
-        "trainer.max_steps=6",
-        "trainer.log_every_n_steps=3",
-        *(["sync.time_buckets=true"] if sync == "ddp" else []),
-    ]
-    run_on_ranks(fit, 2, tmp_path / "job", overrides, str(run_dir))
+def test_rows_account_for_communication_and_phases_add_up(two_ranks: Runs, sync: str) -> None:
+    run_dir, _ = results_of(two_ranks, f"rows-{sync}")
     expected = param_bytes(0, 1)
     train = [r for r in rows(run_dir) if "train/loss" in r]
     assert len(train) == 2
@@ -113,19 +143,11 @@ def test_profile_flag_leaves_a_trace_per_rank(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("every", "timed_rows"), [(None, [12, 24]), (100, [12])])
-def test_ddp_rows_carry_ddps_own_sampled_timing(tmp_path: Path, every: int | None, timed_rows: list[int]) -> None:
-    # DDP's runtime statistics time each of the first 10 steps, then one in sync.time_every_n_steps (by default
-    # the logging interval, so each row's own step). A row only carries a sample taken in its own window: with
-    # 1 step in 100, the row at 24 has none (its newest sample is step 10's, already reported at 12).
-    overrides = [
-        "sync=ddp",
-        "model.hidden_sizes=[32,32]",
-        "trainer.max_steps=24",
-        "trainer.log_every_n_steps=12",
-        *([f"sync.time_every_n_steps={every}"] if every else []),
-    ]
-    (result, _) = run_on_ranks(fit, 2, tmp_path / "job", overrides, str(tmp_path / "run"))
-    train = [r for r in rows(tmp_path / "run") if "train/loss" in r]
+def test_ddp_rows_carry_ddps_own_sampled_timing(two_ranks: Runs, every: int | None, timed_rows: list[int]) -> None:
+    # A row only carries a sample taken in its own window: with 1 step in 100, the row at 24 has none (its
+    # newest sample is step 10's, already reported at 12). The runs: SAMPLED above.
+    run_dir, (result, _) = results_of(two_ranks, f"sampled-{every}")
+    train = [r for r in rows(run_dir) if "train/loss" in r]
     assert [r["step"] for r in train if "time/comm_s" in r] == timed_rows
     for row in train:
         assert row["comm/bytes_per_step"] == param_bytes(0, 1)

@@ -248,9 +248,15 @@ def _agree(rank: int, world_size: int, values: list) -> str:
     return "agreed"
 
 
+def _agree_twice(rank: int, world_size: int) -> tuple[str, str]:
+    """The same job on both ranks, then drifted ones, on one pair of ranks (a spawn costs more than both)."""
+    same = _agree(rank, world_size, [(0, ("a=1",)), (0, ("a=1",))])
+    return same, _agree(rank, world_size, [(0, ("a=1",)), (1, ("a=5",))])
+
+
 def test_ranks_that_drift_into_different_jobs_are_stopped(tmp_path: Path) -> None:
-    assert run_on_ranks(_agree, 2, tmp_path / "same", [(0, ("a=1",)), (0, ("a=1",))]) == ["agreed", "agreed"]
-    messages = run_on_ranks(_agree, 2, tmp_path / "drift", [(0, ("a=1",)), (1, ("a=5",))])
+    same, messages = zip(*run_on_ranks(_agree_twice, 2, tmp_path / "agree"), strict=True)
+    assert list(same) == ["agreed", "agreed"]
     assert messages[0] == messages[1]
     assert "ranks disagree on the job" in messages[0] and "rank 1: (1, ('a=5',))" in messages[0]
 
