@@ -13,11 +13,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# Generous: under `make test`'s two workers a rank can wait long for a peer that shares its core
+# with another worker's torchrun job; a real hang still fails, within run_on_ranks' timeout_s.
+TIMEOUT = dt.timedelta(seconds=240)
+
 
 def _run_rank(fn: Callable[..., Any], rank: int, world_size: int, workdir: str, args: tuple[Any, ...]) -> None:
     torch.set_num_threads(1)
     store = dist.FileStore(str(Path(workdir) / "store"), world_size)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=dt.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=TIMEOUT)
     try:
         torch.save(fn(rank, world_size, *args), Path(workdir) / f"result{rank}.pt")
         # fn may return from an error path (e.g. a check that raised on every rank) with its last
