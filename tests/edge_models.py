@@ -65,8 +65,9 @@ class Reused(nn.Module):
 
 
 class Branchy(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, last: bool = False) -> None:
         super().__init__()
+        self.last = last  # the branch after the output layer: the last unit a rank runs
         self.trunk = nn.Linear(6, DIM)
         self.branch = nn.Linear(DIM, DIM)
         self.out = nn.Linear(DIM, 3)
@@ -74,6 +75,9 @@ class Branchy(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.trunk(x))
+        if self.last:
+            y = self.out(h)
+            return y + self.out(self.branch(h)) if self.use_branch else y
         if self.use_branch:
             h = h + self.branch(h.to(self.branch.weight.dtype)).to(h.dtype)
         return self.out(h)
@@ -84,7 +88,8 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "reused": Reused,
     "reused-nonreentrant": partial(Reused, reentrant=False),
     "branchy": Branchy,
-    "branchy-mixed": Branchy,  # a dtype boundary: the branch is float32 in a float64 model
+    "branchy-mixed": Branchy,
+    "branchy-last": partial(Branchy, last=True),  # a dtype boundary: the branch is float32 in a float64 model
 }
 
 

@@ -67,10 +67,13 @@ CASES: dict[str, Case] = {
     "reused-ddp-static": Case("reused", partial(DDPSync, static_graph=True)),
     "reused-zero": Case("reused", ZeroSync),
     "reused-zero-tiny": Case("reused", partial(ZeroSync, bucket_cap_mb=TINY_MB)),  # staged, added to, sent
+    "reused-fsdp-root": Case("reused", partial(FSDPSync, wrap="block")),  # no blocks: the root reduces once
+    "reused-nonreentrant-fsdp": Case("reused-nonreentrant", FSDPSync),
     "reused-zero-stage1": Case("reused", partial(ZeroSync, stage=1, bucket_cap_mb=TINY_MB, time_every_n_steps=1)),
     **{f"unused-all-{n}": Case(m, s) for n, (s, m) in MANUAL_GROUPINGS.items()},
     **{f"unused-one-{n}": Case(m, s, branch_ranks=(1,)) for n, (s, m) in MANUAL_GROUPINGS.items()},
     "unused-all-fsdp": Case("branchy", FSDPSync),
+    "unused-all-fsdp-root": Case("branchy", partial(FSDPSync, wrap="block")),
     # zero after a plain optimizer.zero_grad() (set_to_none), and the flat-buffer strategies too
     "zero-grad-zero": Case("tied", ZeroSync, plain_zero_grad=True),
     "zero-grad-zero-stage1": Case("tied", partial(ZeroSync, stage=1, bucket_cap_mb=TINY_MB), plain_zero_grad=True),
@@ -85,6 +88,14 @@ REFUSED = {
     "unused-one-zero-noflag": (Case("branchy", partial(ZeroSync, bucket_cap_mb=TINY_MB), branch_ranks=(1,)), "1 of 2"),
     "unused-all-bucketed": (Case("branchy", BucketedSync), "'branch.weight'"),
     "unused-one-bucketed": (Case("branchy", BucketedSync, branch_ranks=(1,)), "'branch.weight'"),
+    # fsdp: the branch is a unit rank 0 skips (module), or parameters of the root it leaves out (block:
+    # Branchy has no ModuleList, so every parameter is in the root)
+    "unused-one-fsdp": (Case("branchy", FSDPSync, branch_ranks=(1,)), "'branch.weight'"),
+    "unused-one-fsdp-root": (Case("branchy", partial(FSDPSync, wrap="block"), branch_ranks=(1,)), "1 of 2"),
+    "unused-rank0-fsdp": (Case("branchy", FSDPSync, branch_ranks=(0,)), "'branch.weight'"),
+    # the shared layer is a unit run in two reentrant checkpoints and outside: FSDP2 reduces it early
+    "reused-fsdp": (Case("reused", FSDPSync), "'shared.weight'"),
+    "unused-one-fsdp-last": (Case("branchy-last", FSDPSync, branch_ranks=(1,)), "'branch.weight'"),
 }
 
 

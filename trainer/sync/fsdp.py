@@ -36,6 +36,7 @@ from trainer.errors import ConfigError, check
 from trainer.sync.base import OptimizerFactory, SyncStrategy
 from trainer.sync.fsdp_state import by_index, by_name
 from trainer.sync.fsdp_units import check_wrap, plan_units, resolve
+from trainer.sync.fsdp_usage import FirstForwardCheck
 from trainer.sync.manual import broadcast_from_rank0
 
 # What the parameters are all-gathered in, and the gradients reduce-scattered in.
@@ -99,6 +100,7 @@ class FSDPSync(SyncStrategy):
         self._world_size = 1
         self._param_names: list[str] = []  # the optimizer's parameters, in its own order
         self._evaluated = False  # forwards without grad ran since the last training forward
+        self._first_forward: FirstForwardCheck | None = None  # same units and parameters on every rank
 
     def check_device(self, device: torch.device) -> None:
         if self.mixed_precision == "bf16" and device.type != "cuda":
@@ -123,6 +125,7 @@ class FSDPSync(SyncStrategy):
         units = [self._unit(m, list(m.parameters(recurse=recurse)), owners, is_root=False) for m in layers]
         units.append(self._unit(model, rest, owners, is_root=True))
         self._units = [u for u in units if u.all_gather_bytes]  # a root without parameters of its own gathers nothing
+        usage = usage_plan(model, layers, owners, recurse)  # names, while the parameters are the plain ones
         for layer in layers:
             fully_shard(layer, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=policy)
         # The root follows torch's own rule: left to its default (None), FSDP2 keeps the root's
@@ -132,6 +135,8 @@ class FSDPSync(SyncStrategy):
         # Runs before FSDP's own pre-forward hook on the root (prepend), so it sees every unit
         # as the forward finds it.
         model.register_forward_pre_hook(self._before_forward, prepend=True)
+        if self._world_size > 1:
+            self._first_forward = FirstForwardCheck(model, *usage)
         return model  # sharded in place: the trainer's model and the forward module are one object
 
     def _unit(
@@ -255,6 +260,17 @@ class FSDPSync(SyncStrategy):
             info["unit_bytes"] = [u.all_gather_bytes for u in self._units]  # each forward's gathers
             info["sharded_bytes_per_rank"] = sum(u.sharded_bytes for u in self._units)
         return info
+
+
+def usage_plan(
+    model: nn.Module, layers: list[nn.Module], owners: dict[int, tuple[nn.Module, str]], recurse: bool
+) -> tuple[list[tuple[str, nn.Module, list[str]]], list[tuple[str, nn.Module, str]]]:
+    """FirstForwardCheck's units (name, module, parameter names) and parameters (name, owner, attribute)."""
+    names = {id(p): name for name, p in model.named_parameters()}  # a tied parameter: its first name
+    module_names = {id(m): name for name, m in model.named_modules()}
+    units = [(module_names[id(m)], m, [names[id(p)] for p in m.parameters(recurse=recurse)]) for m in layers]
+    params = [(names[id(p)], *owners[id(p)]) for p in model.parameters() if p.requires_grad]
+    return units, params
 
 
 def local_of(tensor: torch.Tensor) -> torch.Tensor:
