@@ -24,6 +24,10 @@ DDP / PyTorch's DDP"; for zero (both stages) it uses DDP with torch's ZeroRedund
 reads "ZeRO by hand / torch's sharded optimizer"), for fsdp the same fully_shard calls. grad MB:
 the gradient memory a rank holds right after after_backward, for ddp, zero and fsdp (one extra step,
 untimed; from the .grad tensors' storages: DDP's reducer buckets are not a .grad and not counted).
+--baseline STRATEGY times the framework under that strategy too, in the same rounds (the three
+interleaved, the order reversed every other round), and adds "/ baseline": the median of the
+per-round ratios framework / baseline, with their interquartile range (the sharding table's
+"zero against ddp's own step").
 """
 
 from __future__ import annotations
@@ -116,12 +120,14 @@ class Result:
     floor_s: float = 0.0
     alone_s: float | None = None
     grad_mb: float | None = None  # gradient MiB a rank holds after backward (sharding strategies and ddp)
+    baseline_s: list[float] = field(default_factory=list)  # the framework under --baseline, same rounds
 
     def row(self) -> dict[str, object]:
         fw, hw = statistics.median(self.framework_s), statistics.median(self.loop_s)
         ratios = [f / h for f, h in zip(self.framework_s, self.loop_s, strict=True)]
         efficiency = self.floor_s / self.alone_s if self.alone_s else None
         extra_us = statistics.median(f - h for f, h in zip(self.framework_s, self.loop_s, strict=True)) * 1e6
+        against = [f / b for f, b in zip(self.framework_s, self.baseline_s, strict=True)] if self.baseline_s else []
         return {
             "model": self.model,
             "sync": self.strategy,
@@ -129,6 +135,9 @@ class Result:
             "loop_ms": hw * 1e3,
             "ratio": statistics.median(ratios),
             "ratios": ratios,
+            "ratio_iqr": iqr(ratios),
+            "vs_baseline": statistics.median(against) if against else None,
+            "vs_baseline_iqr": iqr(against) if against else None,
             "extra_us": extra_us,
             "mb_per_step": self.bytes_per_step / 2**20,
             "comm_in_step_ms": self.comm_s * 1e3 if self.comm_s else None,
@@ -144,14 +153,16 @@ def bench(model: str, strategy: str, args: argparse.Namespace, ctx: ddist.DistCo
     overrides = MODELS[model]
     framework = Framework(overrides, strategy, ctx, out / f"{model}-{strategy.replace(':', '-')}")
     loop = HandWritten(overrides, strategy, ctx)
-    framework.run(args.warmup)
-    loop.run(args.warmup)
     result = Result(model, strategy)
+    impls = [(result.framework_s, framework), (result.loop_s, loop)]
+    if args.baseline and args.baseline != strategy:
+        base = Framework(overrides, args.baseline, ctx, out / f"{model}-baseline-{args.baseline.replace(':', '-')}")
+        impls.append((result.baseline_s, base))
+    for _, impl in impls:
+        impl.run(args.warmup)
     for round_ in range(args.rounds):
-        pair = [("framework", framework), ("loop", loop)]
-        for name, impl in pair if round_ % 2 == 0 else reversed(pair):
-            seconds = timed(impl.run, args.steps, ctx.device)
-            (result.framework_s if name == "framework" else result.loop_s).append(seconds)
+        for times, impl in impls if round_ % 2 == 0 else reversed(impls):
+            times.append(timed(impl.run, args.steps, ctx.device))
     warmup_rows = max(1, args.warmup // 10)
     result.comm_s, result.exposed_s, result.bytes_per_step = framework.comm(skip_rows=warmup_rows)
     if result.bytes_per_step and ctx.world_size > 1:
@@ -167,18 +178,35 @@ def bench(model: str, strategy: str, args: argparse.Namespace, ctx: ddist.DistCo
     return result
 
 
-def format_table(rows: list[dict[str, object]]) -> str:
+def iqr(values: list[float]) -> tuple[float, float]:
+    """The interquartile range: a difference inside it is noise."""
+    if len(values) < 2:
+        return (values[0], values[0])
+    q = statistics.quantiles(values, n=4)
+    return (q[0], q[2])
+
+
+def format_table(rows: list[dict[str, object]], baseline: str | None = None) -> str:
     def cell(value: object, spec: str) -> str:
         return "-" if value is None else format(value, spec)
 
+    def spread(value: object, bounds: object) -> str:
+        if value is None or not isinstance(bounds, (tuple, list)):
+            return "-"
+        return f"{value:.3f} [{bounds[0]:.2f}–{bounds[1]:.2f}]"
+
+    against = f" | / {baseline} [IQR]" if baseline else ""
     lines = [
-        "| model | sync | framework ms/step | hand-written ms/step | framework / hand-written | extra µs/step "
+        "| model | sync | framework ms/step | hand-written ms/step | framework / hand-written [IQR]"
+        f"{against} | extra µs/step "
         "| MB/step | comm in step ms | exposed ms | sync alone ms | floor ms | floor / sync alone | grad MB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|" + ("---|" if baseline else "") + "---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        versus = f" | {spread(r['vs_baseline'], r['vs_baseline_iqr'])}" if baseline else ""
         lines.append(
-            f"| {r['model']} | {r['sync']} | {r['framework_ms']:.2f} | {r['loop_ms']:.2f} | {r['ratio']:.3f} "
+            f"| {r['model']} | {r['sync']} | {r['framework_ms']:.2f} | {r['loop_ms']:.2f} "
+            f"| {spread(r['ratio'], r['ratio_iqr'])}{versus} "
             f"| {r['extra_us']:.0f} "
             f"| {r['mb_per_step']:.1f} | {cell(r['comm_in_step_ms'], '.1f')} | {cell(r['exposed_ms'], '.1f')} "
             f"| {cell(r['sync_alone_ms'], '.1f')} "
@@ -196,6 +224,7 @@ def main() -> None:
     parser.add_argument("--strategies", help=f"default: {','.join(STRATEGIES)} (on CUDA without time_buckets)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="as trainer.device")
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--baseline", help="also time the framework under this strategy in the same rounds")
     parser.add_argument("--quick", action="store_true", help="2 rounds of 3 steps on mlp-tiny only")
     args = parser.parse_args()
     if args.quick:
@@ -216,7 +245,7 @@ def main() -> None:
                 f"{ctx.world_size} ranks, {ctx.backend} on {ctx.device}, {args.rounds} rounds x {args.steps} steps, "
                 "medians over rounds; the job's time per step is its slowest rank's"
             )
-            print(format_table(results))
+            print(format_table(results, args.baseline))
             if args.json:
                 args.json.write_text(json.dumps(results, indent=2) + "\n")
     finally:

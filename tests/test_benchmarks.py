@@ -32,13 +32,24 @@ def test_overhead_benchmark_quick_run(tmp_path: Path) -> None:
         ",".join(STRATEGIES),
         "--json",
         str(out),
+        "--baseline",
+        "ddp",
     ]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "framework / hand-written" in proc.stdout
+    assert "framework / hand-written [IQR]" in proc.stdout and "/ ddp [IQR]" in proc.stdout
     rows = json.loads(out.read_text())
     assert [row["sync"] for row in rows] == list(STRATEGIES)
     assert all(row["framework_ms"] > 0 and row["loop_ms"] > 0 and row["ratio"] > 0 for row in rows)
+    # --baseline ddp: every other strategy also against the framework's ddp, timed in the same rounds
+    for row in rows:
+        low, high = row["ratio_iqr"]
+        assert low <= row["ratio"] <= high
+        if row["sync"] == "ddp":
+            assert row["vs_baseline"] is None
+        else:
+            low, high = row["vs_baseline_iqr"]
+            assert row["vs_baseline"] > 0 and low <= row["vs_baseline"] <= high
 
 
 def test_step_costs_counts_every_piece_of_the_step_path(tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ from trainer.sync.flat import FlatGrads
 from trainer.sync.fsdp import FSDPSync
 from trainer.sync.manual import ManualSync
 from trainer.sync.none import NoSync
+from trainer.sync.shard_ops import ShardOps
 from trainer.sync.zero import ZeroSync
 
 TINY_MB = 300 / 2**20  # below the branch's 8x8 float64 weight (512 bytes): that tensor makes a group alone
@@ -103,6 +104,7 @@ def _every_case(rank: int, world_size: int) -> dict[str, Any]:
     results = {name: train(rank, case) for name, case in CASES.items()}
     results.update({name: train(rank, case) for name, (case, _) in REFUSED.items()})
     results["timed-future"] = _timed_future(rank, world_size)
+    results["shard-ops"] = {native: _shard_ops(rank, world_size, native) for native in (True, False)}
     results["fsdp-comm"] = {wrap: _fsdp_comm(rank, wrap) for wrap in ("auto", "module")}
     results["graph-changed"] = _graph_changed(rank)  # last: it stops a backward midway
     return results
@@ -139,6 +141,19 @@ def _fsdp_comm(rank: int, wrap: str) -> dict[str, Any]:
         sync.after_backward(model)
         sync.optimizer_step(optimizer)
     return {"counted": sync.take_comm().kinds, "real": real, "describe": sync.describe()}
+
+
+def _shard_ops(rank: int, world_size: int, native: bool) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """zero's two forms of reduce-to-shard and gather (native: NCCL's; else gloo's), on one gloo group."""
+    ops = ShardOps("nccl" if native else "gloo", rank, world_size)
+    full = torch.arange(8.0, dtype=torch.float64) * (rank + 1) + 0.5  # sums exact in binary
+    shard = torch.empty(4, dtype=torch.float64)
+    ops.reduce(shard, full).wait()
+    ops.take(shard, full)
+    gathered = torch.zeros(8, dtype=torch.float64)
+    for work in ops.gather(gathered, shard * 10):
+        work.wait()
+    return shard, gathered, [ops.reduce_kind, ops.gather_kind]
 
 
 def _timed_future(rank: int, world_size: int) -> tuple[Any, torch.Tensor]:
@@ -202,6 +217,17 @@ def test_timed_future_yields_the_reduced_tensor(results: list[dict[str, Any]]) -
         # order the waiting stream after the collective's (a value without CUDA tensors records no event)
         assert isinstance(waited, list) and len(waited) == 1 and torch.equal(waited[0], expected), waited
         assert torch.equal(bucket, expected)
+
+
+def test_both_forms_of_zeros_collectives_give_the_same_bits(results: list[dict[str, Any]]) -> None:
+    """reduce_scatter + all_gather (NCCL), all_reduce + a slice + a broadcast per rank (gloo's fast form)."""
+    total = torch.arange(8.0, dtype=torch.float64) * 3 + 1.0  # rank 0's (x1) and rank 1's (x2), summed
+    for rank, result in enumerate(results):
+        for native, kinds in ((True, ["reduce_scatter", "all_gather"]), (False, ["all_reduce", "broadcast"])):
+            shard, gathered, used = result["shard-ops"][native]
+            assert used == kinds
+            assert torch.equal(shard, total[rank * 4 : rank * 4 + 4]), (native, shard)
+            assert torch.equal(gathered, total * 10), (native, gathered)
 
 
 def test_fsdp_counts_the_tied_model_units_it_really_sends(results: list[dict[str, Any]]) -> None:

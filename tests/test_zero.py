@@ -299,12 +299,14 @@ def test_strategy_mechanism(ranks: list[dict[str, Any]], mechanism: str) -> None
         assert (info["numel"], info["padded_numel"], info["shard_numel"]) == (23, 24, 12)
         grads = [23] if cap_mb > 1 else [2, 6, 3, 12]  # bucket_sizes_bytes: gradient bytes, as bucketed's
         assert info["num_buckets"] == len(buckets) and info["bucket_sizes_bytes"] == [4 * n for n in grads]
-        # One step: per bucket, its reduction (stage 1: all_reduce of the gradients; stage 2:
-        # reduce_scatter of the padded bucket) and an all_gather of the padded bucket; gradient bytes once.
+        # One step: per bucket, its reduction (stage 1: all_reduce of the gradients; stage 2: of the
+        # padded bucket, which gloo all_reduces where NCCL would reduce_scatter) and the padded bucket
+        # gathered (on gloo one broadcast per rank of its half); gradient bytes once.
         counts = rank["counts"]
-        reduce = {"all_reduce": [23 * 4, len(buckets)]} if stage == 1 else {"reduce_scatter": [24 * 4, len(buckets)]}
-        assert counts.kinds == {**reduce, "all_gather": [24 * 4, len(buckets)]}
-        assert counts.bytes == 23 * 4 and counts.collectives == 2 * len(buckets)
+        reduced = 23 * 4 if stage == 1 else 24 * 4
+        assert counts.kinds == {"all_reduce": [reduced, len(buckets)], "broadcast": [24 * 4, 2 * len(buckets)]}
+        assert info["collectives"] == "all_reduce + broadcast"
+        assert counts.bytes == 23 * 4 and counts.collectives == 3 * len(buckets)
         # Timed as bucketed's (time/comm_s, time/comm_exposed_s): the all_gathers after the step are exposed.
         assert counts.timed_steps == 1 and counts.seconds > 0 and counts.exposed_seconds > 0
         # Gradient memory after backward: the 12-element shard (stage 2), or it and the 24 of the buckets.

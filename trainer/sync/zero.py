@@ -38,12 +38,12 @@ from torch.optim import Optimizer
 
 from trainer import spans
 from trainer.errors import check, is_number
-from trainer.sync import averaging
 from trainer.sync.base import OptimizerFactory, SyncStrategy
 from trainer.sync.bucket_launch import BucketLauncher
 from trainer.sync.comm import CommCounters, check_time_every_n_steps
 from trainer.sync.flat import plan
 from trainer.sync.manual import broadcast_from_rank0
+from trainer.sync.shard_ops import ShardOps
 from trainer.sync.unused import UsedParams, names_of
 from trainer.sync.zero_checks import ELEMENTWISE, check_one_kind, check_optimizer, check_stage
 from trainer.sync.zero_frozen import keep, restore
@@ -99,6 +99,7 @@ class ZeroSync(SyncStrategy):
         self._gather_order: list[tuple[torch.Tensor, torch.Tensor]] = []  # (bucket in the buffer, its shard)
         self._held_after_backward = 0  # gradient bytes held when after_backward returned
         self._rank = 0
+        self._ops: ShardOps | None = None
 
     def wrap(self, model: nn.Module) -> nn.Module:
         params = [p for p in model.parameters() if p.requires_grad]
@@ -121,7 +122,8 @@ class ZeroSync(SyncStrategy):
         self._gather_order = [
             (flat[lo : lo + padded], self._param_shard[at : at + n]) for (lo, padded), (_, at, n) in pieces
         ][::-1]
-        self._grads = ShardedGrads(self.stage, groups, layout, self._rank)
+        self._ops = ShardOps(dist.get_backend(), self._rank, world_size)
+        self._grads = ShardedGrads(self.stage, groups, layout, self._rank, self._ops)
         names = names_of(model, params)
         self._launcher = BucketLauncher(
             "zero", params, names, self.time_every_n_steps, strict=False, in_backward=not self.find_unused_parameters
@@ -160,6 +162,7 @@ class ZeroSync(SyncStrategy):
     def optimizer_step(self, optimizer: Optimizer) -> None:
         assert self._params is not None and self._param_shard is not None and self._shard is not None, "wrap() first"
         assert self._grads is not None and self._layout is not None and self._launcher is not None
+        assert self._ops is not None
         if self._shard.grad is not self._grads.shard:  # a plain optimizer.zero_grad() dropped it
             self._shard.grad = self._grads.shard
         kept = keep(self._param_shard, optimizer, self._frozen)
@@ -172,13 +175,14 @@ class ZeroSync(SyncStrategy):
         for position, (output, mine) in enumerate(self._gather_order):
             started = launcher.now()
             index = last - position  # the bucket's own index: gathered last bucket first
-            with spans.named("all_gather", output.numel() * output.element_size(), index):  # trainer.profile only
-                work = averaging.all_gather_tensor(output, mine, async_op=True)
-            assert work is not None
-            gathers.append((started, work))
-            self.comm.add("all_gather", output.numel() * output.element_size())
-        for started, work in gathers:
-            work.wait()
+            with spans.named(self._ops.gather_kind, output.numel() * output.element_size(), index):  # profile only
+                works = self._ops.gather(output, mine)
+            gathers.append((started, works))
+            for _ in works:  # what was issued: one all_gather, or one broadcast per rank of its slice
+                self.comm.add(self._ops.gather_kind, output.numel() * output.element_size() // len(works))
+        for started, works in gathers:
+            for work in works:
+                work.wait()
             launcher.note(started, after_sync=True)
         # Cleared now, not only in zero_grad: the optimizer cannot reach the model's gradient views,
         # so a caller that clears gradients with optimizer.zero_grad() alone would accumulate them.
@@ -244,6 +248,10 @@ class ZeroSync(SyncStrategy):
             "bucket_cap_mb": self.bucket_cap_mb,
             "comm_timing": f"per bucket, 1 step in {self.time_every_n_steps}",
         }
+        if self._ops is not None:
+            info["collectives"] = ("all_reduce" if self.stage == 1 else self._ops.reduce_kind) + (
+                f" + {self._ops.gather_kind}"
+            )
         if self._layout is not None:
             layout = self._layout
             info["world_size"] = layout.world_size

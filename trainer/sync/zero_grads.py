@@ -7,8 +7,11 @@ optimizer steps on). A rank holds the full gradient, plus its 1/N shard.
 
 Stage 2 (the gradients sharded too): a gradient is moved, as its hook fires, into its bucket's
 staging buffer (allocated when the bucket's first gradient arrives), and the parameter's .grad is
-dropped; the full bucket is reduce-scattered straight into this rank's shard of the gradient, then
-the staging buffer is freed. After backward a rank holds 1/N of the gradient; during backward, the
+dropped; the full bucket is reduced into this rank's shard of the gradient (shard_ops.py: a
+reduce_scatter, or on gloo an all_reduce and a slice), then the staging buffer is freed. A bucket
+of one parameter that needs no padding (a tensor above the cap, typically) stages autograd's own
+gradient tensor: no buffer to allocate, no copy (a fresh 64 MiB buffer costs ~30 ms of page
+faults on CPU, more than its all_reduce's half). After backward a rank holds 1/N of the gradient; during backward, the
 buckets being filled or in flight. Under no_sync the hooks do nothing: autograd accumulates the
 full local gradient in each .grad, and the last micro-batch's hooks move it.
 
@@ -28,14 +31,18 @@ from trainer import spans
 from trainer.sync import averaging
 from trainer.sync.comm import CommCounters
 from trainer.sync.flat import FlatGrads
+from trainer.sync.shard_ops import ShardOps
 from trainer.sync.zero_state import Layout
 
 
 class ShardedGrads:
     """The gradient buckets of one stage, and this rank's contiguous shard of the averaged gradient."""
 
-    def __init__(self, stage: int, groups: Sequence[Sequence[nn.Parameter]], layout: Layout, rank: int) -> None:
+    def __init__(
+        self, stage: int, groups: Sequence[Sequence[nn.Parameter]], layout: Layout, rank: int, ops: ShardOps
+    ) -> None:
         self.stage = stage
+        self.ops = ops
         self.world_size = layout.world_size
         params = groups[0][0]
         self.shard = torch.zeros(layout.shard_numel, dtype=params.dtype, device=params.device)  # the optimizer's .grad
@@ -73,6 +80,11 @@ class ShardedGrads:
                 view.copy_(grad)
                 param.grad = view
             return
+        if first and self.staging[index] is None and self._alone(index, grad):
+            self.staging[index] = grad.detach().view(-1)  # autograd's tensor, ours once .grad lets go of it
+            self._grew(grad.numel())
+            param.grad = None
+            return
         lo = self.offsets[index][j]
         staged = self._staging(index)[lo : lo + param.numel()].view_as(param)
         if first:
@@ -81,14 +93,21 @@ class ShardedGrads:
             staged.add_(grad)
         param.grad = None  # stage 2 keeps only the staged copy
 
+    def _alone(self, index: int, grad: torch.Tensor) -> bool:
+        """Whether the bucket is this one gradient, unpadded: it can be reduced where autograd put it."""
+        return self.numels[index] == self.padded[index] == grad.numel() and grad.is_contiguous()
+
     def _staging(self, index: int) -> torch.Tensor:
         buffer = self.staging[index]
         if buffer is None:
             buffer = self.shard.new_zeros(self.padded[index])  # zeros: a gradient that never comes counts as zero
             self.staging[index] = buffer
-            self._live += buffer.numel() * self.element_size
-            self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+            self._grew(buffer.numel())
         return buffer
+
+    def _grew(self, numel: int) -> None:
+        self._live += numel * self.element_size
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
 
     def late(self, index: int) -> None:
         """Before a bucket starts after backward: gradients its hooks did not deliver, folded in."""
@@ -106,10 +125,8 @@ class ShardedGrads:
             return averaging.start(self.flat.buckets[index], "all_reduce", index)
         staged = self.staging[index]
         assert staged is not None, "a bucket starts after its gradients (or late()) staged it"
-        with spans.named("reduce_scatter", staged.numel() * staged.element_size(), index):  # trainer.profile only
-            work = averaging.reduce_scatter_tensor(self.shards[index], staged, op=dist.ReduceOp.SUM, async_op=True)
-        assert work is not None
-        return work
+        with spans.named(self.ops.reduce_kind, staged.numel() * staged.element_size(), index):  # trainer.profile only
+            return self.ops.reduce(self.shards[index], staged)
 
     def finish(self, index: int, work: averaging.Waitable, comm: CommCounters) -> None:
         """Wait for the bucket's collective; this rank's slice averaged into the shard; counted."""
@@ -124,9 +141,10 @@ class ShardedGrads:
         else:
             staged = self.staging[index]
             assert staged is not None
+            self.ops.take(shard, staged)
             self._live -= staged.numel() * self.element_size
             self.staging[index] = None  # freed: only the shard is kept
-            comm.add("reduce_scatter", self.padded[index] * self.element_size)
+            comm.add(self.ops.reduce_kind, self.padded[index] * self.element_size)
         shard.div_(self.world_size)
 
     def zero(self) -> None:
