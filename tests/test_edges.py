@@ -151,7 +151,7 @@ def _shard_ops(rank: int, world_size: int, native: bool) -> tuple[torch.Tensor, 
     ops.reduce(shard, full).wait()
     ops.take(shard, full)
     gathered = torch.zeros(8, dtype=torch.float64)
-    for work in ops.gather(gathered, shard * 10):
+    for work in ops.gather(gathered, shard * 10, 0):
         work.wait()
     return shard, gathered, [ops.reduce_kind, ops.gather_kind]
 

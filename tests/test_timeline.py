@@ -118,12 +118,19 @@ def test_every_strategy_end_to_end(runs: tuple[Path, list[dict[str, Any]]], case
             if case == "ddp":  # DDP's own count of its reducer's collectives in this step
                 assert sum("all_reduce" in n for n in mine) == rows[step]["comm/collectives_per_step"]
             buckets = describe.get("num_buckets", describe.get("num_buffers"))
-            if buckets is not None:  # per kind, one named span per bucket: bucket 0 .. bucket n-1
+            if buckets is not None:  # per kind, the same named spans per bucket: bucket 0 .. bucket n-1
+                # (one each, or zero's gather on gloo: one broadcast per rank, each of its slice)
                 named: dict[str, list[int]] = {}
                 for n in mine:
                     if n.startswith("bucket "):
                         named.setdefault(n.split()[2], []).append(int(n.split()[1]))
-                assert named and all(sorted(v) == list(range(buckets)) for v in named.values()), (case, mine)
+                per_bucket = {kind: len(v) // buckets for kind, v in named.items()}
+                assert named and all(
+                    sorted(v) == sorted(list(range(buckets)) * per_bucket[k]) for k, v in named.items()
+                )
+                assert per_bucket.get("broadcast", 2) == 2 and all(
+                    n == 1 for k, n in per_bucket.items() if k != "broadcast"
+                )
                 assert buckets > 1
     width, height = Image.open(run_dir / "timeline.png").size
     assert 1000 <= width <= 2000 and 300 <= height <= 1200

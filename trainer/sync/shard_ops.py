@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from trainer import spans
 from trainer.sync import averaging
 
 
@@ -45,17 +46,20 @@ class ShardOps:
             size = shard.numel()
             shard.copy_(full[self.rank * size : (self.rank + 1) * size])
 
-    def gather(self, full: torch.Tensor, mine: torch.Tensor) -> list[dist.Work]:
-        """Start filling `full` (a padded bucket) with every rank's slice; `mine` is this rank's."""
+    def gather(self, full: torch.Tensor, mine: torch.Tensor, bucket: int) -> list[dist.Work]:
+        """Start filling `full` (a padded bucket) with every rank's slice; `mine` is this rank's.
+        Each collective launches in its range for trainer.profile's trace (`bucket 3 broadcast ...`)."""
         if self.native:
-            work = averaging.all_gather_tensor(full, mine, async_op=True)
+            with spans.named(self.gather_kind, full.numel() * full.element_size(), bucket):
+                work = averaging.all_gather_tensor(full, mine, async_op=True)
             assert work is not None
             return [work]
         size = mine.numel()
         works = []
         for owner in range(self.world_size):  # every rank issues the same broadcasts, in the same order
             tensor = mine if owner == self.rank else full[owner * size : (owner + 1) * size]
-            work = dist.broadcast(tensor, src=owner, async_op=True)
+            with spans.named(self.gather_kind, size * mine.element_size(), bucket):
+                work = dist.broadcast(tensor, src=owner, async_op=True)
             assert work is not None
             works.append(work)
         full[self.rank * size : (self.rank + 1) * size].copy_(mine)

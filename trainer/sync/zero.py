@@ -36,7 +36,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from trainer import spans
 from trainer.errors import check, is_number
 from trainer.sync.base import OptimizerFactory, SyncStrategy
 from trainer.sync.bucket_launch import BucketLauncher
@@ -175,8 +174,7 @@ class ZeroSync(SyncStrategy):
         for position, (output, mine) in enumerate(self._gather_order):
             started = launcher.now()
             index = last - position  # the bucket's own index: gathered last bucket first
-            with spans.named(self._ops.gather_kind, output.numel() * output.element_size(), index):  # profile only
-                works = self._ops.gather(output, mine)
+            works = self._ops.gather(output, mine, index)
             gathers.append((started, works))
             for _ in works:  # what was issued: one all_gather, or one broadcast per rank of its slice
                 self.comm.add(self._ops.gather_kind, output.numel() * output.element_size() // len(works))
