@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from trainer.errors import ConfigError
+from trainer.sync.unused import used_on
 
 REMEDY = (
     "FSDP2's collectives need every rank to run the same units with the same parameters; use "
@@ -137,11 +138,9 @@ class FirstForwardCheck:
             )
         partly = [(self.params[i][0], n) for i, n in enumerate(per_param) if 0 < n < world_size]
         if partly:
-            shown = ", ".join(f"{name!r} (used on {n} of {world_size} ranks)" for name, n in partly[:5])
-            more = f" and {len(partly) - 5} more" if len(partly) > 5 else ""
             raise ConfigError(
-                f"sync=fsdp cannot train this model: parameter(s) {shown}{more} got a gradient on some ranks "
-                f"and not on others in the first step. {REMEDY}"
+                f"sync=fsdp cannot train this model: parameter(s) {used_on(partly, world_size)} got a gradient "
+                f"on some ranks and not on others in the first step. {REMEDY}"
             )
 
     def _device(self) -> torch.device:

@@ -65,15 +65,19 @@ class UsedParams:
             handle.remove()
         self._handles = []
         if missing:
-            shown = ", ".join(f"{name!r} (used on {n} of {world_size} ranks)" for name, n in missing[:5])
-            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             raise ConfigError(
                 f"sync.find_unused_parameters=false is invalid for this model with sync={self.strategy}: "
-                f"parameter(s) {shown}{more} got no gradient in the first step; set "
+                f"parameter(s) {used_on(missing, world_size)} got no gradient in the first step; set "
                 "sync.find_unused_parameters=true (a parameter no rank used is then left untouched, as one "
                 "process leaves it), or freeze them (requires_grad=False)"
             )
         return []
+
+
+def used_on(counts: Sequence[tuple[str, int]], world_size: int) -> str:
+    """'a.weight' (used on 1 of 2 ranks), ...: the first five, and how many more."""
+    shown = ", ".join(f"{name!r} (used on {n} of {world_size} ranks)" for name, n in counts[:5])
+    return shown + (f" and {len(counts) - 5} more" if len(counts) > 5 else "")
 
 
 def names_of(model: nn.Module, params: Sequence[nn.Parameter]) -> list[str]:
