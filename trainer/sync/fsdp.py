@@ -36,7 +36,7 @@ from trainer.errors import ConfigError, check
 from trainer.sync.base import OptimizerFactory, SyncStrategy
 from trainer.sync.fsdp_state import by_index, by_name
 from trainer.sync.fsdp_units import check_wrap, plan_units, resolve
-from trainer.sync.fsdp_usage import FirstForwardCheck
+from trainer.sync.fsdp_usage import FirstForwardCheck, usage_plan
 from trainer.sync.manual import broadcast_from_rank0
 
 # What the parameters are all-gathered in, and the gradients reduce-scattered in.
@@ -260,17 +260,6 @@ class FSDPSync(SyncStrategy):
             info["unit_bytes"] = [u.all_gather_bytes for u in self._units]  # each forward's gathers
             info["sharded_bytes_per_rank"] = sum(u.sharded_bytes for u in self._units)
         return info
-
-
-def usage_plan(
-    model: nn.Module, layers: list[nn.Module], owners: dict[int, tuple[nn.Module, str]], recurse: bool
-) -> tuple[list[tuple[str, nn.Module, list[str]]], list[tuple[str, nn.Module, str]]]:
-    """FirstForwardCheck's units (name, module, parameter names) and parameters (name, owner, attribute)."""
-    names = {id(p): name for name, p in model.named_parameters()}  # a tied parameter: its first name
-    module_names = {id(m): name for name, m in model.named_modules()}
-    units = [(module_names[id(m)], m, [names[id(p)] for p in m.parameters(recurse=recurse)]) for m in layers]
-    params = [(names[id(p)], *owners[id(p)]) for p in model.parameters() if p.requires_grad]
-    return units, params
 
 
 def local_of(tensor: torch.Tensor) -> torch.Tensor:

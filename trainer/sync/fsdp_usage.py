@@ -183,3 +183,14 @@ def graph_leaves(outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             leaves.append(variable)
         stack.extend(child for child, _ in node.next_functions if child is not None)
     return leaves
+
+
+def usage_plan(
+    model: nn.Module, layers: list[nn.Module], owners: dict[int, tuple[nn.Module, str]], recurse: bool
+) -> tuple[list[tuple[str, nn.Module, list[str]]], list[tuple[str, nn.Module, str]]]:
+    """FirstForwardCheck's units (name, module, parameter names) and parameters (name, owner, attribute)."""
+    names = {id(p): name for name, p in model.named_parameters()}  # a tied parameter: its first name
+    module_names = {id(m): name for name, m in model.named_modules()}
+    units = [(module_names[id(m)], m, [names[id(p)] for p in m.parameters(recurse=recurse)]) for m in layers]
+    params = [(names[id(p)], *owners[id(p)]) for p in model.parameters() if p.requires_grad]
+    return units, params
