@@ -47,7 +47,7 @@ CASES = {
     "off": ["sync=bucketed", "sync.bucket_cap_mb=0.02", "trainer.profile=false"],  # the zero-cost case
 }
 PROFILED = [3, 4, 5]  # StepProfiler: one step of wait, one of warm-up, three recorded
-KINDS = ("all_reduce", "reduce_scatter", "all_gather")
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")  # broadcast: zero's gather on gloo
 
 
 def _train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dict[str, Any]:
