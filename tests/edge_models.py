@@ -83,13 +83,28 @@ class Branchy(nn.Module):
         return self.out(h)
 
 
+class Frozen(nn.Module):
+    """A frozen layer run twice without grad inside the training forward (a teacher's features)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.teacher = nn.Linear(6, 6).requires_grad_(False)
+        self.student = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            features = self.teacher(torch.tanh(self.teacher(x)))
+        return self.student(features)
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "tied": Tied,
     "reused": Reused,
     "reused-nonreentrant": partial(Reused, reentrant=False),
     "branchy": Branchy,
     "branchy-mixed": Branchy,
-    "branchy-last": partial(Branchy, last=True),  # a dtype boundary: the branch is float32 in a float64 model
+    "branchy-last": partial(Branchy, last=True),
+    "frozen": Frozen,  # a dtype boundary: the branch is float32 in a float64 model
 }
 
 

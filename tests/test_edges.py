@@ -70,6 +70,7 @@ CASES: dict[str, Case] = {
     "reused-zero-tiny": Case("reused", partial(ZeroSync, bucket_cap_mb=TINY_MB)),  # staged, added to, sent
     "reused-fsdp-root": Case("reused", partial(FSDPSync, wrap="block")),  # no blocks: the root reduces once
     "reused-nonreentrant-fsdp": Case("reused-nonreentrant", FSDPSync),
+    "frozen-twice-fsdp": Case("frozen", FSDPSync),  # a unit run twice without grad, but frozen: not refused
     "reused-zero-stage1": Case("reused", partial(ZeroSync, stage=1, bucket_cap_mb=TINY_MB, time_every_n_steps=1)),
     **{f"unused-all-{n}": Case(m, s) for n, (s, m) in MANUAL_GROUPINGS.items()},
     **{f"unused-one-{n}": Case(m, s, branch_ranks=(1,)) for n, (s, m) in MANUAL_GROUPINGS.items()},

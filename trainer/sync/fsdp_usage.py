@@ -61,6 +61,8 @@ class FirstForwardCheck:
         self._unsharded: dict[int, int] = {}  # id of an unsharded parameter -> index in params
         self._training = False  # inside a forward that started with grad enabled
         self._entered = [0] * len(self.units)  # times each unit's forward ran in it
+        # A frozen unit run twice without grad (a teacher under no_grad) reduces nothing: not refused.
+        self._trainable = [any(p.requires_grad for p in m.parameters()) for _, m, _ in self.units]
         self._without_grad: set[int] = set()  # units whose forward ran without grad in it (reentrant checkpoint)
         self._handles: list[RemovableHandle] = [root.register_forward_pre_hook(self._forward_starts, prepend=True)]
         # After fully_shard, prepended: these run before FSDP2's pre-forward (its all-gather) and
@@ -121,7 +123,7 @@ class FirstForwardCheck:
             index = self._unsharded.get(id(leaf))
             if index is not None:
                 used[index] = True
-        reentrant = [i in self._without_grad and n > 1 for i, n in enumerate(self._entered)]
+        reentrant = [i in self._without_grad and n > 1 and self._trainable[i] for i, n in enumerate(self._entered)]
         counts = torch.tensor(used + reentrant, dtype=torch.int32, device=self._device())
         dist.all_reduce(counts)  # per parameter: on how many ranks used; per unit: how many saw it reentrant
         self.remove()
