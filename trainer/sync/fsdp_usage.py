@@ -132,9 +132,10 @@ class FirstForwardCheck:
         twice = [self._describe(i) for i, n in enumerate(per_unit) if n]
         if twice:
             raise ConfigError(
-                f"sync=fsdp cannot train this model: {'; '.join(twice)} runs under reentrant activation "
-                "checkpointing (torch.utils.checkpoint with use_reentrant=True) and more than once in a forward; "
-                "FSDP2 would reduce-scatter its gradient before all of it arrived (a wrong model). Use "
+                f"sync=fsdp cannot train this model: {'; '.join(twice)} ran without grad inside the training "
+                "forward, as under reentrant activation checkpointing (torch.utils.checkpoint with "
+                "use_reentrant=True), and more than once in it; under reentrant checkpointing FSDP2 would "
+                "reduce-scatter its gradient before all of it arrived (a wrong model). Use "
                 "use_reentrant=False (PyTorch's recommended form), or sync.wrap=block with the layer outside "
                 "the blocks (the root unit reduces once, after the whole backward)"
             )
