@@ -220,15 +220,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=6, help="timed steps per round and implementation")
     parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"of: {', '.join(MODELS)}")
+    parser.add_argument("--models", help=f"of: {', '.join(MODELS)} (default: {','.join(DEFAULT_MODELS)})")
     parser.add_argument("--strategies", help=f"default: {','.join(STRATEGIES)} (on CUDA without time_buckets)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="as trainer.device")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--baseline", help="also time the framework under this strategy in the same rounds")
-    parser.add_argument("--quick", action="store_true", help="2 rounds of 3 steps on mlp-tiny only")
+    parser.add_argument("--quick", action="store_true", help="2 rounds of 3 steps (on mlp-tiny unless --models)")
     args = parser.parse_args()
     if args.quick:
-        args.rounds, args.steps, args.warmup, args.models = 2, 3, 2, "mlp-tiny"
+        args.rounds, args.steps, args.warmup = 2, 3, 2
+        args.models = args.models or "mlp-tiny"
+    args.models = args.models or ",".join(DEFAULT_MODELS)
     env = ddist.read_launch_env()
     device = ddist.resolve_device(args.device, env)
     args.strategies = args.strategies or ",".join(CUDA_STRATEGIES if device.type == "cuda" else STRATEGIES)

@@ -117,6 +117,14 @@ class Framework:
     def run(self, steps: int) -> None:
         self.trainer.train(self.trainer.step + steps)
 
+    def _backward(self) -> None:
+        """One batch's forward and backward, outside the loop: the loss as the step computes it
+        (logits flattened over positions, so a gpt's [batch, time, vocab] works as a classifier's)."""
+        trainer = self.trainer
+        inputs, targets = next(iter(trainer.train_loader))
+        logits = trainer.train_model(inputs.to(trainer.ctx.device))
+        F.cross_entropy(logits.flatten(0, -2), targets.to(trainer.ctx.device).flatten()).backward()
+
     def sync_alone(self, repeats: int) -> float:
         """Median seconds of after_backward on real gradients with the ranks started together.
 
@@ -124,10 +132,7 @@ class Framework:
         backward; started after a barrier, it is the strategy's communication alone.
         """
         trainer = self.trainer
-        inputs, targets = next(iter(trainer.train_loader))
-        logits = trainer.train_model(inputs.to(trainer.ctx.device))
-        loss = F.cross_entropy(logits.flatten(0, -2), targets.to(trainer.ctx.device).flatten())
-        loss.backward()
+        self._backward()
         times = []
         for _ in range(repeats):
             dist.barrier()
@@ -143,9 +148,7 @@ class Framework:
         each distinct storage behind a model parameter's or an optimizer parameter's .grad (so a flat
         buffer counts once, padding included; DDP's own reducer buckets, not a .grad, are not seen)."""
         trainer = self.trainer
-        inputs, targets = next(iter(trainer.train_loader))
-        loss = F.cross_entropy(trainer.train_model(inputs.to(trainer.ctx.device)), targets.to(trainer.ctx.device))
-        loss.backward()
+        self._backward()
         trainer.sync.after_backward(trainer.train_model)
         params = [*trainer.model.parameters(), *(p for g in trainer.optimizer.param_groups for p in g["params"])]
         grads = [p.grad for p in params if p.grad is not None]

@@ -52,6 +52,17 @@ def test_overhead_benchmark_quick_run(tmp_path: Path) -> None:
             assert row["vs_baseline"] > 0 and low <= row["vs_baseline"] <= high
 
 
+def test_overhead_benchmark_on_a_language_model(tmp_path: Path) -> None:
+    """The gpt row: [batch, time, vocab] logits through every piece, the gradient memory included."""
+    out = tmp_path / "gpt.json"
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", str(REPO / "benchmarks" / "overhead.py"), "--quick"]
+    cmd += ["--device", "cpu", "--models", "gpt", "--strategies", "ddp", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (row,) = json.loads(out.read_text())
+    assert row["model"] == "gpt" and row["ratio"] > 0 and row["grad_mb"] > 0
+
+
 def test_step_costs_counts_every_piece_of_the_step_path(tmp_path: Path) -> None:
     script = REPO / "benchmarks" / "step_costs.py"
     cmd = [sys.executable, str(script), "--device", "cpu", "--number", "200"]
