@@ -149,7 +149,7 @@ def _shard_ops(rank: int, world_size: int, native: bool) -> tuple[torch.Tensor, 
     ops = ShardOps("nccl" if native else "gloo", rank, world_size)
     full = torch.arange(8.0, dtype=torch.float64) * (rank + 1) + 0.5  # sums exact in binary
     shard = torch.empty(4, dtype=torch.float64)
-    ops.reduce(shard, full).wait()
+    ops.reduce(shard, full, 0).wait()
     ops.take(shard, full)
     gathered = torch.zeros(8, dtype=torch.float64)
     for work in ops.gather(gathered, shard * 10, 0):

@@ -31,12 +31,14 @@ class ShardOps:
         self.reduce_kind = "reduce_scatter" if self.native else "all_reduce"
         self.gather_kind = "all_gather" if self.native else "broadcast"
 
-    def reduce(self, shard: torch.Tensor, full: torch.Tensor) -> dist.Work:
-        """Start summing `full` (a padded bucket) across ranks; take() then fills `shard` from it."""
-        if self.native:
-            work = averaging.reduce_scatter_tensor(shard, full, op=dist.ReduceOp.SUM, async_op=True)
-        else:
-            work = dist.all_reduce(full, op=dist.ReduceOp.SUM, async_op=True)
+    def reduce(self, shard: torch.Tensor, full: torch.Tensor, bucket: int) -> dist.Work:
+        """Start summing `full` (a padded bucket) across ranks; take() then fills `shard` from it.
+        Launched in its range for trainer.profile's trace (`bucket 3 all_reduce ...`), as gather()'s."""
+        with spans.named(self.reduce_kind, full.numel() * full.element_size(), bucket):
+            if self.native:
+                work = averaging.reduce_scatter_tensor(shard, full, op=dist.ReduceOp.SUM, async_op=True)
+            else:
+                work = dist.all_reduce(full, op=dist.ReduceOp.SUM, async_op=True)
         assert work is not None, "async_op=True returns the collective's Work"
         return work
 

@@ -11,8 +11,8 @@ dropped; the full bucket is reduced into this rank's shard of the gradient (shar
 reduce_scatter, or on gloo an all_reduce and a slice), then the staging buffer is freed. A bucket
 of one parameter that needs no padding (a tensor above the cap, typically) stages autograd's own
 gradient tensor: no buffer to allocate, no copy (a fresh 64 MiB buffer costs ~30 ms of page
-faults on CPU, more than its all_reduce's half). After backward a rank holds 1/N of the gradient; during backward, the
-buckets being filled or in flight. Under no_sync the hooks do nothing: autograd accumulates the
+faults on CPU). After backward a rank holds 1/N of the gradient; during backward, the buckets
+being filled or in flight. Under no_sync the hooks do nothing: autograd accumulates the
 full local gradient in each .grad, and the last micro-batch's hooks move it.
 
 A gradient that never arrived in the last backward (a parameter unused there, or one whose .grad
@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer import spans
 from trainer.sync import averaging
 from trainer.sync.comm import CommCounters
 from trainer.sync.flat import FlatGrads
@@ -125,8 +124,7 @@ class ShardedGrads:
             return averaging.start(self.flat.buckets[index], "all_reduce", index)
         staged = self.staging[index]
         assert staged is not None, "a bucket starts after its gradients (or late()) staged it"
-        with spans.named(self.ops.reduce_kind, staged.numel() * staged.element_size(), index):  # trainer.profile only
-            return self.ops.reduce(self.shards[index], staged)
+        return self.ops.reduce(self.shards[index], staged, index)
 
     def finish(self, index: int, work: averaging.Waitable, comm: CommCounters) -> None:
         """Wait for the bucket's collective; this rank's slice averaged into the shard; counted."""
