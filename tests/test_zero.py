@@ -142,6 +142,8 @@ def _mechanism(rank: int, world_size: int, stage: int, cap_mb: float) -> dict[st
     finite = backward()
     sync.optimizer_step(optimizer)
     sync.zero_grad(optimizer)
+    in_flight = len(sync._in_flight)  # the gathers: waited for by the next forward, or settle()
+    sync.settle()  # (a step's timing is read once its gathers are in)
     counts = sync.take_comm()
     memory = sync.row_metrics()
     zeroed = all((p.grad is None) if stage == 2 else not p.grad.any() for p in model.parameters())  # type: ignore[union-attr]
@@ -159,6 +161,9 @@ def _mechanism(rank: int, world_size: int, stage: int, cap_mb: float) -> dict[st
     backward(first_layer=rank == 0)
     sync.optimizer_step(optimizer)
     sync.zero_grad(optimizer)
+    with torch.no_grad():  # any forward (evaluation too) waits for the gathers first: its pre-hook
+        model(x)
+    settled_by_forward = not sync._in_flight
     moved = model[0].weight.detach() - before
     expected_move = -0.1 * probe[0].weight.grad / 2  # type: ignore[operator]
     refusals: dict[str, str] = {}
@@ -183,6 +188,8 @@ def _mechanism(rank: int, world_size: int, stage: int, cap_mb: float) -> dict[st
         "counts": counts,
         "memory": memory,
         "launched": launched,
+        "in_flight": in_flight,
+        "settled_by_forward": settled_by_forward,
         "late_move_error": (moved - expected_move).abs().max().item(),
         "refusals": refusals,
         "describe": sync.describe(),
@@ -294,6 +301,8 @@ def test_strategy_mechanism(ranks: list[dict[str, Any]], mechanism: str) -> None
     buckets = [24] if cap_mb > 1 else [2, 6, 4, 12]  # padded elements per bucket, in the order they are sent
     for rank in results:
         assert rank["in_buffer"] and rank["zeroed"]
+        # The step's gathers are still in flight when optimizer_step returns: one entry per bucket.
+        assert rank["in_flight"] == len(buckets) and rank["settled_by_forward"]
         assert rank["finite"] is True and rank["nonfinite"] is False  # rank 1's NaN reached rank 0's answer
         info = rank["describe"]
         assert (info["numel"], info["padded_numel"], info["shard_numel"]) == (23, 24, 12)

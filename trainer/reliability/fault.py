@@ -50,16 +50,17 @@ class Fault:
             "must be a step number >= 1, or null (off)",
         )
 
-    def _due(self, rank: int, step: int, attempt: int) -> bool:
+    def due(self, rank: int, step: int, attempt: int) -> bool:
+        """Whether this rank fires at this step (the first attempt only)."""
         return attempt == 0 and rank == self.rank and step == self.at_step
 
     def poisons_loss(self, rank: int, step: int, attempt: int) -> bool:
         """kind=nan_loss: this rank's loss (so its gradients, so the averaged ones) becomes NaN."""
-        return self.kind == "nan_loss" and self._due(rank, step, attempt)
+        return self.kind == "nan_loss" and self.due(rank, step, attempt)
 
     def maybe_fire(self, rank: int, step: int, attempt: int, model: nn.Module) -> None:
         """Called at the start of every step (1-based) on every rank."""
-        if not self._due(rank, step, attempt) or self.kind == "nan_loss":
+        if not self.due(rank, step, attempt) or self.kind == "nan_loss":
             return
         log.warning(
             "trainer.fault: %s on rank %d at step %d (a testing aid; first attempt only)", self.kind, rank, step

@@ -67,6 +67,12 @@ class SyncStrategy(ABC):
         """The optimizer step on the averaged gradients (ZeRO then gathers the updated shards)."""
         optimizer.step()
 
+    def settle(self) -> None:
+        """Wait for whatever this strategy still writes into the parameters (zero's gathers after
+        the optimizer step, which it waits for only before the next forward): the trainer calls it
+        before it reads the parameters outside a forward (the replica check, a fault that nudges
+        them, the end of train()). Cheap when nothing is in flight."""
+
     def grads_finite(self, model: nn.Module, optimizer: Optimizer) -> bool:
         """Whether the gradients the optimizer is about to use are finite: the same answer on every
         rank (trainer.on_nonfinite=skip skips the step everywhere or nowhere).

@@ -16,6 +16,8 @@ backward start then, in order (a missing gradient counts as zero; every rank sti
 
 Communication is timed on one step in `time_every_n_steps`: each collective's launch and arrival,
 on host clocks on CPU (gloo completes the future when the data is there) or CUDA events on GPU.
+A collective after the sync phase (zero's gathers) is exposed from the moment it is waited for:
+zero waits for them only before the next forward, so what runs in between hides them.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from trainer.sync.comm import CommCounters, busy_time
 OnGrad = Callable[[int, int, nn.Parameter, bool], None]
 Start = Callable[[int], dist.Work]
 Spans = list[tuple[Any, Any]]
+Waited = list[tuple[Any, Any, Any]]  # (launch, arrival, when the wait began)
 
 
 class BucketLauncher:
@@ -52,6 +55,7 @@ class BucketLauncher:
         time_every_n_steps: int,
         strict: bool = True,
         in_backward: bool = True,
+        closes_late: bool = False,
     ) -> None:
         self.strategy = strategy
         self.params, self.names = list(params), list(names)
@@ -61,7 +65,10 @@ class BucketLauncher:
         self.expected: list[int] | None = None  # per parameter, hook calls per backward (learned in step 1)
         self.accumulating = False  # no_sync: the hooks do nothing, gradients accumulate locally
         self.step = 0
-        self.timing = time_every_n_steps == 1  # this step's collectives are timed
+        # A step that closes late (zero's: at the next forward) is read by the row after the next
+        # step: the one timed is then the step before a logged one (rows log every n steps too).
+        self._lag = 1 if closes_late else 0
+        self.timing = self._timed_step(0)  # this step's collectives are timed
         self.works: list[averaging.Waitable] = []  # per started bucket, in order
         self._position = {id(p): i for i, p in enumerate(self.params)}
         self._groups: list[list[nn.Parameter]] = []
@@ -73,10 +80,10 @@ class BucketLauncher:
         self._next = 0  # the next bucket to start
         self._marks: list[Any] = []  # launch mark per started bucket (timed steps)
         self._spans: Spans = []  # (start, end) per collective of this timed step, up to backward's end
-        self._after: Spans = []  # collectives after the sync phase (zero's all_gathers): all exposed
+        self._after: Waited = []  # collectives after the sync phase (zero's gathers): exposed once waited for
         self._backward_end: Any = None
         # Since the last row, per timed step: (origin, backward's end, spans, spans after).
-        self._timed: list[tuple[Any, Any, Spans, Spans]] = []
+        self._timed: list[tuple[Any, Any, Spans, Waited]] = []
 
     def build(self, groups: Sequence[Sequence[nn.Parameter]], on_grad: OnGrad, start: Start) -> None:
         """(Re)register the hooks for these buckets; not while buckets are in flight."""
@@ -183,10 +190,15 @@ class BucketLauncher:
         """A mark for a collective timed by hand (timed steps only; None otherwise)."""
         return self.clock.now() if self.timing else None
 
-    def note(self, started: Any, after_sync: bool = False) -> None:
-        """A collective timed by hand ended now (bucketed's rs_ag all_gathers; zero's after the step)."""
+    def note(self, started: Any) -> None:
+        """A collective timed by hand ended now (bucketed's rs_ag all_gathers)."""
         if self.timing:
-            (self._after if after_sync else self._spans).append((started, self.clock.now()))
+            self._spans.append((started, self.clock.now()))
+
+    def note_after(self, started: Any, waited_from: Any) -> None:
+        """A collective after the sync phase ended now; its wait began at `waited_from` (zero's gathers)."""
+        if self.timing:
+            self._after.append((started, self.clock.now(), waited_from))
 
     def end_step(self) -> None:
         """The step's collectives are all done: keep a timed step's marks for the next row."""
@@ -194,18 +206,24 @@ class BucketLauncher:
             self._timed.append((self._marks[0], self._backward_end, self._spans, self._after))
         self._spans, self._after = [], []
         self.step += 1
-        self.timing = (self.step + 1) % self.time_every_n_steps == 0
+        self.timing = self._timed_step(self.step)
         self._reset()
+
+    def _timed_step(self, step: int) -> bool:
+        """Whether the step with this 0-based number is timed."""
+        return (step + 1 + self._lag) % self.time_every_n_steps == 0
 
     def take_timing(self, counts: CommCounters) -> None:
         """Add the timed steps since the last row: busy time, and the part not hidden under backward."""
         for origin, backward_end, spans, after in self._timed:
-            intervals = [(self.clock.seconds(origin, a), self.clock.seconds(origin, b)) for a, b in spans]
-            later = [(self.clock.seconds(origin, a), self.clock.seconds(origin, b)) for a, b in after]
-            end_of_backward = self.clock.seconds(origin, backward_end)
-            counts.seconds += busy_time(intervals + later)
+            seconds = partial(self.clock.seconds, origin)
+            intervals = [(seconds(a), seconds(b)) for a, b in spans]
+            later = [(seconds(a), seconds(b), seconds(w)) for a, b, w in after]
+            end_of_backward = seconds(backward_end)
+            counts.seconds += busy_time(intervals + [(a, b) for a, b, _ in later])
             counts.exposed_seconds += max(0.0, max(end for _, end in intervals) - end_of_backward)
-            counts.exposed_seconds += busy_time(later)  # waited for as soon as it starts: nothing hides it
+            # From the wait on, nothing hides it: what ran between the launch and the wait did.
+            counts.exposed_seconds += busy_time([(max(a, w), b) for a, b, w in later if b > w])
             counts.timed_steps += 1
         self._timed = []
 

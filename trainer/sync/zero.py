@@ -13,7 +13,9 @@ optimizer's one parameter. A step:
                      frees it (zero_grads.py)
     after_backward:  waits only for what is still in flight; this rank's shard, averaged
     optimizer_step:  the optimizer updates the shard; each bucket's updated slices are all_gathered
-                     back into every rank's parameter buffer (the first layers' buckets first)
+                     back into every rank's parameter buffer (the first layers' buckets first),
+                     and waited for lazily: just before the next forward (a pre-hook on the
+                     model), or in settle() where the trainer reads the parameters otherwise
 
 Forward, backward and evaluation stay local; the optimizer's state is 1/N of ddp's. Checkpoints
 speak in the full model's terms (zero_state.py). Micro-batches under no_sync accumulate locally.
@@ -99,6 +101,7 @@ class ZeroSync(SyncStrategy):
         self._held_after_backward = 0  # gradient bytes held when after_backward returned
         self._rank = 0
         self._ops: ShardOps | None = None
+        self._in_flight: list[tuple[Any, list[dist.Work]]] = []  # the step's gathers: (launch mark, works)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         params = [p for p in model.parameters() if p.requires_grad]
@@ -125,11 +128,37 @@ class ZeroSync(SyncStrategy):
         self._grads = ShardedGrads(self.stage, groups, layout, self._rank, self._ops)
         names = names_of(model, params)
         self._launcher = BucketLauncher(
-            "zero", params, names, self.time_every_n_steps, strict=False, in_backward=not self.find_unused_parameters
+            "zero",
+            params,
+            names,
+            self.time_every_n_steps,
+            strict=False,
+            in_backward=not self.find_unused_parameters,
+            closes_late=True,  # its step ends when the gathers are waited for, before the next forward
         )
         self._launcher.build(groups, self._grads.on_grad, self._grads.start)
         self._used = UsedParams(params, names, self.find_unused_parameters, "zero")
+        # Every forward (training, evaluation) reads the parameters: the gathers land first.
+        model.register_forward_pre_hook(self._before_forward)
         return model
+
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        if self._in_flight:
+            self.settle()
+
+    def settle(self) -> None:
+        """Wait for the last step's gathers (first layers' buckets first), then close its books."""
+        if not self._in_flight:
+            return
+        assert self._launcher is not None, "wrap() first"
+        launcher = self._launcher
+        waited_from = launcher.now()  # before this, the gathers ran hidden behind the loop's own work
+        for started, works in self._in_flight:
+            for work in works:
+                work.wait()
+            launcher.note_after(started, waited_from)
+        self._in_flight = []
+        self._end_step()
 
     def build_optimizer(self, model: nn.Module, factory: OptimizerFactory) -> Optimizer:
         """The optimizer over one parameter: this rank's shard of the parameter buffer, whose .grad is
@@ -162,34 +191,32 @@ class ZeroSync(SyncStrategy):
         assert self._params is not None and self._param_shard is not None and self._shard is not None, "wrap() first"
         assert self._grads is not None and self._layout is not None and self._launcher is not None
         assert self._ops is not None
+        self.settle()  # a step whose forward did not wait for the last gathers (none in the trainer)
         if self._shard.grad is not self._grads.shard:  # a plain optimizer.zero_grad() dropped it
             self._shard.grad = self._grads.shard
         kept = keep(self._param_shard, optimizer, self._frozen)
         optimizer.step()  # updates this rank's shard
         restore(self._param_shard, optimizer, kept)
         # Every rank must reach these (a skipped step, on_nonfinite=skip, skips them on every rank
-        # alike), in _gather_order.
-        launcher, gathers = self._launcher, []
+        # alike), in _gather_order. They are waited for in settle(), before the next forward.
+        launcher = self._launcher
         last = len(self._gather_order) - 1
         for position, (output, mine) in enumerate(self._gather_order):
             started = launcher.now()
             index = last - position  # the bucket's own index: gathered last bucket first
             works = self._ops.gather(output, mine, index)
-            gathers.append((started, works))
+            self._in_flight.append((started, works))
             for _ in works:  # what was issued: one all_gather, or one broadcast per rank of its slice
                 self.comm.add(self._ops.gather_kind, output.numel() * output.element_size() // len(works))
-        for started, works in gathers:
-            for work in works:
-                work.wait()
-            launcher.note(started, after_sync=True)
         # Cleared now, not only in zero_grad: the optimizer cannot reach the model's gradient views,
         # so a caller that clears gradients with optimizer.zero_grad() alone would accumulate them.
+        # (The gathers write the parameters, not the gradients: this runs while they fly.)
         self._grads.zero()
         self._cleared = True
-        self._end_step()
 
     def _end_step(self) -> None:
-        if self._step_open:
+        """The launcher's step ends once its collectives are all done: its gathers too."""
+        if self._step_open and not self._in_flight:
             assert self._launcher is not None
             self._launcher.end_step()
             self._step_open = False
@@ -228,12 +255,14 @@ class ZeroSync(SyncStrategy):
     def state_dicts(self, model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
         """The model's state is full on every rank already; the optimizer's is gathered (a collective)."""
         assert self._layout is not None, "wrap() first"
+        self.settle()
         return model.state_dict(), gather_full_state(optimizer.state_dict(), self._layout)
 
     def load_state_dicts(
         self, model: nn.Module, optimizer: Optimizer, model_state: dict[str, Any], optimizer_state: dict[str, Any]
     ) -> None:
         assert self._layout is not None and self._params is not None and self._param_shard is not None, "wrap() first"
+        self.settle()  # a gather landing after the load would overwrite it
         model.load_state_dict(model_state)  # copies into the parameters: into the flat buffer
         with torch.no_grad():
             self._param_shard.copy_(self._layout.shard_of(self._params, self._rank))

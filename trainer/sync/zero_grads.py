@@ -131,19 +131,18 @@ class ShardedGrads:
         work.wait()
         shard = self.shards[index]
         comm.bytes += self.numels[index] * self.element_size  # the gradient bytes, once per step
-        if self.flat is not None:
+        if self.flat is not None:  # this rank's slice of the summed bucket, averaged, in one pass
             bucket = self.flat.buckets[index]
             size = shard.numel()
-            shard.copy_(bucket.buffer[self._rank * size : (self._rank + 1) * size])
+            torch.div(bucket.buffer[self._rank * size : (self._rank + 1) * size], self.world_size, out=shard)
             comm.add("all_reduce", bucket.nbytes)
         else:
             staged = self.staging[index]
             assert staged is not None
-            self.ops.take(shard, staged)
+            self.ops.take(shard, staged, self.world_size)
             self._live -= staged.numel() * self.element_size
             self.staging[index] = None  # freed: only the shard is kept
             comm.add(self.ops.reduce_kind, self.padded[index] * self.element_size)
-        shard.div_(self.world_size)
 
     def zero(self) -> None:
         """Clear the full gradient buckets (stage 1); stage 2's shard is overwritten by the next reduce."""
