@@ -146,7 +146,12 @@ def _mechanism(rank: int, world_size: int, stage: int, cap_mb: float) -> dict[st
     sync.settle()  # (a step's timing is read once its gathers are in)
     counts = sync.take_comm()
     memory = sync.row_metrics()
-    zeroed = all((p.grad is None) if stage == 2 else not p.grad.any() for p in model.parameters())  # type: ignore[union-attr]
+    # Stage 2 drops every .grad; stage 1 zeroes its flat buffers' views and drops a lone tensor's.
+    lone = {id(g[0]) for g, place in zip(sync._grads.groups, sync._grads.in_flat, strict=True) if place is None}
+    zeroed = all(
+        (p.grad is None) if stage == 2 or id(p) in lone else not p.grad.any()  # type: ignore[union-attr]
+        for p in model.parameters()
+    )
     nonfinite = backward(poison=rank == 1)
     sync.zero_grad(optimizer)
     # Rank 1's first layer gets no gradient (find_unused_parameters=false, after step 1's check):
@@ -189,6 +194,7 @@ def _mechanism(rank: int, world_size: int, stage: int, cap_mb: float) -> dict[st
         "memory": memory,
         "launched": launched,
         "in_flight": in_flight,
+        "in_flat": sync._grads.in_flat,
         "settled_by_forward": settled_by_forward,
         "late_move_error": (moved - expected_move).abs().max().item(),
         "refusals": refusals,
@@ -303,6 +309,9 @@ def test_strategy_mechanism(ranks: list[dict[str, Any]], mechanism: str) -> None
         assert rank["in_buffer"] and rank["zeroed"]
         # The step's gathers are still in flight when optimizer_step returns: one entry per bucket.
         assert rank["in_flight"] == len(buckets) and rank["settled_by_forward"]
+        # Stage 1: the unpadded one-tensor buckets (sizes 2, 6, 12) are reduced in autograd's
+        # tensor, no flat buffer; the first layer's bias (3, padded to 4) is in one.
+        assert rank["in_flat"] == ([None, None, 0, None] if stage == 1 else [None] * len(buckets))
         assert rank["finite"] is True and rank["nonfinite"] is False  # rank 1's NaN reached rank 0's answer
         info = rank["describe"]
         assert (info["numel"], info["padded_numel"], info["shard_numel"]) == (23, 24, 12)

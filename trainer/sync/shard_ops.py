@@ -42,6 +42,13 @@ class ShardOps:
         assert work is not None, "async_op=True returns the collective's Work"
         return work
 
+    def reduce_whole(self, full: torch.Tensor, bucket: int) -> dist.Work:
+        """Start summing `full` in place across ranks (stage 1's lone tensor), in its named range."""
+        with spans.named("all_reduce", full.numel() * full.element_size(), bucket):
+            work = dist.all_reduce(full, op=dist.ReduceOp.SUM, async_op=True)
+        assert work is not None, "async_op=True returns the collective's Work"
+        return work
+
     def take(self, shard: torch.Tensor, full: torch.Tensor, divisor: int) -> None:
         """After reduce()'s wait: this rank's slice of the summed bucket, divided, in its shard
         (on gloo read from the bucket in the same pass: one pass over the slice, not a copy and a division)."""
