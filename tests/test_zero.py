@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+import trainer.loop.trainer as trainer_module
 from tests.compose import compose_config
 from tests.dist_helpers import run_on_ranks
 from tests.train_helpers import (
@@ -40,7 +41,7 @@ COMMON = [
     "logger=none",
     "model.hidden_sizes=[32,31]",
     *SIX_STEPS,
-    "trainer.check_replicas_every_n_steps=1",  # the trainer's own replica check, after every step
+    "trainer.check_replicas_every_n_steps=2",  # the trainer's own replica check, after every step
 ]
 NUMEL = 32 * 32 + 32 + 31 * 32 + 31 + 31 * 10 + 10
 ZERO = ["sync=zero", "data.batch_size=8"]
@@ -203,9 +204,40 @@ def _mechanism(rank: int, world_size: int, stage: int, cap_mb: float) -> dict[st
     }
 
 
+def _settled(rank: int, world_size: int, run_dir: str) -> dict[str, Any]:
+    """How many gathers were still in flight where the trainer reads the parameters outside a forward:
+    at each replica check, at the step a perturb fault fires, after train() returns."""
+    overrides = [*ZERO, "trainer.check_replicas_every_n_steps=2", "trainer.fault.kind=perturb"]
+    trainer = build(rank, world_size, [*COMMON, *overrides, "trainer.fault.rank=1", "trainer.fault.at_step=4"], run_dir)
+    sync = trainer.sync
+    assert isinstance(sync, ZeroSync)
+    seen: dict[str, list[int]] = {"replica_check": [], "fault": []}
+    fault, fire = trainer.settings.fault, trainer.settings.fault.maybe_fire
+
+    def check(model: nn.Module, step: int) -> None:  # the replica check, recording instead (rank 1 drifts)
+        seen["replica_check"].append(len(sync._in_flight))
+
+    def maybe_fire(rank_: int, step: int, attempt: int, model: nn.Module) -> None:
+        if fault.due(rank_, step, attempt):
+            seen["fault"].append(len(sync._in_flight))
+        fire(rank_, step, attempt, model)
+
+    object.__setattr__(fault, "maybe_fire", maybe_fire)
+    original, trainer_module.check_replicas = trainer_module.check_replicas, check
+    try:
+        trainer.train(5)  # checks after steps 2 and 4; the fault and the end follow unchecked steps
+    finally:
+        trainer_module.check_replicas = original
+    return {**seen, "after_train": len(sync._in_flight)}
+
+
 def _ranks(rank: int, world_size: int, root: str) -> dict[str, Any]:
     """Everything at 2 ranks in one spawn: the trainer's cases one after another, then the mechanism."""
     results = {"cases": train_each(rank, world_size, _case, CASES, root)}
+    try:
+        results["settled"] = _settled(rank, world_size, str(Path(root) / "settled"))
+    except Exception:  # reported by its own test
+        results["settled"] = traceback.format_exc()
     for name, (stage, cap_mb) in MECHANISMS.items():
         try:
             results[name] = _mechanism(rank, world_size, stage, cap_mb)
@@ -334,6 +366,16 @@ def test_strategy_mechanism(ranks: list[dict[str, Any]], mechanism: str) -> None
     # in step 3 rank 1's first layer got no gradient: its buckets (the last two) wait for after_backward.
     assert rank0["launched"] == [0, len(buckets), len(buckets)]
     assert rank1["launched"] == [0, len(buckets), len(buckets) - 2 if len(buckets) > 1 else 0]
+
+
+def test_the_trainer_waits_for_the_gathers_before_it_reads_the_parameters(ranks: list[dict[str, Any]]) -> None:
+    """The gathers fly from the optimizer step to the next forward; every other read settles first."""
+    for rank, result in enumerate(ranks):
+        seen = result["settled"]
+        assert not isinstance(seen, str), seen
+        assert seen["replica_check"] == [0, 0], seen  # none in flight at either check
+        assert seen["fault"] == ([0] if rank == 1 else []), seen
+        assert seen["after_train"] == 0, seen
 
 
 def test_refusals_name_the_key_and_the_reason(ranks: list[dict[str, Any]]) -> None:

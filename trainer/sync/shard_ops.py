@@ -34,16 +34,15 @@ class ShardOps:
     def reduce(self, shard: torch.Tensor, full: torch.Tensor, bucket: int) -> dist.Work:
         """Start summing `full` (a padded bucket) across ranks; take() then fills `shard` from it.
         Launched in its range for trainer.profile's trace (`bucket 3 all_reduce ...`), as gather()'s."""
+        if not self.native:
+            return self.all_reduce(full, bucket)
         with spans.named(self.reduce_kind, full.numel() * full.element_size(), bucket):
-            if self.native:
-                work = averaging.reduce_scatter_tensor(shard, full, op=dist.ReduceOp.SUM, async_op=True)
-            else:
-                work = dist.all_reduce(full, op=dist.ReduceOp.SUM, async_op=True)
+            work = averaging.reduce_scatter_tensor(shard, full, op=dist.ReduceOp.SUM, async_op=True)
         assert work is not None, "async_op=True returns the collective's Work"
         return work
 
-    def reduce_whole(self, full: torch.Tensor, bucket: int) -> dist.Work:
-        """Start summing `full` in place across ranks (stage 1's lone tensor), in its named range."""
+    def all_reduce(self, full: torch.Tensor, bucket: int) -> dist.Work:
+        """Start summing `full` in place across ranks (gloo's reduce; stage 1's lone tensor), in its range."""
         with spans.named("all_reduce", full.numel() * full.element_size(), bucket):
             work = dist.all_reduce(full, op=dist.ReduceOp.SUM, async_op=True)
         assert work is not None, "async_op=True returns the collective's Work"

@@ -59,10 +59,13 @@ class ShardedGrads:
         self._rank = rank
         self.flat: FlatGrads | None = None
         self.staging: list[torch.Tensor | None] = [None] * len(self.groups)
-        # Stage 1: per bucket, its place among the flat buffers, or None for a lone unpadded tensor.
+        # Per bucket: one parameter that needs no padding, whose gradient can be reduced where autograd put it.
+        self.lone = [len(g) == 1 and n == p for g, n, p in zip(self.groups, self.numels, self.padded, strict=True)]
+        self._lone_bytes = sum(n for n, alone in zip(self.numels, self.lone, strict=True) if alone) * self.element_size
+        # Stage 1: per bucket, its place among the flat buffers, or None for a lone tensor.
         self.in_flat: list[int | None] = [None] * len(self.groups)
         if stage == 1:
-            flat = [i for i, g in enumerate(self.groups) if not (len(g) == 1 and self.numels[i] == self.padded[i])]
+            flat = [i for i, alone in enumerate(self.lone) if not alone]
             self.flat = FlatGrads([self.groups[i] for i in flat], self.world_size)
             for position, (index, bucket) in enumerate(zip(flat, self.flat.buckets, strict=True)):
                 bucket.shard = self.shards[index]  # one contiguous shard for the optimizer, not one per bucket
@@ -76,9 +79,8 @@ class ShardedGrads:
         counted whole, as they are from backward to the step) or those staged (stage 2)."""
         if self.flat is None:
             return self.shard.numel() * self.element_size + self._live
-        lone = sum(self.numels[i] for i, place in enumerate(self.in_flat) if place is None) * self.element_size
         full = sum(b.padded_nbytes for b in self.flat.buckets)
-        return self.shard.numel() * self.element_size + full + lone
+        return self.shard.numel() * self.element_size + full + self._lone_bytes
 
     def on_grad(self, index: int, j: int, param: nn.Parameter, first: bool) -> None:
         """A gradient for `param` was accumulated (its hook): into its bucket (see the module's doc)."""
@@ -95,7 +97,7 @@ class ShardedGrads:
                 view.copy_(grad)
                 param.grad = view
             return
-        if first and self.staging[index] is None and self._alone(index, grad):
+        if first and self.staging[index] is None and self.lone[index] and grad.is_contiguous():
             self.staging[index] = grad.detach().view(-1)  # autograd's tensor, ours once .grad lets go of it
             self._grew(grad.numel())
             param.grad = None
@@ -107,10 +109,6 @@ class ShardedGrads:
         else:  # a reused parameter's next gradient: autograd began a fresh .grad after we dropped it
             staged.add_(grad)
         param.grad = None  # stage 2 keeps only the staged copy
-
-    def _alone(self, index: int, grad: torch.Tensor) -> bool:
-        """Whether the bucket is this one gradient, unpadded: it can be reduced where autograd put it."""
-        return self.numels[index] == self.padded[index] == grad.numel() and grad.is_contiguous()
 
     def _staging(self, index: int) -> torch.Tensor:
         buffer = self.staging[index]
@@ -145,7 +143,7 @@ class ShardedGrads:
             place = self.in_flat[index]
             if place is not None:
                 return averaging.start(self.flat.buckets[place], "all_reduce", index)
-            return self.ops.reduce_whole(self._lone(index), index)
+            return self.ops.all_reduce(self._lone(index), index)
         staged = self.staging[index]
         assert staged is not None, "a bucket starts after its gradients (or late()) staged it"
         return self.ops.reduce(self.shards[index], staged, index)
