@@ -40,7 +40,12 @@ def _mechanism(rank: int, world_size: int, collective: str) -> dict[str, Any]:
     with sync.no_sync(model):
         _backward(model, rank)
     started_in_no_sync = len(sync._works)
+    # How many buckets are already on their way when backward reaches the first layer (before any
+    # of its gradients): buckets built last layer first leave while the earlier layers compute.
+    in_flight_at_first_layer: list[int] = []
+    probe = model[0].register_full_backward_pre_hook(lambda *_: in_flight_at_first_layer.append(len(sync._works)))
     _backward(model, rank)
+    probe.remove()
     # Before after_backward: every bucket was launched while backward ran (and may already be
     # reduced in place by gloo's thread, so the buffers are not read here).
     started_by_hooks = len(sync._works)
@@ -54,6 +59,7 @@ def _mechanism(rank: int, world_size: int, collective: str) -> dict[str, Any]:
         "learning": learning,
         "started_in_no_sync": started_in_no_sync,
         "started_by_hooks": started_by_hooks,
+        "in_flight_at_first_layer": in_flight_at_first_layer[0],
         "local": [p.grad for p in reference.parameters()],
         "averaged": averaged,
         "views": views,
@@ -88,6 +94,18 @@ def test_buckets_start_during_backward_and_average_in_place(mechanism: list[dict
     grad_bytes = sum(p.numel() * 4 for p in rank0["params"])
     assert counts.bytes == grad_bytes and counts.kinds["all_reduce"] == [grad_bytes, rank0["buckets"]]
     assert counts.timed_steps == 1 and counts.seconds > 0 and 0 <= counts.exposed_seconds <= counts.seconds + 1e-3
+
+
+def test_last_layers_buckets_leave_before_the_first_layer_has_its_gradients(
+    mechanism: list[dict[str, dict[str, Any]]],
+) -> None:
+    """The overlap itself ("layer 10 syncs while layer 9 computes"): buckets in forward order would
+    all leave at the end of backward, with the same averages, so only the launch order shows it."""
+    for by_collective in mechanism:
+        for rank in by_collective.values():
+            # ~300 B buckets, last layer first: [4.bias, 4.weight], [2.bias], [2.weight] are out
+            # before backward reaches layer 0, whose gradients make the last two buckets.
+            assert rank["in_flight_at_first_layer"] == rank["buckets"] - 2
 
 
 def test_rs_ag_gives_the_same_bits_as_all_reduce(mechanism: list[dict[str, dict[str, Any]]]) -> None:
