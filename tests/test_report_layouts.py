@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.report_helpers import DDP, MANUAL, NONE, comm_keys, markdown_rows, train_row, write_job
+from tests.report_helpers import DDP, MANUAL, NONE, comm_keys, markdown_header, markdown_rows, train_row, write_job
 from trainer.tools.report import find_jobs, main
-from trainer.tools.report_layout import axis_warning, bucket_layout
+from trainer.tools.report_layout import axis_warning, bucket_layout, format_layout
 from trainer.tools.report_plot import plot
 from trainer.tools.report_plot_time import stack
 from trainer.tools.report_points import gather_points, spread_sentences
@@ -155,3 +155,85 @@ def test_time_split_stacks_compute_hidden_and_exposed(tmp_path: Path) -> None:
     assert heights == [100.0, 80.0, 50.0, 90.0, 20.0, 10.0, 55.0, 0.0, 25.0, 50.0, 0.0, 0.0]
     bottoms = [round(p.get_y(), 6) for p in time_ax.patches[3:6]]
     assert bottoms == [0.0, 90.0, 110.0]
+
+
+# Layouts at and past format_layout's limit (4): up to 4 buckets every size is listed, in the order
+# built; past it, the count, the min-max range and the total (of the unrounded sizes) instead.
+FOUR = [4_000_000, 1_000_000, 3_250_000, 2_500_000]
+FIVE = [1_000_000, 4_000_000, 500_000, 3_250_000, 2_500_000]
+# 1.004999 ... 12.004999 MB, shuffled: each rounds to a whole MB, their total (78.059988) does not.
+TWELVE = [(i * 1_000_000) + 4_999 for i in (7, 3, 12, 1, 9, 5, 11, 2, 8, 6, 10, 4)]
+FIVE_TEXT = "5: 0.50-4.00 MB, 11.25 in all"
+TWELVE_TEXT = "12: 1.00-12.00 MB, 78.06 in all"
+
+
+@pytest.mark.parametrize(
+    ("sizes", "limit", "expected"),
+    [
+        (None, 4, ""),
+        ([405_504], 4, "1: 0.41 MB"),
+        (FOUR, 4, "4: 4.00 1.00 3.25 2.50 MB"),  # exactly at the limit: all four, as built
+        (FIVE, 4, FIVE_TEXT),  # one past it: none of the five listed
+        (TWELVE, 4, TWELVE_TEXT),
+        (FIVE, 5, "5: 1.00 4.00 0.50 3.25 2.50 MB"),  # the boundary is the `limit` argument
+        (FOUR, 3, "4: 1.00-4.00 MB, 10.75 in all"),
+    ],
+    ids=["none", "one", "four-at-limit", "five-past-limit", "twelve", "five-at-limit-5", "four-past-limit-3"],
+)
+def test_format_layout_lists_up_to_the_limit_and_summarises_past_it(
+    sizes: list[int] | None, limit: int, expected: str
+) -> None:
+    assert format_layout(None if sizes is None else tuple(sizes), limit) == expected
+
+
+def test_format_layout_default_limit_is_four() -> None:
+    assert format_layout(tuple(FOUR)) == "4: 4.00 1.00 3.25 2.50 MB"
+    assert format_layout(tuple(FIVE)) == FIVE_TEXT
+    assert format_layout(tuple(TWELVE)) == TWELVE_TEXT
+
+
+def test_report_shows_layouts_at_and_past_the_limit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Three caps, three different layouts: each job's buckets cell is format_layout's text, no warning.
+    root = tmp_path / "sweep"
+    for num, (cap, sizes) in enumerate([(1, FOUR), (5, FIVE), (25, TWELVE)]):
+        ddp_job(root, num, cap, 0.1, sizes)
+    assert main([str(root)]) == 0
+    printed = capsys.readouterr().out
+    markdown = (root / "report.md").read_text()
+    at = markdown_header(markdown).index("buckets")
+    cells = markdown_rows(markdown)
+    assert [cells[job][at : at + 2] for job in ("0", "1", "2")] == [
+        ["4: 4.00 1.00 3.25 2.50 MB", ""],
+        [FIVE_TEXT, ""],
+        [TWELVE_TEXT, ""],
+    ]
+    assert "warning" not in printed and "warning" not in markdown
+    table = {line.split()[0]: line for line in printed.splitlines() if line[:1].isdigit()}
+    assert FIVE_TEXT in table["1"] and TWELVE_TEXT in table["2"] and "4: 4.00 1.00 3.25 2.50 MB" in table["0"]
+
+
+def test_warning_and_table_show_a_twelve_bucket_layout_summarised(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "sweep"
+    for num, cap in enumerate([1, 5, 25]):
+        ddp_job(root, num, cap, 0.1, TWELVE)
+    rows = build_rows(find_jobs(root))
+    assert [r.same_buckets_as for r in rows] == ["", "cap 1", "cap 1"]
+    warning = (
+        f"warning: bucket_cap_mb 1, 5 and 25 all give the same buckets ({TWELVE_TEXT}): "
+        "the swept axis changed nothing ddp does, so any difference between these jobs is noise"
+    )
+    assert axis_warning(rows) == warning
+    assert main([str(root)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.splitlines().count(warning) == 1
+    markdown = (root / "report.md").read_text()
+    assert f"- {warning}" in markdown.splitlines()
+    at = markdown_header(markdown).index("buckets")
+    cells = markdown_rows(markdown)
+    assert [cells[job][at : at + 2] for job in ("0", "1", "2")] == [
+        [TWELVE_TEXT, ""],
+        [TWELVE_TEXT, "cap 1"],
+        [TWELVE_TEXT, "cap 1"],
+    ]
