@@ -56,6 +56,17 @@ def test_sinks_depend_on_no_command() -> None:
     assert {m: i for m, i in offenders.items() if i} == {}
 
 
+def test_nothing_below_the_commands_imports_one() -> None:
+    # The arrows point one way: the loop, the strategies, the sinks and the set-up never need a
+    # command; what a command and the loop share (the timeline, text sampling) lives below both.
+    offenders = {
+        m: sorted(i for i in imps if i.startswith("trainer.tools"))
+        for m, imps in our_modules().items()
+        if m.startswith("trainer.") and not m.startswith("trainer.tools")
+    }
+    assert {m: i for m, i in offenders.items() if i} == {}
+
+
 def test_no_import_circles() -> None:
     graph = our_modules()
     for package in {m.rsplit(".", 1)[0] for m in graph if "." in m}:  # a package's __init__ is not an edge

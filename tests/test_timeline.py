@@ -17,13 +17,14 @@ from PIL import Image
 from tests.dist_helpers import run_on_ranks
 from tests.train_helpers import build, case_results, train_each
 from trainer import spans
+from trainer.logger import timeline_figures as fig
 from trainer.logger.jsonl import JsonlLogger
+from trainer.logger.timeline import write_timeline
+from trainer.logger.timeline_trace import TimelineError, read_rank
 from trainer.logger.wandb import WandbLogger
 from trainer.logger.wandb_files import read_run
 from trainer.loop.profiling import add_lab_events
 from trainer.tools import report, timeline
-from trainer.tools import timeline_figures as fig
-from trainer.tools.timeline_trace import TimelineError, read_rank
 
 COMMON = [
     "logger=none",
@@ -270,7 +271,7 @@ def test_merge_aligns_ranks_with_known_offsets(tmp_path: Path) -> None:
     assert [c.start for c in read[0].comm] == pytest.approx([t * 1e6 + 100 for t in starts], abs=1e-3)
     assert [c.step for c in read[0].comm] == [3, 4, 5]
     assert read[1].comm[0].name == "all_reduce 1.0 KiB"  # 256 floats
-    summary = timeline.write_timeline(tmp_path, tmp_path)
+    summary = write_timeline(tmp_path, tmp_path)
     assert all(s["straggler_gap_ms"] == pytest.approx(0.0, abs=1e-6) for s in summary["per_step"].values())
     # backward's op (50-120 µs) covers 20 of each collective's 50 µs (100-150)
     assert summary["ranks"]["0"]["overlap"] == pytest.approx(0.4)
@@ -299,4 +300,4 @@ def test_no_lab_record_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "profiler").mkdir()
     (tmp_path / "profiler" / "rank0.pt.trace.json").write_text(json.dumps({"traceEvents": []}))
     with pytest.raises(TimelineError, match=re.escape("no ddplab clock record")):
-        timeline.write_timeline(tmp_path, tmp_path)
+        write_timeline(tmp_path, tmp_path)

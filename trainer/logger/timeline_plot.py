@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the file-only backend)
 from matplotlib.axes import Axes  # noqa: E402
 
-from trainer.tools.timeline_trace import Interval, RankTimeline  # noqa: E402
+from trainer.logger.timeline_trace import Interval, RankTimeline  # noqa: E402
 
 PHASE_COLOURS = {
     "data": "#bbbbbb",

@@ -171,7 +171,7 @@ def send_timeline(run_dir: Path, loggers: Sequence[MetricLogger], step: int) -> 
     wanting = [logger for logger in loggers if isinstance(logger, TimelineLogger)]
     if not wanting:
         return
-    from trainer.tools.timeline import write_timeline  # matplotlib: only for a profiled run that wants it
+    from trainer.logger.timeline import write_timeline  # matplotlib: only for a profiled run that wants it
 
     try:
         write_timeline(run_dir, run_dir)

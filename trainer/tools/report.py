@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from trainer.logger.timeline_trace import TimelineError
 from trainer.tools.report_layout import axis_warning
 from trainer.tools.report_plot import plot
 from trainer.tools.report_points import Point, gather_points, spread_sentences
@@ -28,7 +29,6 @@ from trainer.tools.report_rows import Job, JobRow, build_rows
 from trainer.tools.report_table import format_markdown, format_points, format_table, write_csv
 from trainer.tools.report_timelines import plot_timelines
 from trainer.tools.report_wandb import MODES, log_report  # wandb itself is imported only by log_report
-from trainer.tools.timeline_trace import TimelineError
 
 
 class ReportError(Exception):

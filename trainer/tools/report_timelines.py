@@ -12,9 +12,9 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from trainer.tools import timeline
-from trainer.tools.timeline_plot import COMM_COLOURS, PHASE_COLOURS, draw_rank
-from trainer.tools.timeline_trace import TimelineError
+from trainer.logger import timeline
+from trainer.logger.timeline_plot import COMM_COLOURS, PHASE_COLOURS, draw_rank
+from trainer.logger.timeline_trace import TimelineError
 
 
 def plot_timelines(jobs: Sequence[tuple[str, Path]], out: Path) -> list[str]:
