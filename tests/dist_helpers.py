@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import gc
 import multiprocessing as mp
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -17,17 +18,60 @@ import torch.distributed as dist
 # with another worker's torchrun job; a real hang still fails, within run_on_ranks' timeout_s.
 TIMEOUT = dt.timedelta(seconds=240)
 
+# Set on every rank once the ranks no longer agree on where they are (a case failed on some rank
+# only): they may be at different collectives, so none issues another, not even the final barrier.
+_stopped: str | None = None
+_store: dist.Store | None = None  # the group's FileStore: a channel that a collective out of step cannot jam
+STOP = "dist_helpers/stop"
+
+
+def stop_collectives(reason: str) -> None:
+    global _stopped
+    _stopped = _stopped or reason
+
+
+def collectives_stopped() -> str | None:
+    """Why this rank must issue no more collectives, or None while its group is in step."""
+    return _stopped
+
+
+def still_in_step(key: str, raised: bool, rank: int, world_size: int, grace_s: float = 90.0) -> bool:
+    """After a piece of work that may have raised: whether the ranks are still in step, the same
+    answer on every rank, through the store (which a collective out of step cannot jam).
+
+    They are if every rank raised (bad input refused alike) or none did. A rank that raised and
+    hears nothing from a peer within grace_s takes that peer to be stuck in a collective waiting
+    for it: it says stop and leaves, and its closed connections end the peer's wait at once.
+    """
+    assert _store is not None, "inside run_on_ranks only"
+    _store.set(f"{key}/{rank}", "raised" if raised else "passed")
+    keys = [f"{key}/{r}" for r in range(world_size)]
+    deadline = time.monotonic() + (grace_s if raised else 2 * TIMEOUT.total_seconds())
+    while not _store.check(keys):
+        if _store.check([STOP]) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    words = [_store.get(k).decode() for k in keys] if _store.check(keys) else []
+    if _store.check([STOP]) or len(set(words)) != 1:
+        failed = [r for r, w in enumerate(words) if w == "raised"] or f"{rank}, a peer silent"
+        _store.set(STOP, f"{key}: raised on rank(s) {failed} only")
+        stop_collectives(f"{key} raised on some ranks only, so the ranks are out of step")
+        return False
+    return True
+
 
 def _run_rank(fn: Callable[..., Any], rank: int, world_size: int, workdir: str, args: tuple[Any, ...]) -> None:
+    global _store
     torch.set_num_threads(1)
-    store = dist.FileStore(str(Path(workdir) / "store"), world_size)
+    store = _store = dist.FileStore(str(Path(workdir) / "store"), world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=TIMEOUT)
     try:
         torch.save(fn(rank, world_size, *args), Path(workdir) / f"result{rank}.pt")
         # fn may return from an error path (e.g. a check that raised on every rank) with its last
         # collective's bytes still in flight to a peer: no rank closes its connections before all
         # are done. Once, in a full run, a rank aborted in C++ at teardown without this.
-        dist.barrier()
+        if collectives_stopped() is None:
+            dist.barrier()
     except BaseException:
         (Path(workdir) / f"error{rank}.txt").write_text(traceback.format_exc())  # for the failing test's message
         raise

@@ -11,6 +11,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from tests.compose import compose_config
+from tests.dist_helpers import collectives_stopped, still_in_step
 from trainer.logger.base import MetricLogger
 from trainer.loop.trainer import Trainer
 from trainer.setup.build import build_parts, build_trainer, instantiate, prepare_data
@@ -75,14 +76,25 @@ def train_each(
 
     One spawn of the ranks then serves many cases: a spawn costs more than a small case's training
     (importing torch alone takes seconds). A case that raises gives its traceback as its result,
-    for its own test to report, and the next cases still run.
+    for its own test to report. After each case the ranks compare, through the store, whether it
+    raised: a case refused on every rank alike (bad input) leaves them in step and the next case
+    runs; one that failed on some ranks only may have left them at different collectives, where
+    whatever ran next would pair with the wrong partner and end, minutes later, in a timeout far
+    from the cause. Then no further case runs, and each says which case stopped it.
     """
     results: dict[str, Any] = {}
     for name, overrides in cases.items():
+        stopped = collectives_stopped()
+        if stopped is not None:
+            results[name] = f"not run: {stopped}"
+            continue
+        raised = False
         try:
             results[name] = fn(rank, world_size, overrides, str(Path(run_root) / name))
         except Exception:  # reported by that case's own test
             results[name] = traceback.format_exc()
+            raised = True
+        still_in_step(f"case {name!r}", raised, rank, world_size)
     return results
 
 
