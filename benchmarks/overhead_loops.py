@@ -140,7 +140,7 @@ class Framework:
             trainer.sync.after_backward(trainer.train_model)
             times.append(time.perf_counter() - started)
         trainer.sync.zero_grad(trainer.optimizer)  # flat-buffer strategies keep their views
-        trainer.sync.take_comm()  # not training: keep it out of the counters
+        trainer.sync.pop_comm_counts()  # not training: keep it out of the counters
         return statistics.median(times)
 
     def gradient_mb(self) -> float:
@@ -155,7 +155,7 @@ class Framework:
         local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # fsdp: this rank's DTensor shard
         held = {s.data_ptr(): s.nbytes() for s in (g.untyped_storage() for g in local)}
         trainer.sync.zero_grad(trainer.optimizer)
-        trainer.sync.take_comm()  # not training: keep it out of the counters
+        trainer.sync.pop_comm_counts()  # not training: keep it out of the counters
         return sum(held.values()) / 2**20
 
     def comm(self, skip_rows: int) -> tuple[float, float, float]:

@@ -31,7 +31,7 @@ def _mechanism(rank: int, world_size: int, collective: str) -> dict[str, Any]:
     _backward(model, rank)
     learning = len(sync._works)
     sync.after_backward(model)
-    sync.take_comm()
+    sync.pop_comm_counts()
     sync.zero_grad(torch.optim.SGD(model.parameters(), lr=0.1))
     reference = _model(seed=0)  # rank 0's weights, no sync: this rank's own gradients
     for _ in range(2):
@@ -51,7 +51,7 @@ def _mechanism(rank: int, world_size: int, collective: str) -> dict[str, Any]:
     started_by_hooks = len(sync._works)
     sync.after_backward(model)
     views = all(p.grad is v for b in sync._flat.buckets for p, v in zip(b.params, b.views, strict=True))  # type: ignore[union-attr]
-    counts = sync.take_comm()
+    counts = sync.pop_comm_counts()
     averaged = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
     sync.zero_grad(torch.optim.SGD(model.parameters(), lr=0.1))
     return {

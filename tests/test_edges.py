@@ -16,15 +16,14 @@ import torch.nn.functional as F
 from tests.dist_helpers import run_on_ranks
 from tests.edge_models import Case, batch, make, optimizer_for, reference, train
 from tests.test_fsdp import real_collectives
-from trainer.sync import averaging
-from trainer.sync.bucket_clock import Clock, timed
+from trainer.sync import zero_grads
+from trainer.sync.bucket_timing import Stopwatch, timed
 from trainer.sync.bucketed import BucketedSync
 from trainer.sync.ddp import DDPSync
-from trainer.sync.flat import FlatGrads
 from trainer.sync.fsdp import FSDPSync
 from trainer.sync.manual import ManualSync
 from trainer.sync.none import NoSync
-from trainer.sync.shard_ops import ShardOps
+from trainer.sync.shared import Collectives, FlatGrads
 from trainer.sync.zero import ZeroSync
 
 TINY_MB = 300 / 2**20  # below the branch's 8x8 float64 weight (512 bytes): that tensor makes a group alone
@@ -141,29 +140,29 @@ def _fsdp_comm(rank: int, wrap: str) -> dict[str, Any]:
         F.cross_entropy(model(x), y).backward()
         sync.after_backward(model)
         sync.optimizer_step(optimizer)
-    return {"counted": sync.take_comm().kinds, "real": real, "describe": sync.describe()}
+    return {"counted": sync.pop_comm_counts().kinds, "real": real, "describe": sync.describe()}
 
 
 def _shard_ops(rank: int, world_size: int, native: bool) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
     """zero's two forms of reduce-to-shard and gather (native: NCCL's; else gloo's), on one gloo group."""
-    ops = ShardOps("nccl" if native else "gloo", rank, world_size)
+    net = Collectives()
     full = torch.arange(8.0, dtype=torch.float64) * (rank + 1) + 0.5  # sums exact in binary
     shard = torch.empty(4, dtype=torch.float64)
-    ops.reduce(shard, full, 0).wait()
-    ops.take(shard, full, world_size)  # the average: halves of these sums are exact too
+    zero_grads.reduce(net, shard, full, native, 0, grad_bytes=64).wait()
+    zero_grads.take(shard, full, rank, world_size, native)  # the average: halves of these sums are exact too
     gathered = torch.zeros(8, dtype=torch.float64)
-    for work in ops.gather(gathered, shard * 10, 0):
+    for work in zero_grads.gather(net, gathered, shard * 10, native, 0):
         work.wait()
-    return shard, gathered, [ops.reduce_kind, ops.gather_kind]
+    return shard, gathered, list(zero_grads.kinds(native))
 
 
 def _timed_future(rank: int, world_size: int) -> tuple[Any, torch.Tensor]:
     """The bucket launcher's timed wait on a real collective: what wait() yields, and the bucket after it."""
-    clock, spans = Clock(torch.device("cpu")), []  # as bucket_launch.py times every bucket
+    clock, spans = Stopwatch(torch.device("cpu")), []  # as bucket_timing.py times every bucket
     param = torch.nn.Parameter(torch.zeros(5, dtype=torch.float64))
     bucket = FlatGrads([[param]], world_size).buckets[0]
     bucket.grads.copy_(torch.arange(5.0) + rank)
-    waited = timed(averaging.start(bucket, "all_reduce"), clock.now(), clock, spans).wait()
+    waited = timed(Collectives().all_reduce(bucket.grads), clock.now(), clock, spans).wait()
     assert len(spans) == 1, "the arrival was noted"
     return waited, bucket.grads.clone()
 

@@ -93,14 +93,14 @@ ODD = ["model.hidden_sizes=[7,5]", "data.num_classes=3", "trainer.log_every_n_st
 def comm(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dict[str, Any]:
     """Steps 1-2, then an evaluation, then step 3: what the strategy counted and what really went."""
     trainer = build(rank, world_size, COMMON + ODD + overrides, run_dir)
-    trainer.sync.take_comm()
+    trainer.sync.pop_comm_counts()
     with real_collectives() as real:
         trainer.train(2)
-    counted = trainer.sync.take_comm()
+    counted = trainer.sync.pop_comm_counts()
     trainer.evaluate()  # forwards without backward, without grad
     with real_collectives() as real_after_eval:
         trainer.train(3)
-    counted_after_eval = trainer.sync.take_comm()
+    counted_after_eval = trainer.sync.pop_comm_counts()
     return {
         "counted": counted.kinds,
         "bytes": counted.bytes,

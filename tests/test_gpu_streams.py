@@ -15,9 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trainer.sync import averaging
-from trainer.sync.bucket_clock import Clock, timed
-from trainer.sync.flat import FlatGrads
+from trainer.sync.bucket_timing import Stopwatch, timed
+from trainer.sync.shared import Collectives, FlatGrads
 
 
 @pytest.mark.gpu
@@ -25,7 +24,7 @@ def test_timed_wait_orders_the_stream_after_nccl(tmp_path: Path) -> None:
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda:0"))
     try:
-        clock, spans = Clock(torch.device("cuda:0")), []  # as bucket_launch.py times every bucket
+        clock, spans = Stopwatch(torch.device("cuda:0")), []  # as bucket_timing.py times every bucket
         param = torch.nn.Parameter(torch.zeros(1 << 20, device="cuda:0"))
         bucket = FlatGrads([[param]], 1).buckets[0]
         torch.cuda.synchronize()
@@ -34,7 +33,7 @@ def test_timed_wait_orders_the_stream_after_nccl(tmp_path: Path) -> None:
         with torch.cuda.stream(side):
             torch.cuda._sleep(2_000_000_000)  # about a second of GPU cycles: the host runs far ahead
             bucket.grads.add_(1.0)
-            work = averaging.start(bucket, "all_reduce")
+            work = Collectives().all_reduce(bucket.grads)
         waited = timed(work, clock.now(), clock, spans).wait()
         seen = bucket.grads.clone()  # on the default stream, right after the wait
         torch.cuda.synchronize()

@@ -13,6 +13,7 @@ from torch import nn
 from tests.compose import compose_config
 from tests.dist_helpers import run_on_ranks
 from trainer.errors import ConfigError
+from trainer.loop.comm_metrics import comm_metrics
 from trainer.loop.metrics import Window
 from trainer.loop.schedule import WarmupCosine, warmup_cosine
 from trainer.loop.steps import (
@@ -27,9 +28,8 @@ from trainer.loop.timing import PHASES, StepTimer
 from trainer.setup.build import instantiate
 from trainer.setup.dist import choose_device
 from trainer.setup.settings import TrainSettings
-from trainer.sync import averaging
-from trainer.sync.comm import CommCounters, busy_time, comm_metrics, exposed_time
-from trainer.sync.flat import FlatGrads, plan
+from trainer.sync.shared import Collectives, CommCounters, FlatGrads, busy_time, exposed_time
+from trainer.sync.shared import group_by_size as plan
 
 
 def test_warmup_cosine_shape() -> None:
@@ -170,10 +170,16 @@ def _average(rank: int, world_size: int, cap_bytes: int, collective: str) -> lis
     for param, grad in zip(params, grads, strict=True):
         param.grad = grad
     flat = FlatGrads(list(plan(params, cap_bytes)), world_size)  # keeps the gradients, now views into buffers
-    comm = CommCounters()
-    for bucket in flat.buckets:
-        averaging.average(bucket, collective, world_size)
-        averaging.count(comm, bucket, collective)
+    net = Collectives()
+    for bucket in flat.buckets:  # as manual.py averages its buffers
+        if collective == "all_reduce":
+            net.all_reduce(bucket.grads).wait()
+            bucket.grads.div_(world_size)
+        else:
+            net.reduce_scatter(bucket.shard, bucket.buffer, grad_bytes=bucket.nbytes).wait()
+            bucket.shard.div_(world_size)
+            net.all_gather(bucket.buffer, bucket.shard).wait()
+    comm = net.counts
     views = all(p.grad is v for b in flat.buckets for p, v in zip(b.params, b.views, strict=True))
     return [*(p.grad for p in params), torch.tensor([len(flat.buckets), comm.collectives, comm.bytes, views])]
 
@@ -235,7 +241,7 @@ def test_comm_metrics_arithmetic() -> None:
     )
     assert "time/comm_s" not in untimed and untimed["comm/bytes_per_step"] == 100
     assert comm_metrics(CommCounters(), 1, 0.5, True, 2) == {}
-    assert counts.take().bytes == 4_000_000_000 and counts.bytes == 0
+    assert counts.pop().bytes == 4_000_000_000 and counts.bytes == 0
 
 
 def _agree(rank: int, world_size: int, values: list) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import traceback
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from torch import nn
 
 import trainer.loop.trainer as trainer_module
 from tests.compose import compose_config
-from tests.dist_helpers import run_on_ranks
+from tests.dist_helpers import collectives_stopped, run_on_ranks, still_in_step
 from tests.train_helpers import (
     SIX_STEPS,
     assert_same_model,
@@ -98,6 +99,10 @@ def _resume(rank: int, world_size: int, overrides: list[str], run_dir: str) -> d
     """As if the run had died after its step-3 checkpoint: a new trainer in the same run dir resumes there."""
     first = _train(rank, world_size, overrides, run_dir)["params"]
     ckpt = Path(run_dir) / "checkpoints"
+    # _train read last.pt on every rank: rank 0 must not unlink it while a slower rank still reads
+    # it (that rank's case then failed alone, the ranks fell out of step, and the whole spawn
+    # ended in its final barrier's timeout: make test's two workers made it likely).
+    dist.barrier()
     if rank == 0:
         for name in ("step-6.pt", "last.pt"):
             (ckpt / name).unlink()
@@ -143,9 +148,9 @@ def _mechanism(rank: int, world_size: int, stage: int, cap_mb: float) -> dict[st
     finite = backward()
     sync.optimizer_step(optimizer)
     sync.zero_grad(optimizer)
-    in_flight = len(sync._in_flight)  # the gathers: waited for by the next forward, or settle()
-    sync.settle()  # (a step's timing is read once its gathers are in)
-    counts = sync.take_comm()
+    in_flight = len(sync._in_flight)  # the gathers: waited for by the next forward, or wait_for_parameters()
+    sync.wait_for_parameters()  # (a step's timing is read once its gathers are in)
+    counts = sync.pop_comm_counts()
     memory = sync.row_metrics()
     # Stage 2 drops every .grad; stage 1 zeroes its flat buffers' views and drops a lone tensor's.
     lone = {id(g[0]) for g, place in zip(sync._grads.groups, sync._grads.in_flat, strict=True) if place is None}
@@ -234,15 +239,20 @@ def _settled(rank: int, world_size: int, run_dir: str) -> dict[str, Any]:
 def _ranks(rank: int, world_size: int, root: str) -> dict[str, Any]:
     """Everything at 2 ranks in one spawn: the trainer's cases one after another, then the mechanism."""
     results = {"cases": train_each(rank, world_size, _case, CASES, root)}
-    try:
-        results["settled"] = _settled(rank, world_size, str(Path(root) / "settled"))
-    except Exception:  # reported by its own test
-        results["settled"] = traceback.format_exc()
-    for name, (stage, cap_mb) in MECHANISMS.items():
+    parts: dict[str, Callable[[], Any]] = {"settled": partial(_settled, rank, world_size, str(Path(root) / "settled"))}
+    parts.update({name: partial(_mechanism, rank, world_size, *how) for name, how in MECHANISMS.items()})
+    for name, part in parts.items():
+        stopped = collectives_stopped()
+        if stopped is not None:  # the ranks are out of step: any collective would pair wrongly
+            results[name] = f"not run: {stopped}"
+            continue
+        raised = False
         try:
-            results[name] = _mechanism(rank, world_size, stage, cap_mb)
-        except Exception:  # reported by the mechanism's own test
+            results[name] = part()
+        except Exception:  # reported by its own test
             results[name] = traceback.format_exc()
+            raised = True
+        still_in_step(name, raised, rank, world_size)
     return results
 
 

@@ -96,7 +96,7 @@ class StepProfiler(AbstractContextManager["StepProfiler"]):
         timer: StepTimer | None = None,
         active_steps: int = 3,
         on_traces: Callable[[int], None] | None = None,
-        settle: Callable[[], None] | None = None,
+        wait_for_parameters: Callable[[], None] | None = None,
     ) -> None:
         self._profile: profile | None = None
         self._device, self._rank, self._out_dir = device, rank, out_dir
@@ -105,9 +105,9 @@ class StepProfiler(AbstractContextManager["StepProfiler"]):
         self._clock: dict[str, Any] = {}
         self._active = active_steps
         self._on_traces = on_traces  # called with the last profiled step once every rank's trace is written
-        # The strategy's settle(): communication a step leaves in flight (zero's gathers, waited for
+        # The strategy's wait_for_parameters(): communication a step leaves in flight (zero's gathers, waited for
         # in the next forward) lands before the trace closes, or the last step's spans would be cut.
-        self._settle = settle
+        self._wait_for_parameters = wait_for_parameters
         self.trace_path: Path | None = None
         if enabled:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -139,8 +139,8 @@ class StepProfiler(AbstractContextManager["StepProfiler"]):
         if self._profile is not None:
             if self._timer is not None:
                 self._timer.step = done_step + 1
-            if self._settle is not None and self._profile.step_num == WAIT + WARMUP + self._active - 1:
-                self._settle()  # the last recorded step: inside its range, before the trace is written
+            if self._wait_for_parameters is not None and self._profile.step_num == WAIT + WARMUP + self._active - 1:
+                self._wait_for_parameters()  # the last recorded step: inside its range, before the trace is written
             self._step_marks.append((done_step + 1, time.perf_counter()))
             self._profile.step()  # opens ProfilerStep#k for the next step (or writes the trace)
             # Names and phases only for the steps the profiler records (not its wait and warm-up).

@@ -15,6 +15,7 @@ import psutil
 import torch
 
 from trainer.logger.base import MetricLogger
+from trainer.loop.comm_metrics import comm_metrics
 from trainer.loop.lm import TokenRates
 from trainer.loop.metrics import Window, optimizer_state_mb
 from trainer.loop.step import StepRunner
@@ -22,7 +23,6 @@ from trainer.loop.summary import rank_timing
 from trainer.loop.timing import StepTimer
 from trainer.setup.dist import DistContext, hostname
 from trainer.sync.base import SyncStrategy
-from trainer.sync.comm import comm_metrics
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class TrainRows:
         self._samples += window.samples
         self._seconds += elapsed
         in_sync, world_size = self.sync.comm_in_sync_phase, self.ctx.world_size
-        comm = comm_metrics(self.sync.take_comm(), window.steps, phases.get("sync", 0.0), in_sync, world_size)
+        comm = comm_metrics(self.sync.pop_comm_counts(), window.steps, phases.get("sync", 0.0), in_sync, world_size)
         row: dict[str, Any] = {
             "step": step,
             "epoch": epoch,

@@ -78,7 +78,7 @@ class StepRunner:
         """Optimizer step number `step` (1-based) on the next grad_accum_steps batches."""
         s, ctx, timer, window = self.settings, self.ctx, self.timer, self.window
         if s.fault.due(ctx.rank, step, ctx.attempt):
-            self.sync.settle()  # kind=perturb nudges a parameter: after the last step's writes
+            self.sync.wait_for_parameters()  # kind=perturb nudges a parameter: after the last step's writes
         s.fault.maybe_fire(ctx.rank, step, ctx.attempt, self.model)
         k = s.grad_accum_steps
         timer.start()

@@ -172,7 +172,7 @@ class Trainer:
             self.run_dir / "profiler",
             self._timer,
             on_traces=send,
-            settle=self.sync.settle,
+            wait_for_parameters=self.sync.wait_for_parameters,
         )
         with bar, logging_above(bar), profiler:
             self.train(self.total_steps, bar, profiler)
@@ -194,7 +194,7 @@ class Trainer:
                 # rank stops having run the same collectives, at the same step.
                 with StepBoundary():
                     self.run_iteration(bar, profiler)
-            self.sync.settle()  # the caller may read the parameters now
+            self.sync.wait_for_parameters()  # the caller may read the parameters now
         except Terminated as stop:
             saved = self.settings.checkpoint_on_sigterm and resume.stop_together(
                 self.ctx, lambda: self.step, self._write_checkpoint, self._one_more_step
@@ -251,7 +251,7 @@ class Trainer:
                 bar.set_postfix(loss=f"{loss:.4f}", refresh=False)  # drawn at the next update
         every = s.check_replicas_every_n_steps
         if every and self.sync.keeps_replicas_equal and self.step % every == 0:
-            self.sync.settle()
+            self.sync.wait_for_parameters()
             check_replicas(self.model, self.step)
         if s.eval_every_n_steps and self.step % s.eval_every_n_steps == 0 and self.step < self.total_steps:
             self.evaluate()

@@ -12,44 +12,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer.errors import check, is_int, is_number
-
 log = logging.getLogger(__name__)
 
 DEFAULT_CANDIDATES_MB = (1.0, 5.0, 25.0, 100.0)
-
-
-def check_cap(
-    bucket_cap_mb: float | str, candidates_mb: Sequence[float], steps_per_trial: int, warmup_steps: int
-) -> tuple[float | str, list[float]]:
-    """Validate sync.bucket_cap_mb (a number > 0 or "auto") and the auto_* options that go with it.
-
-    Returns the cap (a float, or "auto") and the candidate caps as floats. Shared by every strategy
-    that has buckets, so that they accept and reject the same values with the same messages.
-    """
-    check(
-        bucket_cap_mb == "auto" or (is_number(bucket_cap_mb) and float(bucket_cap_mb) > 0),
-        "sync.bucket_cap_mb",
-        bucket_cap_mb,
-        "must be a number > 0 (MiB per gradient bucket; DDP's default is 25) or auto "
-        "(time sync.auto_candidates_mb on the first steps, keep the fastest)",
-    )
-    candidates = (
-        list(candidates_mb) if isinstance(candidates_mb, Sequence) and not isinstance(candidates_mb, str) else []
-    )
-    check(
-        bool(candidates) and all(is_number(c) and c > 0 for c in candidates),
-        "sync.auto_candidates_mb",
-        candidates_mb,
-        "must be a non-empty list of numbers > 0 (the bucket caps in MiB that bucket_cap_mb=auto tries)",
-    )
-    for key, value, meaning in (
-        ("auto_steps_per_trial", steps_per_trial, "timed steps per candidate cap"),
-        ("auto_warmup_steps", warmup_steps, "untimed steps per candidate, after its buckets are built"),
-    ):
-        check(is_int(value) and value >= 1, f"sync.{key}", value, f"must be an integer >= 1 ({meaning})")
-    cap: float | str = "auto" if bucket_cap_mb == "auto" else float(bucket_cap_mb)
-    return cap, [float(c) for c in candidates]
 
 
 @dataclass

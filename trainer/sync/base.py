@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from trainer.sync.comm import CommCounters
+from trainer.sync.shared import Collectives, CommCounters
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
 
@@ -32,9 +32,10 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
 class SyncStrategy(ABC):
     """How the replicas' gradients become one averaged gradient.
 
-    Besides the four methods, a strategy counts what it sends in `self.comm`, which the trainer
-    reads at logged steps through take_comm(). `comm_in_sync_phase` says that all its communication happens inside
-    after_backward, so the trainer's timing of that phase is its communication time.
+    A strategy sends through `self.net` (trainer/sync/shared.py), which counts every collective;
+    the trainer reads the counts at logged rows through pop_comm_counts(). `comm_in_sync_phase`
+    says that all its communication happens inside after_backward, so the trainer's timing of
+    that phase is its communication time.
     `keeps_replicas_equal` says every rank holds the same full parameters after each step (the
     trainer's replica check compares them; a strategy whose ranks hold shards sets it False).
     """
@@ -43,7 +44,7 @@ class SyncStrategy(ABC):
     keeps_replicas_equal: bool = True  # the trainer's replica check applies
 
     def __init__(self) -> None:
-        self.comm = CommCounters()
+        self.net = Collectives()
 
     @abstractmethod
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -67,7 +68,7 @@ class SyncStrategy(ABC):
         """The optimizer step on the averaged gradients (ZeRO then gathers the updated shards)."""
         optimizer.step()
 
-    def settle(self) -> None:
+    def wait_for_parameters(self) -> None:
         """Wait for whatever this strategy still writes into the parameters (zero's gathers after
         the optimizer step, which it waits for only before the next forward): the trainer calls it
         before it reads the parameters outside a forward (the replica check, a fault that nudges
@@ -106,9 +107,9 @@ class SyncStrategy(ABC):
         """
         optimizer.zero_grad(set_to_none=True)
 
-    def take_comm(self) -> CommCounters:
+    def pop_comm_counts(self) -> CommCounters:
         """What was sent (and, if measured, how long it took) since the last call: at logged rows."""
-        return self.comm.take()
+        return self.net.counts.pop()
 
     def row_metrics(self) -> dict[str, float]:
         """Extra fields the strategy reports in every logged row (e.g. DDP's bucket cap in use); read at rows only."""

@@ -1,4 +1,4 @@
-"""Starting a collective per gradient bucket as backward fills it, and timing them: shared by
+"""Starting a collective per gradient bucket as soon as backward has filled it: shared by
 `bucketed` (DDP by hand) and `zero` (ZeRO by hand), which differ only in what a bucket holds and
 which collective it starts.
 
@@ -14,10 +14,8 @@ error. Not strict (zero): the count is the most any rank saw, and buckets still 
 backward start then, in order (a missing gradient counts as zero; every rank still pairs up).
 `in_backward=False`: no bucket starts during backward (a graph whose parameters come and go).
 
-Communication is timed on one step in `time_every_n_steps`: each collective's launch and arrival,
-on host clocks on CPU (gloo completes the future when the data is there) or CUDA events on GPU.
-A collective after the sync phase (zero's gathers) is exposed from the moment it is waited for:
-zero waits for them only before the next forward, so what runs in between hides them.
+Each launch goes through the launcher's BucketTimer (bucket_timing.py), which times one step in
+`time_every_n_steps`; the strategy reads it at rows and times by hand what it starts itself.
 """
 
 from __future__ import annotations
@@ -25,7 +23,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,19 +30,16 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from trainer.errors import ConfigError
-from trainer.sync import averaging
-from trainer.sync.bucket_clock import Clock, timed
-from trainer.sync.comm import CommCounters, busy_time
+from trainer.sync.bucket_timing import BucketTimer
+from trainer.sync.shared import Waitable
 
 # on_grad(bucket index, index in the bucket, parameter, first call in this backward)
 OnGrad = Callable[[int, int, nn.Parameter, bool], None]
 Start = Callable[[int], dist.Work]
-Spans = list[tuple[Any, Any]]
-Waited = list[tuple[Any, Any, Any]]  # (launch, arrival, when the wait began)
 
 
 class BucketLauncher:
-    """Hooks that start each bucket's collective once backward has produced its gradients; its timing."""
+    """Hooks that start each bucket's collective once backward has produced its gradients."""
 
     def __init__(
         self,
@@ -60,16 +54,10 @@ class BucketLauncher:
         self.strategy = strategy
         self.params, self.names = list(params), list(names)
         self.strict, self.in_backward = strict, in_backward
-        self.time_every_n_steps = time_every_n_steps
-        self.clock = Clock(self.params[0].device)
+        self.timer = BucketTimer(self.params[0].device, time_every_n_steps, closes_late)
         self.expected: list[int] | None = None  # per parameter, hook calls per backward (learned in step 1)
         self.accumulating = False  # no_sync: the hooks do nothing, gradients accumulate locally
-        self.step = 0
-        # A step that closes late (zero's: at the next forward) is read by the row after the next
-        # step: the one timed is then the step before a logged one (rows log every n steps too).
-        self._lag = 1 if closes_late else 0
-        self.timing = self._timed_step(0)  # this step's collectives are timed
-        self.works: list[averaging.Waitable] = []  # per started bucket, in order
+        self.works: list[Waitable] = []  # per started bucket, in order
         self._position = {id(p): i for i, p in enumerate(self.params)}
         self._groups: list[list[nn.Parameter]] = []
         self._start: Start | None = None
@@ -78,12 +66,6 @@ class BucketLauncher:
         self._bucket_calls: list[int] = []  # per bucket, the hook calls that complete it
         self._missing: list[int] = []
         self._next = 0  # the next bucket to start
-        self._marks: list[Any] = []  # launch mark per started bucket (timed steps)
-        self._spans: Spans = []  # (start, end) per collective of this timed step, up to backward's end
-        self._after: Waited = []  # collectives after the sync phase (zero's gathers): exposed once waited for
-        self._backward_end: Any = None
-        # Since the last row, per timed step: (origin, backward's end, spans, spans after).
-        self._timed: list[tuple[Any, Any, Spans, Waited]] = []
 
     def build(self, groups: Sequence[Sequence[nn.Parameter]], on_grad: OnGrad, start: Start) -> None:
         """(Re)register the hooks for these buckets; not while buckets are in flight."""
@@ -111,7 +93,6 @@ class BucketLauncher:
         self._missing = list(self._bucket_calls)
         self._next = 0
         self.works = []
-        self._marks = []
 
     def _hook(self, index: int, j: int, position: int, on_grad: OnGrad, param: nn.Parameter) -> None:
         """Autograd's hook: a gradient for `param` was accumulated (once, or once per reuse)."""
@@ -135,10 +116,7 @@ class BucketLauncher:
 
     def _launch(self, index: int) -> None:
         assert self._start is not None
-        if self.timing:
-            self._marks.append(self.clock.now())
-        work = self._start(index)
-        self.works.append(timed(work, self._marks[-1], self.clock, self._spans) if self.timing else work)
+        self.works.append(self.timer.launched(self._start, index))
 
     def _learn(self) -> None:
         """End of the first step's backward: every rank's hook counts agreed (one small all_reduce)."""
@@ -164,9 +142,9 @@ class BucketLauncher:
         self.expected = most
         self._count_calls()
 
-    def finish_backward(self, late: Callable[[int], None] | None = None) -> list[averaging.Waitable]:
-        """After the last backward: every bucket started (the rest now, in order, each after `late`
-        has seen it); their works, in order."""
+    def finish_backward(self, fill_missing: Callable[[int], None] | None = None) -> list[Waitable]:
+        """After the last backward: every bucket started (the rest now, in order, each after
+        `fill_missing` has folded in what its hooks did not deliver); their works, in order."""
         if self.in_backward and self.expected is None:
             self._learn()
         elif self.strict and self._next < len(self._groups):
@@ -178,54 +156,18 @@ class BucketLauncher:
                 "parameter must receive its gradients in every backward (or use sync=manual with "
                 "sync.find_unused_parameters)"
             )
-        self._backward_end = self.clock.now() if self.timing else None
+        self.timer.backward_ended()
         for index in range(self._next, len(self._groups)):
-            if late is not None:
-                late(index)
+            if fill_missing is not None:
+                fill_missing(index)
             self._launch(index)
         self._next = len(self._groups)
         return self.works
 
-    def now(self) -> Any:
-        """A mark for a collective timed by hand (timed steps only; None otherwise)."""
-        return self.clock.now() if self.timing else None
-
-    def note(self, started: Any) -> None:
-        """A collective timed by hand ended now (bucketed's rs_ag all_gathers)."""
-        if self.timing:
-            self._spans.append((started, self.clock.now()))
-
-    def note_after(self, started: Any, waited_from: Any) -> None:
-        """A collective after the sync phase ended now; its wait began at `waited_from` (zero's gathers)."""
-        if self.timing:
-            self._after.append((started, self.clock.now(), waited_from))
-
     def end_step(self) -> None:
-        """The step's collectives are all done: keep a timed step's marks for the next row."""
-        if self.timing and self._marks:
-            self._timed.append((self._marks[0], self._backward_end, self._spans, self._after))
-        self._spans, self._after = [], []
-        self.step += 1
-        self.timing = self._timed_step(self.step)
+        """The step's collectives are all done."""
+        self.timer.end_step()
         self._reset()
-
-    def _timed_step(self, step: int) -> bool:
-        """Whether the step with this 0-based number is timed."""
-        return (step + 1 + self._lag) % self.time_every_n_steps == 0
-
-    def take_timing(self, counts: CommCounters) -> None:
-        """Add the timed steps since the last row: busy time, and the part not hidden under backward."""
-        for origin, backward_end, spans, after in self._timed:
-            seconds = partial(self.clock.seconds, origin)
-            intervals = [(seconds(a), seconds(b)) for a, b in spans]
-            later = [(seconds(a), seconds(b), seconds(w)) for a, b, w in after]
-            end_of_backward = seconds(backward_end)
-            counts.seconds += busy_time(intervals + [(a, b) for a, b, _ in later])
-            counts.exposed_seconds += max(0.0, max(end for _, end in intervals) - end_of_backward)
-            # From the wait on, nothing hides it: what ran between the launch and the wait did.
-            counts.exposed_seconds += busy_time([(max(a, w), b) for a, b, w in later if b > w])
-            counts.timed_steps += 1
-        self._timed = []
 
     @contextmanager
     def local(self) -> Iterator[None]:

@@ -1,41 +1,38 @@
-"""DDP's mechanism written out: gradient buckets, a hook per parameter, communication during backward.
+"""DDP's mechanism written out (the DDP notes' version 2, by hand): gradient buckets, a hook per
+parameter, communication while backward goes on.
 
-1. wrap(): rank 0's parameters and buffers are broadcast; the parameters are grouped, in reverse
-   registration order (roughly the order backward produces their gradients), into buckets of
-   about `bucket_cap_mb`, whose flat buffers hold the gradients (each .grad a view: no copies).
-2. backward: a post-accumulate-grad hook on each parameter counts the gradients still missing in
-   its bucket; when none is, the bucket's collective starts asynchronously while backward goes on
-   computing earlier layers. Buckets start strictly in order (a bucket ready early waits for the
-   ones before it), so every rank issues the same collectives in the same order, as DDP does.
-3. after_backward(): waits for every bucket, divides by the world size (rs_ag: then all_gathers).
+1. wrap(): rank 0's parameters and buffers are broadcast. The parameters are grouped, in
+   *reverse* registration order (roughly the order backward produces their gradients: the last
+   layer's first), into buckets of about `bucket_cap_mb`, whose flat buffers hold the gradients
+   (each .grad a view: no copies).
+2. backward: a hook on each parameter counts the gradients its bucket still misses; when none is
+   missing, the bucket's all_reduce(SUM) starts asynchronously, while backward goes on computing
+   the earlier layers ("layer 10 syncs while layer 9 computes"). Buckets start strictly in order,
+   so every rank issues the same collectives in the same order, as DDP does.
+3. after_backward(): wait for every bucket and divide it by world_size (rs_ag: the reduce_scatter
+   left each rank its shard of the sum; divide it, then all_gather the shards back).
 4. no_sync(): the hooks do nothing; gradients accumulate locally in the buffers.
 
-The hooks, the learned hook counts (a layer reused under reentrant checkpointing fires its hook
-more than once per backward) and the timing are trainer/sync/bucket_launch.py's, shared with
-`zero`; here strict: a parameter that got no gradient in the first step on some rank, or whose
-count differs across ranks, is refused then with a ConfigError naming it, and a later hook beyond
-the learned count (the graph changed) is an error naming the parameter rather than a bucket sent
-incomplete. Communication is timed on one step in `time_every_n_steps` (the logged one by default).
+The hooks and their rules (a parameter without a gradient, a layer reused under checkpointing
+firing its hook more than once) are trainer/sync/bucket_launch.py's, shared with `zero`; here
+strict: what would leave a bucket incomplete is refused with a ConfigError naming the parameter.
+One step in `time_every_n_steps` is timed (bucket_timing.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, Literal
 
 import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from trainer.sync import averaging
-from trainer.sync.autotune import DEFAULT_CANDIDATES_MB, CapTuner, check_cap
+from trainer.sync.autotune import DEFAULT_CANDIDATES_MB, CapTuner
 from trainer.sync.base import SyncStrategy
 from trainer.sync.bucket_launch import BucketLauncher
-from trainer.sync.comm import CommCounters, check_time_every_n_steps
-from trainer.sync.flat import FlatGrads, plan
-from trainer.sync.manual import broadcast_from_rank0
-from trainer.sync.unused import names_of
+from trainer.sync.shared import CommCounters, FlatGrads, Waitable, broadcast_from_rank0, group_by_size, names_of
 
 
 class BucketedSync(SyncStrategy):
@@ -44,23 +41,21 @@ class BucketedSync(SyncStrategy):
     def __init__(
         self,
         bucket_cap_mb: float | str = 25.0,
-        collective: str = "all_reduce",
+        collective: Literal["all_reduce", "rs_ag"] = "all_reduce",
         time_every_n_steps: int = 10,
         auto_candidates_mb: Sequence[float] = DEFAULT_CANDIDATES_MB,
         auto_steps_per_trial: int = 3,
         auto_warmup_steps: int = 2,
     ) -> None:
         super().__init__()
-        cap, candidates = check_cap(bucket_cap_mb, auto_candidates_mb, auto_steps_per_trial, auto_warmup_steps)
-        check_time_every_n_steps(time_every_n_steps, "the bucket clocks")
-        self.bucket_cap_mb = cap  # a number, or "auto"
-        self.auto_candidates_mb = candidates
+        self.bucket_cap_mb = bucket_cap_mb if bucket_cap_mb == "auto" else float(bucket_cap_mb)
+        self.auto_candidates_mb = [float(c) for c in auto_candidates_mb]
         self.auto_steps_per_trial = auto_steps_per_trial
         self.auto_warmup_steps = auto_warmup_steps
+        self.collective = collective
+        self.time_every_n_steps = time_every_n_steps
         self._tuner: CapTuner | None = None
         self._cap_mb = 0.0  # the cap the buckets were built with
-        self.collective = averaging.check_collective(collective)
-        self.time_every_n_steps = time_every_n_steps
         self._params: list[nn.Parameter] = []
         self._flat: FlatGrads | None = None
         self._launcher: BucketLauncher | None = None
@@ -80,23 +75,13 @@ class BucketedSync(SyncStrategy):
             self.rebuild(float(self.bucket_cap_mb))
         return model
 
-    @property
-    def _works(self) -> list[averaging.Waitable]:
-        assert self._launcher is not None, "wrap() first"
-        return self._launcher.works
-
     def rebuild(self, cap_mb: float) -> None:
         """(Re)make the buckets for a cap, keeping the gradients they hold; not while buckets are in flight."""
         assert self._launcher is not None
         self._cap_mb = cap_mb
         # Reverse registration order: the last layers' gradients are ready first in backward.
-        self._flat = FlatGrads(list(plan(reversed(self._params), int(cap_mb * 2**20))), self._world_size)
-        flat = self._flat
-        self._launcher.build(
-            [b.params for b in flat.buckets],
-            self._grad_ready,
-            lambda index: averaging.start(flat.buckets[index], self.collective, index),
-        )
+        self._flat = FlatGrads(list(group_by_size(reversed(self._params), int(cap_mb * 2**20))), self._world_size)
+        self._launcher.build([b.params for b in self._flat.buckets], self._grad_ready, self._start)
 
     def _grad_ready(self, index: int, j: int, param: nn.Parameter, first: bool) -> None:
         """A gradient for `param` was accumulated: it must be in its view (someone may have replaced it)."""
@@ -108,33 +93,39 @@ class BucketedSync(SyncStrategy):
             view.copy_(grad)
             param.grad = view
 
+    def _start(self, index: int) -> dist.Work:
+        """Bucket `index` has all its gradients: its collective leaves now, while backward goes on."""
+        assert self._flat is not None
+        bucket = self._flat.buckets[index]
+        if self.collective == "all_reduce":
+            return self.net.all_reduce(bucket.grads, index)
+        return self.net.reduce_scatter(bucket.shard, bucket.buffer, index, grad_bytes=bucket.nbytes)
+
     def after_backward(self, model: nn.Module) -> None:
         assert self._flat is not None and self._launcher is not None
-        launcher = self._launcher
-        works = launcher.finish_backward()
+        launcher, timer = self._launcher, self._launcher.timer
+        works = launcher.finish_backward()  # every bucket has left by now
         gathers: list[tuple[Any, dist.Work]] = []
         for index, (bucket, work) in enumerate(zip(self._flat.buckets, works, strict=True)):
-            gather = averaging.finish(bucket, self.collective, work, self._world_size, index)
-            averaging.count(self.comm, bucket, self.collective)
-            if gather is not None:
-                gathers.append((launcher.now(), gather))
+            work.wait()
+            if self.collective == "all_reduce":
+                bucket.grads.div_(self._world_size)
+            else:  # this rank's shard of the sum: average it, then every rank gets every shard back
+                bucket.shard.div_(self._world_size)
+                gathers.append((timer.now(), self.net.all_gather(bucket.buffer, bucket.shard, index)))
         for started, gather in gathers:
             gather.wait()
-            launcher.note(started)
+            timer.note(started)
         launcher.end_step()
         if self._tuner is not None:  # bucket_cap_mb=auto: the averaged gradients move to the new buckets
             cap_mb = self._tuner.after_step()
             if cap_mb is not None:
                 self.rebuild(cap_mb)
 
-    def row_metrics(self) -> dict[str, float]:
-        return {"sync/bucket_cap_mb": self._cap_mb}
-
-    def take_comm(self) -> CommCounters:
-        counts = self.comm.take()
-        assert self._launcher is not None
-        self._launcher.take_timing(counts)
-        return counts
+    @property
+    def _works(self) -> list[Waitable]:
+        assert self._launcher is not None, "wrap() first"
+        return self._launcher.works
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
         assert self._launcher is not None
@@ -143,6 +134,15 @@ class BucketedSync(SyncStrategy):
     def zero_grad(self, optimizer: Optimizer) -> None:
         assert self._flat is not None
         self._flat.zero()
+
+    def pop_comm_counts(self) -> CommCounters:
+        counts = self.net.counts.pop()
+        assert self._launcher is not None
+        self._launcher.timer.add_to(counts)
+        return counts
+
+    def row_metrics(self) -> dict[str, float]:
+        return {"sync/bucket_cap_mb": self._cap_mb}
 
     def describe(self) -> dict[str, Any]:
         info: dict[str, Any] = {

@@ -5,19 +5,19 @@
 import inspect
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from trainer.errors import ConfigError, check, is_int
-from trainer.sync.autotune import DEFAULT_CANDIDATES_MB, CapTuner, check_cap
+from trainer.errors import ConfigError, check
+from trainer.sync.autotune import DEFAULT_CANDIDATES_MB, CapTuner
 from trainer.sync.base import SyncStrategy
-from trainer.sync.comm import CommCounters, busy_time, check_time_every_n_steps, exposed_time
-from trainer.sync.ddp_hooks import COMM_HOOKS, BucketClock, CountedHook
+from trainer.sync.ddp_hooks import CountedHook, TimedAllReduceHook
 from trainer.sync.ddp_runtime import RuntimeStats, SwappableDDP
+from trainer.sync.shared import CommCounters, busy_time, exposed_time
 
 # torch 2.14 renamed the per-forward buffer broadcast to forward_sync_buffers (the old name warns).
 # The new flag always syncs buffers at construction, which we want anyway: replicas start equal.
@@ -43,26 +43,10 @@ class DDPSync(SyncStrategy):
         auto_candidates_mb: Sequence[float] = DEFAULT_CANDIDATES_MB,
         auto_steps_per_trial: int = 3,
         auto_warmup_steps: int = 2,
-        comm_hook: str = "none",
+        comm_hook: Literal["none", "fp16", "bf16", "powersgd"] = "none",
         powersgd_rank: int = 1,
         powersgd_start_step: int = 10,
     ) -> None:
-        cap, candidates = check_cap(bucket_cap_mb, auto_candidates_mb, auto_steps_per_trial, auto_warmup_steps)
-        check_time_every_n_steps(time_every_n_steps, "DDP's runtime statistics")
-        for key, value, floor, meaning in (
-            ("powersgd_rank", powersgd_rank, 1, "PowerSGD's matrix_approximation_rank"),
-            # PowerSGDState refuses start_powerSGD_iter <= 1 with error feedback or warm start (both on here):
-            # DDP rebuilds its buckets after the first step, which would invalidate their per-bucket state.
-            (
-                "powersgd_start_step",
-                powersgd_start_step,
-                2,
-                "PowerSGD's start_powerSGD_iter: steps of plain "
-                "all-reduce before compressing; PowerSGD with error feedback and warm start needs at least 2",
-            ),
-        ):
-            check(is_int(value) and value >= floor, f"sync.{key}", value, f"must be an integer >= {floor} ({meaning})")
-        check(comm_hook in COMM_HOOKS, "sync.comm_hook", comm_hook, f"must be one of {', '.join(COMM_HOOKS)}")
         check(
             comm_hook == "none" or not time_buckets,
             "sync.comm_hook",
@@ -78,14 +62,14 @@ class DDPSync(SyncStrategy):
             "a rebuild of the buckets would invalidate; give bucket_cap_mb a number",
         )
         super().__init__()
-        self.bucket_cap_mb = cap
+        self.bucket_cap_mb: float | str = bucket_cap_mb if bucket_cap_mb == "auto" else float(bucket_cap_mb)
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
         self.time_buckets = time_buckets
         self.time_every_n_steps = time_every_n_steps
-        self.auto_candidates_mb = candidates
+        self.auto_candidates_mb = [float(c) for c in auto_candidates_mb]
         self.auto_steps_per_trial = auto_steps_per_trial
         self.auto_warmup_steps = auto_warmup_steps
         self.comm_hook = comm_hook
@@ -96,7 +80,7 @@ class DDPSync(SyncStrategy):
         self._proxy: SwappableDDP | None = None  # bucket_cap_mb=auto
         self._tuner: CapTuner | None = None
         self._cap_mb = 0.0  # the cap the current DDP was built with
-        self._clock: BucketClock | None = None
+        self._timed_hook: TimedAllReduceHook | None = None
         self._hook: CountedHook | None = None
         self._stats: RuntimeStats | None = None
         self._steps_since_row = 0  # steps since the last row that DDP reduced without our hook
@@ -119,7 +103,7 @@ class DDPSync(SyncStrategy):
         self._module = model
         self._grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         if self.time_buckets:
-            self._clock = BucketClock(dist.get_world_size())
+            self._timed_hook = TimedAllReduceHook(dist.get_world_size())
         elif self.comm_hook != "none":
             self._hook = CountedHook(self.comm_hook, self.powersgd_rank, self.powersgd_start_step)
         if self.bucket_cap_mb != "auto":
@@ -143,8 +127,8 @@ class DDPSync(SyncStrategy):
             **buffers,
         )
         self._cap_mb = cap_mb
-        if self._clock is not None:
-            self._ddp.register_comm_hook(state=None, hook=self._clock.hook)
+        if self._timed_hook is not None:
+            self._ddp.register_comm_hook(state=None, hook=self._timed_hook.hook)
             return self._ddp
         if self._hook is not None:
             self._ddp.register_comm_hook(state=None, hook=self._hook.hook)
@@ -167,30 +151,30 @@ class DDPSync(SyncStrategy):
 
     def after_backward(self, model: nn.Module) -> None:
         # DDP has already reduced every bucket (backward waits for them); only the accounting is left.
-        clock, hook = self._clock, self._hook
-        if clock is not None:
-            intervals, clock.intervals = clock.intervals, []
-            self.comm.bytes += clock.bytes
-            self.comm.collectives += clock.calls
-            self.comm.seconds += busy_time(intervals)
-            self.comm.exposed_seconds += exposed_time(intervals)
-            self.comm.timed_steps += 1
-            clock.bytes, clock.calls = 0, 0
+        timed, hook, counts = self._timed_hook, self._hook, self.net.counts
+        if timed is not None:
+            intervals, timed.intervals = timed.intervals, []
+            counts.bytes += timed.bytes
+            counts.collectives += timed.calls
+            counts.seconds += busy_time(intervals)
+            counts.exposed_seconds += exposed_time(intervals)
+            counts.timed_steps += 1
+            timed.bytes, timed.calls = 0, 0
         elif hook is not None:
-            self.comm.bytes += hook.bytes
-            self.comm.collectives += hook.calls
+            counts.bytes += hook.bytes
+            counts.collectives += hook.calls
             hook.bytes, hook.calls = 0, 0
         else:
-            self.comm.bytes += self._grad_bytes
+            counts.bytes += self._grad_bytes
             self._steps_since_row += 1
         if self._tuner is not None:
             cap_mb = self._tuner.after_step()
             if cap_mb is not None:
                 self._rebuild(cap_mb)
 
-    def take_comm(self) -> CommCounters:
+    def pop_comm_counts(self) -> CommCounters:
         self._count_untimed_collectives()
-        counts = self.comm.take()
+        counts = self.net.counts.pop()
         sample = self._stats.take() if self._stats is not None else None
         if sample is not None:
             counts.seconds, counts.exposed_seconds = sample
@@ -200,7 +184,7 @@ class DDPSync(SyncStrategy):
     def _count_untimed_collectives(self) -> None:
         """Without a hook, one all_reduce per bucket per step; the layout is read here, not on the step path."""
         if self._steps_since_row:
-            self.comm.collectives += self._steps_since_row * len(self._bucket_layout()[0])
+            self.net.counts.collectives += self._steps_since_row * len(self._bucket_layout()[0])
             self._steps_since_row = 0
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager[Any]:

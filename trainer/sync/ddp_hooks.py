@@ -10,10 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 
-
-class BucketClock:
+class TimedAllReduceHook:
     """A DDP communication hook doing what DDP's built-in all-reduce does, timed per bucket.
 
     Each bucket is divided by the world size and all-reduced with SUM, as DDP does without a hook;

@@ -6,7 +6,7 @@ the root with the rest; a parameter shared by two candidates (tied weights) stay
 A unit's parameters live as DTensor shards (dim 0 split across ranks); its forward
 all-gathers them, its backward reduce-scatters the gradients, so each rank holds and updates only
 its shard of parameters, gradients and optimizer state. FSDP2 issues those collectives itself,
-so what this strategy reports in `self.comm` is counted from the layout, not measured.
+so what this strategy reports in `self.net.counts` is counted from the layout, not measured.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from trainer.sync.base import OptimizerFactory, SyncStrategy
 from trainer.sync.fsdp_state import by_index, by_name
 from trainer.sync.fsdp_units import check_wrap, plan_units, resolve
 from trainer.sync.fsdp_usage import FirstForwardCheck, usage_plan
-from trainer.sync.manual import broadcast_from_rank0
+from trainer.sync.shared import broadcast_from_rank0
 
 # What the parameters are all-gathered in, and the gradients reduce-scattered in.
 MIXED_PRECISION = {"none": None, "bf16": (torch.bfloat16, torch.float32)}
@@ -210,12 +210,12 @@ class FSDPSync(SyncStrategy):
                 self._count("reduce_scatter", unit.reduce_scatter_bytes)
 
     def _count(self, kind: str, nbytes: int) -> None:
-        self.comm.add(kind, nbytes)
+        self.net.counts.add(kind, nbytes)
         # comm/bytes_per_step is in all_reduce-equivalent bytes, as for every strategy: a
         # reduce-scatter or all-gather of S bytes moves half of what an all_reduce of S moves, so
         # manual's rs_ag and zero count a gradient's S once, and FSDP's two parameter all-gathers
         # plus one gradient reduce-scatter count 1.5 S.
-        self.comm.bytes += nbytes // 2
+        self.net.counts.bytes += nbytes // 2
 
     def grads_finite(self, model: nn.Module, optimizer: Optimizer) -> bool:
         """Each rank sees only its gradient shard: every rank must agree (one tiny all_reduce)."""

@@ -1,8 +1,8 @@
 """ZeRO by hand, stages 1 and 2: every rank keeps the full parameters, but only 1/N of the optimizer
 state and (stage 2) of the gradient.
 
-wrap() groups the trainable parameters into buckets of about `bucket_cap_mb` (bucketed's rule,
-flat.plan in reverse registration order) and lays them into one flat parameter buffer, bucket after
+wrap() groups the trainable parameters into buckets of about `bucket_cap_mb` (bucketed's rule:
+group_by_size in reverse registration order) and lays them into one flat parameter buffer, bucket after
 bucket, each padded to a multiple of the world size (zero_state.Layout; each parameter a view of
 it). This rank's shard is its 1/N slice of every bucket, side by side in a tensor of its own: the
 optimizer's one parameter. A step:
@@ -15,14 +15,14 @@ optimizer's one parameter. A step:
     optimizer_step:  the optimizer updates the shard; each bucket's updated slices are all_gathered
                      back into every rank's parameter buffer (the first layers' buckets first),
                      and waited for lazily: just before the next forward (a pre-hook on the
-                     model), or in settle() where the trainer reads the parameters otherwise
+                     model), or in wait_for_parameters() where the trainer reads the parameters otherwise
 
 Forward, backward and evaluation stay local; the optimizer's state is 1/N of ddp's. Checkpoints
 speak in the full model's terms (zero_state.py). Micro-batches under no_sync accumulate locally.
 
 A parameter no rank used (find_unused_parameters=true, trainer/sync/unused.py) gets no update: the
 optimizer steps on the whole shard, so its slice of the shard's parameters and optimizer state is
-put back as it was (zero_frozen.py). With find_unused_parameters=true no bucket starts during
+put back as it was (zero_unused.py). With find_unused_parameters=true no bucket starts during
 backward (one could wait for a gradient that never comes): they all start after it, in order. The
 gradient buckets are cleared right after the step, so a caller's plain optimizer.zero_grad() (which
 drops the shard's .grad, re-bound here at the next step) is enough.
@@ -38,18 +38,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from trainer.errors import check, is_number
 from trainer.sync.base import OptimizerFactory, SyncStrategy
 from trainer.sync.bucket_launch import BucketLauncher
-from trainer.sync.comm import CommCounters, check_time_every_n_steps
-from trainer.sync.flat import plan
-from trainer.sync.manual import broadcast_from_rank0
-from trainer.sync.shard_ops import ShardOps
-from trainer.sync.unused import UsedParams, names_of
+from trainer.sync.shared import CommCounters, broadcast_from_rank0, group_by_size, names_of
+from trainer.sync.unused import UsedParams
 from trainer.sync.zero_checks import ELEMENTWISE, check_one_kind, check_optimizer, check_stage
-from trainer.sync.zero_frozen import keep, restore
 from trainer.sync.zero_grads import ShardedGrads
 from trainer.sync.zero_state import Layout, gather_full_state, shard_of_full_state
+from trainer.sync.zero_unused import restore_unused, save_unused
 
 __all__ = ["ELEMENTWISE", "ZeroSync"]
 
@@ -58,7 +54,7 @@ class ZeroSync(SyncStrategy):
     """Sharded optimizer state (stage 1) and gradient (stage 2), reduced bucket by bucket during backward."""
 
     # The reduction overlaps backward and the all_gather runs in the optimizer phase: the sync phase
-    # is not this strategy's communication time; its own per-collective clocks are (take_comm).
+    # is not this strategy's communication time; its own per-collective clocks are (pop_comm_counts).
     comm_in_sync_phase = False
     keeps_replicas_equal = True  # the all_gather leaves every rank the same full parameters
 
@@ -71,24 +67,11 @@ class ZeroSync(SyncStrategy):
     ) -> None:
         super().__init__()
         check_stage(stage)
-        check(
-            is_number(bucket_cap_mb) and bucket_cap_mb > 0,
-            "sync.bucket_cap_mb",
-            bucket_cap_mb,
-            "must be a number > 0 (MiB of gradients per bucket, as bucketed's; a tensor larger goes alone)",
-        )
-        check(
-            isinstance(find_unused_parameters, bool),
-            "sync.find_unused_parameters",
-            find_unused_parameters,
-            "accepted: true or false",
-        )
-        check_time_every_n_steps(time_every_n_steps, "the bucket clocks")
         self.stage, self.bucket_cap_mb = stage, float(bucket_cap_mb)
         self.find_unused_parameters = find_unused_parameters
         self.time_every_n_steps = time_every_n_steps
         self._used: UsedParams | None = None
-        self._frozen: list[tuple[int, int]] = []  # this step: shard slices [lo, hi) of parameters no rank used
+        self._unused: list[tuple[int, int]] = []  # this step: shard slices [lo, hi) of parameters no rank used
         self._shard: nn.Parameter | None = None  # the optimizer's one parameter
         self._cleared = False  # the gradient buckets were cleared after this step's optimizer step
         self._step_open = False  # the launcher's step has not ended yet
@@ -100,7 +83,6 @@ class ZeroSync(SyncStrategy):
         self._gather_order: list[tuple[torch.Tensor, torch.Tensor]] = []  # (bucket in the buffer, its shard)
         self._held_after_backward = 0  # gradient bytes held when after_backward returned
         self._rank = 0
-        self._ops: ShardOps | None = None
         self._in_flight: list[tuple[Any, list[dist.Work]]] = []  # the step's gathers: (launch mark, works)
 
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -109,7 +91,7 @@ class ZeroSync(SyncStrategy):
         broadcast_from_rank0(model)
         world_size, self._rank = dist.get_world_size(), dist.get_rank()
         # Reverse registration order: the last layers' gradients are ready first in backward.
-        groups = list(plan(reversed(params), int(self.bucket_cap_mb * 2**20)))
+        groups = list(group_by_size(reversed(params), int(self.bucket_cap_mb * 2**20)))
         self._layout = layout = Layout.of(model, groups, world_size)
         flat = torch.zeros(layout.padded_numel, dtype=params[0].dtype, device=params[0].device)
         trainable = [p for p in model.parameters() if p.requires_grad]  # in layout order
@@ -124,8 +106,7 @@ class ZeroSync(SyncStrategy):
         self._gather_order = [
             (flat[lo : lo + padded], self._param_shard[at : at + n]) for (lo, padded), (_, at, n) in pieces
         ][::-1]
-        self._ops = ShardOps(dist.get_backend(), self._rank, world_size)
-        self._grads = ShardedGrads(self.stage, groups, layout, self._rank, self._ops)
+        self._grads = ShardedGrads(self.stage, groups, layout, self._rank, self.net)
         names = names_of(model, params)
         self._launcher = BucketLauncher(
             "zero",
@@ -144,19 +125,19 @@ class ZeroSync(SyncStrategy):
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         if self._in_flight:
-            self.settle()
+            self.wait_for_parameters()
 
-    def settle(self) -> None:
+    def wait_for_parameters(self) -> None:
         """Wait for the last step's gathers (first layers' buckets first), then close its books."""
         if not self._in_flight:
             return
         assert self._launcher is not None, "wrap() first"
-        launcher = self._launcher
-        waited_from = launcher.now()  # before this, the gathers ran hidden behind the loop's own work
+        timer = self._launcher.timer
+        waited_from = timer.now()  # before this, the gathers ran hidden behind the loop's own work
         for started, works in self._in_flight:
             for work in works:
                 work.wait()
-            launcher.note_after(started, waited_from)
+            timer.note_after(started, waited_from)
         self._in_flight = []
         self._end_step()
 
@@ -178,36 +159,32 @@ class ZeroSync(SyncStrategy):
     def after_backward(self, model: nn.Module) -> None:
         assert self._grads is not None and self._used is not None and self._layout is not None, "wrap() first"
         assert self._launcher is not None
-        self._frozen = self._layout.shard_slices(self._used.unused_everywhere(), self._rank)
+        self._unused = self._layout.shard_slices(self._used.unused_everywhere(), self._rank)
         self._cleared = False
         # Every rank, the same buckets in the same order: even one whose micro-batch had no samples.
-        works = self._launcher.finish_backward(self._grads.late)
+        works = self._launcher.finish_backward(self._grads.fill_missing)
         for index, work in enumerate(works):
-            self._grads.finish(index, work, self.comm)
+            self._grads.finish(index, work)
         self._held_after_backward = self._grads.held_bytes
         self._step_open = True
 
     def optimizer_step(self, optimizer: Optimizer) -> None:
         assert self._params is not None and self._param_shard is not None and self._shard is not None, "wrap() first"
         assert self._grads is not None and self._layout is not None and self._launcher is not None
-        assert self._ops is not None
-        self.settle()  # a step whose forward did not wait for the last gathers (none in the trainer)
+        self.wait_for_parameters()  # a step whose forward did not wait for the last gathers (none in the trainer)
         if self._shard.grad is not self._grads.shard:  # a plain optimizer.zero_grad() dropped it
             self._shard.grad = self._grads.shard
-        kept = keep(self._param_shard, optimizer, self._frozen)
+        kept = save_unused(self._param_shard, optimizer, self._unused)
         optimizer.step()  # updates this rank's shard
-        restore(self._param_shard, optimizer, kept)
+        restore_unused(self._param_shard, optimizer, kept)
         # Every rank must reach these (a skipped step, on_nonfinite=skip, skips them on every rank
-        # alike), in _gather_order. They are waited for in settle(), before the next forward.
-        launcher = self._launcher
+        # alike), in _gather_order. They are waited for in wait_for_parameters(), before the next forward.
+        timer = self._launcher.timer
         last = len(self._gather_order) - 1
         for position, (output, mine) in enumerate(self._gather_order):
-            started = launcher.now()
+            started = timer.now()
             index = last - position  # the bucket's own index: gathered last bucket first
-            works = self._ops.gather(output, mine, index)
-            self._in_flight.append((started, works))
-            for _ in works:  # what was issued: one all_gather, or one broadcast per rank of its slice
-                self.comm.add(self._ops.gather_kind, output.numel() * output.element_size() // len(works))
+            self._in_flight.append((started, self._grads.gather(output, mine, index)))
         # Cleared now, not only in zero_grad: the optimizer cannot reach the model's gradient views,
         # so a caller that clears gradients with optimizer.zero_grad() alone would accumulate them.
         # (The gathers write the parameters, not the gradients: this runs while they fly.)
@@ -238,10 +215,10 @@ class ZeroSync(SyncStrategy):
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # every rank must reach this
         return bool(finite.item())
 
-    def take_comm(self) -> CommCounters:
-        counts = self.comm.take()
+    def pop_comm_counts(self) -> CommCounters:
+        counts = self.net.counts.pop()
         assert self._launcher is not None, "wrap() first"
-        self._launcher.take_timing(counts)
+        self._launcher.timer.add_to(counts)
         return counts
 
     def row_metrics(self) -> dict[str, float]:
@@ -255,14 +232,14 @@ class ZeroSync(SyncStrategy):
     def state_dicts(self, model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
         """The model's state is full on every rank already; the optimizer's is gathered (a collective)."""
         assert self._layout is not None, "wrap() first"
-        self.settle()
+        self.wait_for_parameters()
         return model.state_dict(), gather_full_state(optimizer.state_dict(), self._layout)
 
     def load_state_dicts(
         self, model: nn.Module, optimizer: Optimizer, model_state: dict[str, Any], optimizer_state: dict[str, Any]
     ) -> None:
         assert self._layout is not None and self._params is not None and self._param_shard is not None, "wrap() first"
-        self.settle()  # a gather landing after the load would overwrite it
+        self.wait_for_parameters()  # a gather landing after the load would overwrite it
         model.load_state_dict(model_state)  # copies into the parameters: into the flat buffer
         with torch.no_grad():
             self._param_shard.copy_(self._layout.shard_of(self._params, self._rank))
@@ -275,10 +252,9 @@ class ZeroSync(SyncStrategy):
             "bucket_cap_mb": self.bucket_cap_mb,
             "comm_timing": f"per bucket, 1 step in {self.time_every_n_steps}",
         }
-        if self._ops is not None:
-            info["collectives"] = ("all_reduce" if self.stage == 1 else self._ops.reduce_kind) + (
-                f" + {self._ops.gather_kind}"
-            )
+        if self._grads is not None:
+            grads = self._grads
+            info["collectives"] = ("all_reduce" if self.stage == 1 else grads.reduce_kind) + f" + {grads.gather_kind}"
         if self._layout is not None:
             layout = self._layout
             info["world_size"] = layout.world_size

@@ -10,8 +10,8 @@ the step (a flat view would cost an in-place accumulation and a zeroing pass ove
 
 Stage 2 (the gradients sharded too): a gradient is moved, as its hook fires, into its bucket's
 staging buffer (allocated when the bucket's first gradient arrives), and the parameter's .grad is
-dropped; the full bucket is reduced into this rank's shard of the gradient (shard_ops.py: a
-reduce_scatter, or on gloo an all_reduce and a slice), then the staging buffer is freed. A bucket
+dropped; the full bucket is reduced into this rank's shard of the gradient (a reduce_scatter, or
+on gloo an all_reduce and a slice: see below), then the staging buffer is freed. A bucket
 of one parameter that needs no padding (a tensor above the cap, typically) stages autograd's own
 gradient tensor: no buffer to allocate, no copy (a fresh 64 MiB buffer costs ~30 ms of page
 faults on CPU). After backward a rank holds 1/N of the gradient; during backward, the buckets
@@ -19,7 +19,14 @@ being filled or in flight. Under no_sync the hooks do nothing: autograd accumula
 full local gradient in each .grad, and the last micro-batch's hooks move it.
 
 A gradient that never arrived in the last backward (a parameter unused there, or one whose .grad
-was replaced) is folded in by late() before its bucket starts (after backward, in order).
+was replaced) is folded in by fill_missing() before its bucket starts (after backward, in order).
+
+gloo's reduce_scatter and all_gather are slow paths. Measured here (2 CPU ranks, 64 MiB of fp32):
+all_reduce 43 ms, reduce_scatter 85 ms, all_gather 70 ms, but one broadcast from each rank of its
+shard 20 ms. So on gloo a bucket is all_reduced in place and this rank's slice read into its shard
+(the full bucket is held until then either way), and the shards are gathered by one broadcast per
+rank, each from its owner (as ZeroRedundancyOptimizer broadcasts its parameters). Same bytes,
+bit-identical results: only the collectives differ, and comm/* counts the ones really issued.
 """
 
 from __future__ import annotations
@@ -30,21 +37,59 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.sync import averaging
-from trainer.sync.comm import CommCounters
-from trainer.sync.flat import FlatGrads
-from trainer.sync.shard_ops import ShardOps
+from trainer.sync.shared import Collectives, FlatGrads, Waitable
 from trainer.sync.zero_state import Layout
+
+
+def kinds(native: bool) -> tuple[str, str]:
+    """The collectives that reduce a bucket to a shard and gather the shards: natively, or on gloo."""
+    return ("reduce_scatter", "all_gather") if native else ("all_reduce", "broadcast")
+
+
+def reduce(
+    net: Collectives, shard: torch.Tensor, full: torch.Tensor, native: bool, bucket: int, grad_bytes: int
+) -> dist.Work:
+    """Start summing `full` (a padded bucket) across ranks: into `shard` (reduce_scatter), or in place
+    (gloo's all_reduce; take() then reads this rank's slice)."""
+    if native:
+        return net.reduce_scatter(shard, full, bucket, grad_bytes=grad_bytes)
+    return net.all_reduce(full, bucket, grad_bytes=grad_bytes)
+
+
+def take(shard: torch.Tensor, full: torch.Tensor, rank: int, divisor: int, native: bool) -> None:
+    """After reduce()'s wait: this rank's slice of the sum, divided, in `shard` (read and divided in
+    one pass where it lies in `full`, not a copy and then a division)."""
+    if native:
+        shard.div_(divisor)
+        return
+    size = shard.numel()
+    torch.div(full[rank * size : (rank + 1) * size], divisor, out=shard)
+
+
+def gather(net: Collectives, full: torch.Tensor, mine: torch.Tensor, native: bool, bucket: int) -> list[dist.Work]:
+    """Start filling `full` (a padded bucket) with every rank's slice; `mine` is this rank's."""
+    if native:
+        return [net.all_gather(full, mine, bucket)]
+    rank, size = dist.get_rank(), mine.numel()
+    works = []
+    for owner in range(dist.get_world_size()):  # every rank issues the same broadcasts, in the same order
+        tensor = mine if owner == rank else full[owner * size : (owner + 1) * size]
+        works.append(net.broadcast(tensor, owner, bucket))
+    full[rank * size : (rank + 1) * size].copy_(mine)
+    return works
 
 
 class ShardedGrads:
     """The gradient buckets of one stage, and this rank's contiguous shard of the averaged gradient."""
 
     def __init__(
-        self, stage: int, groups: Sequence[Sequence[nn.Parameter]], layout: Layout, rank: int, ops: ShardOps
+        self, stage: int, groups: Sequence[Sequence[nn.Parameter]], layout: Layout, rank: int, net: Collectives
     ) -> None:
         self.stage = stage
-        self.ops = ops
+        self.net = net
+        # gloo's own reduce_scatter and all_gather are slow paths: see the module's doc.
+        self.native = dist.get_backend() != "gloo"
+        self.reduce_kind, self.gather_kind = kinds(self.native)
         self.world_size = layout.world_size
         params = groups[0][0]
         self.shard = torch.zeros(layout.shard_numel, dtype=params.dtype, device=params.device)  # the optimizer's .grad
@@ -60,12 +105,13 @@ class ShardedGrads:
         self.flat: FlatGrads | None = None
         self.staging: list[torch.Tensor | None] = [None] * len(self.groups)
         # Per bucket: one parameter that needs no padding, whose gradient can be reduced where autograd put it.
-        self.lone = [len(g) == 1 and n == p for g, n, p in zip(self.groups, self.numels, self.padded, strict=True)]
-        self._lone_bytes = sum(n for n, alone in zip(self.numels, self.lone, strict=True) if alone) * self.element_size
-        # Stage 1: per bucket, its place among the flat buffers, or None for a lone tensor.
+        self.in_place = [len(g) == 1 and n == p for g, n, p in zip(self.groups, self.numels, self.padded, strict=True)]
+        in_place_numel = sum(n for n, alone in zip(self.numels, self.in_place, strict=True) if alone)
+        self._in_place_bytes = in_place_numel * self.element_size
+        # Stage 1: per bucket, its place among the flat buffers, or None for a gradient reduced in place.
         self.in_flat: list[int | None] = [None] * len(self.groups)
         if stage == 1:
-            flat = [i for i, alone in enumerate(self.lone) if not alone]
+            flat = [i for i, alone in enumerate(self.in_place) if not alone]
             self.flat = FlatGrads([self.groups[i] for i in flat], self.world_size)
             for position, (index, bucket) in enumerate(zip(flat, self.flat.buckets, strict=True)):
                 bucket.shard = self.shards[index]  # one contiguous shard for the optimizer, not one per bucket
@@ -75,12 +121,12 @@ class ShardedGrads:
 
     @property
     def held_bytes(self) -> int:
-        """Gradient bytes this rank holds now: the shard, and the full buckets (stage 1: the lone tensors'
-        counted whole, as they are from backward to the step) or those staged (stage 2)."""
+        """Gradient bytes this rank holds now: the shard, and the full buckets (stage 1: the gradients
+        reduced in place counted whole, as they are from backward to the step) or those staged (stage 2)."""
         if self.flat is None:
             return self.shard.numel() * self.element_size + self._live
         full = sum(b.padded_nbytes for b in self.flat.buckets)
-        return self.shard.numel() * self.element_size + full + self._lone_bytes
+        return self.shard.numel() * self.element_size + full + self._in_place_bytes
 
     def on_grad(self, index: int, j: int, param: nn.Parameter, first: bool) -> None:
         """A gradient for `param` was accumulated (its hook): into its bucket (see the module's doc)."""
@@ -88,7 +134,7 @@ class ShardedGrads:
         assert grad is not None, "autograd calls this hook after accumulating a gradient"
         if self.flat is not None:
             place = self.in_flat[index]
-            if place is None:  # a lone tensor: reduced where autograd put it
+            if place is None:  # reduced where autograd put it
                 if not grad.is_contiguous():
                     param.grad = grad.contiguous()
                 return
@@ -97,7 +143,7 @@ class ShardedGrads:
                 view.copy_(grad)
                 param.grad = view
             return
-        if first and self.staging[index] is None and self.lone[index] and grad.is_contiguous():
+        if first and self.staging[index] is None and self.in_place[index] and grad.is_contiguous():
             self.staging[index] = grad.detach().view(-1)  # autograd's tensor, ours once .grad lets go of it
             self._grew(grad.numel())
             param.grad = None
@@ -122,13 +168,13 @@ class ShardedGrads:
         self._live += numel * self.element_size
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
 
-    def late(self, index: int) -> None:
+    def fill_missing(self, index: int) -> None:
         """Before a bucket starts after backward: gradients its hooks did not deliver, folded in."""
         if self.flat is not None:
             place = self.in_flat[index]
             if place is not None:
                 self.flat.bind_bucket(place)
-            else:  # a lone tensor whose gradient never came still sends its zeros
+            else:  # a gradient reduced in place that never came still sends its zeros
                 (param,) = self.groups[index]
                 param.grad = torch.zeros_like(param) if param.grad is None else param.grad.contiguous()
             return
@@ -138,44 +184,46 @@ class ShardedGrads:
                 self.on_grad(index, j, param, False)
 
     def start(self, index: int) -> dist.Work:
-        """The bucket's collective, asynchronously: all_reduce (stage 1) or reduce_scatter into the shard."""
+        """The bucket's collective, asynchronously: all_reduce of the full bucket (stage 1), or its
+        reduction into this rank's shard (stage 2: reduce_scatter; gloo: all_reduce, sliced in finish)."""
+        grad_bytes = self.numels[index] * self.element_size  # the gradient bytes, once per step
         if self.flat is not None:
             place = self.in_flat[index]
-            if place is not None:
-                return averaging.start(self.flat.buckets[place], "all_reduce", index)
-            return self.ops.all_reduce(self._lone(index), index)
+            full = self.flat.buckets[place].grads if place is not None else self._in_place_grad(index)
+            return self.net.all_reduce(full, index)
         staged = self.staging[index]
-        assert staged is not None, "a bucket starts after its gradients (or late()) staged it"
-        return self.ops.reduce(self.shards[index], staged, index)
+        assert staged is not None, "a bucket starts after its gradients (or fill_missing()) staged it"
+        return reduce(self.net, self.shards[index], staged, self.native, index, grad_bytes)
 
-    def finish(self, index: int, work: averaging.Waitable, comm: CommCounters) -> None:
-        """Wait for the bucket's collective; this rank's slice averaged into the shard; counted."""
+    def finish(self, index: int, work: Waitable) -> None:
+        """Wait for the bucket's collective; this rank's slice of the sum, averaged, in the shard."""
         work.wait()
         shard = self.shards[index]
-        comm.bytes += self.numels[index] * self.element_size  # the gradient bytes, once per step
-        if self.flat is not None:  # this rank's slice of the summed bucket, averaged, in one pass
+        if self.flat is not None:  # stage 1 all-reduced the full bucket: read this rank's slice
             place = self.in_flat[index]
-            summed = self.flat.buckets[place].buffer if place is not None else self._lone(index)
-            size = shard.numel()
-            torch.div(summed[self._rank * size : (self._rank + 1) * size], self.world_size, out=shard)
-            comm.add("all_reduce", self.numels[index] * self.element_size)
-        else:
-            staged = self.staging[index]
-            assert staged is not None
-            self.ops.take(shard, staged, self.world_size)
-            self._live -= staged.numel() * self.element_size
-            self.staging[index] = None  # freed: only the shard is kept
-            comm.add(self.ops.reduce_kind, self.padded[index] * self.element_size)
+            summed = self.flat.buckets[place].buffer if place is not None else self._in_place_grad(index)
+            take(shard, summed, self._rank, self.world_size, native=False)
+            return
+        staged = self.staging[index]
+        assert staged is not None
+        take(shard, staged, self._rank, self.world_size, self.native)
+        self._live -= staged.numel() * self.element_size
+        self.staging[index] = None  # freed: only the shard is kept
 
-    def _lone(self, index: int) -> torch.Tensor:
-        """Stage 1: a lone tensor's gradient, flat (on_grad and late() made it contiguous)."""
+    def gather(self, full: torch.Tensor, mine: torch.Tensor, bucket: int) -> list[dist.Work]:
+        """Start filling `full` (a padded bucket of parameters) with every rank's slice; `mine` is this rank's."""
+        return gather(self.net, full, mine, self.native, bucket)
+
+    def _in_place_grad(self, index: int) -> torch.Tensor:
+        """Stage 1: the gradient reduced where autograd put it, flat (on_grad and fill_missing() made
+        it contiguous)."""
         grad = self.groups[index][0].grad
-        assert grad is not None, "a lone bucket starts after its gradient (or late()) arrived"
+        assert grad is not None, "its bucket starts after its gradient (or fill_missing()) arrived"
         return grad.view(-1)
 
     def zero(self) -> None:
-        """Clear the full gradient buckets (stage 1: the lone tensors' set to None, autograd's next is
-        fresh); stage 2's shard is overwritten by the next reduce."""
+        """Clear the full gradient buckets (stage 1: the gradients reduced in place set to None,
+        autograd's next is fresh); stage 2's shard is overwritten by the next reduce."""
         if self.flat is not None:
             self.flat.zero()
             for index, place in enumerate(self.in_flat):

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.sync import averaging
+from trainer.sync.shared import all_gather_tensor
 
 
 @dataclass(frozen=True)
@@ -30,10 +30,10 @@ class Layout:
     its 1/N slice of every bucket: `pieces(r)` says which.
     """
 
-    indices: list[int]  # position in model.parameters() (frozen parameters are not in the buffer)
+    indices: list[int]  # position in model.parameters() (parameters with requires_grad=False are not in the buffer)
     shapes: list[torch.Size]
     offsets: list[int]  # in the padded, bucket-major buffer
-    num_params: int  # every parameter of the model, frozen ones included: the full state's key range
+    num_params: int  # every parameter of the model, untrainable ones included: the full state's key range
     numel: int  # trainable elements
     padded_numel: int  # the buffer: every bucket rounded up to a multiple of the world size
     world_size: int
@@ -80,7 +80,7 @@ class Layout:
     def gather(self, flat: torch.Tensor, shard: torch.Tensor) -> None:
         """Every rank's shard into `flat`, bucket by bucket (a collective: every rank must reach it)."""
         for (start, padded), (_, at, n) in zip(self.buckets, self.pieces(0), strict=True):
-            averaging.all_gather_tensor(flat[start : start + padded], shard[at : at + n])
+            all_gather_tensor(flat[start : start + padded], shard[at : at + n])
 
     def shard_slices(self, trainable: list[int], rank: int) -> list[tuple[int, int]]:
         """The parts of rank's shard, as [lo, hi) in the shard, that the given trainable parameters

@@ -15,7 +15,7 @@ def _per_element_state(shard: torch.Tensor, optimizer: Optimizer) -> dict[str, t
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == shard.shape}
 
 
-def keep(
+def save_unused(
     shard: torch.Tensor, optimizer: Optimizer, slices: list[tuple[int, int]]
 ) -> tuple[list[tuple[int, int]], Kept]:
     """Copies of the shard's parameters and per-element optimizer state in `slices`, to put back after
@@ -26,8 +26,8 @@ def keep(
     return slices, [(t[lo:hi], t[lo:hi].clone()) for t in tensors for lo, hi in slices]
 
 
-def restore(shard: torch.Tensor, optimizer: Optimizer, kept: tuple[list[tuple[int, int]], Kept]) -> None:
-    """Put back what keep copied; state this step created (e.g. Adam's moments) starts at zero there."""
+def restore_unused(shard: torch.Tensor, optimizer: Optimizer, kept: tuple[list[tuple[int, int]], Kept]) -> None:
+    """Put back what save_unused copied; state this step created (e.g. Adam's moments) starts at zero there."""
     slices, saved = kept
     if not slices:
         return

@@ -9,10 +9,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainer.setup.schema.spec import key
-from trainer.sync.averaging import COLLECTIVES
-from trainer.sync.ddp_hooks import COMM_HOOKS
-from trainer.sync.fsdp import MIXED_PRECISION
-from trainer.sync.fsdp_units import WRAPS
+
+COLLECTIVES = ("all_reduce", "rs_ag")
+COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
+MIXED_PRECISION = ("none", "bf16")
+WRAPS = ("auto", "block", "module")
 
 
 @dataclass
@@ -66,7 +67,7 @@ class ZeroConfig(SyncConfig):
 @dataclass
 class FSDPConfig(SyncConfig):
     reshard_after_forward: bool = key()
-    mixed_precision: str = key(choices=tuple(MIXED_PRECISION))
+    mixed_precision: str = key(choices=MIXED_PRECISION)
     wrap: str = key(choices=WRAPS)
 
 

@@ -1,0 +1,254 @@
+"""What several strategies share: the first broadcast, gradients in flat buffers, and the collectives.
+
+No strategy imports another; what two of them need lives here. Everything a strategy sends about
+gradients or parameters goes through `Collectives`, which launches it asynchronously and keeps the
+books in one place: it counts each collective for the comm/* metrics, and names it in the
+profiler's trace while trainer.profile records. The strategy's own file then says only what is
+sent and when.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainer import spans
+
+# The flat-tensor forms under their torch >= 2.14 names, or the older ones (deprecated there).
+all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def broadcast_from_rank0(model: nn.Module) -> None:
+    """Same seed is not enough to trust: every replica starts from rank 0's parameters and buffers."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor, src=0)
+
+
+def names_of(model: nn.Module, params: Sequence[nn.Parameter]) -> list[str]:
+    """Each parameter's name in the model (the first, for a tied one): for the messages."""
+    names: dict[int, str] = {}
+    for name, param in model.named_parameters():
+        names.setdefault(id(param), name)
+    return [names.get(id(p), "?") for p in params]
+
+
+# --- gradients in flat buffers --------------------------------------------------------------------
+# A collective then runs on a bucket's buffer directly: nothing is copied into a flat buffer before it
+# or back out after it (two copies of every gradient per step). Autograd keeps accumulating into the
+# views as long as nobody drops them, so a strategy zeroes the buffers between steps instead of
+# setting the gradients to None.
+
+
+def group_by_size(params: Iterable[nn.Parameter], cap_bytes: int) -> Iterator[list[nn.Parameter]]:
+    """Consecutive groups of at most cap_bytes (a larger parameter goes alone; 0: one parameter each).
+
+    A group never mixes dtypes or devices: its gradients share one buffer.
+    """
+    group: list[nn.Parameter] = []
+    size = 0
+    for param in params:
+        nbytes = param.numel() * param.element_size()
+        same_kind = not group or (param.dtype, param.device) == (group[0].dtype, group[0].device)
+        if group and (size + nbytes > cap_bytes or not same_kind):
+            yield group
+            group, size = [], 0
+        group.append(param)
+        size += nbytes
+    if group:
+        yield group
+
+
+@dataclass
+class Bucket:
+    """Some parameters' gradients side by side in one buffer, padded to a multiple of the world size
+    (reduce_scatter splits it evenly)."""
+
+    params: list[nn.Parameter]
+    views: list[torch.Tensor]  # each parameter's .grad, a view into `buffer`
+    buffer: torch.Tensor  # numel gradient elements, then zeros up to a multiple of the world size
+    numel: int
+    shard: torch.Tensor  # this rank's 1/world_size of the buffer, for reduce_scatter + all_gather
+
+    @property
+    def nbytes(self) -> int:
+        """The gradients' bytes (what all_reduce sends, without the padding)."""
+        return self.numel * self.buffer.element_size()
+
+    @property
+    def padded_nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    @property
+    def grads(self) -> torch.Tensor:
+        """The gradients without the padding."""
+        return self.buffer[: self.numel]
+
+
+class FlatGrads:
+    """A bucket per group of parameters, in order, each parameter's .grad bound to its bucket's view."""
+
+    def __init__(self, groups: Sequence[list[nn.Parameter]], world_size: int) -> None:
+        self.buckets = [self._allocate(group, world_size) for group in groups]
+        self.bind()
+
+    @staticmethod
+    def _allocate(params: list[nn.Parameter], world_size: int) -> Bucket:
+        numel = sum(p.numel() for p in params)
+        padded = -(-numel // world_size) * world_size
+        buffer = torch.zeros(padded, dtype=params[0].dtype, device=params[0].device)
+        views, offset = [], 0
+        for param in params:
+            views.append(buffer[offset : offset + param.numel()].view_as(param))
+            offset += param.numel()
+        shard = torch.empty(padded // world_size, dtype=buffer.dtype, device=buffer.device)
+        return Bucket(params, views, buffer, numel, shard)
+
+    def bind(self) -> None:
+        """Make every parameter's .grad its view again, keeping any gradient it already holds."""
+        for index in range(len(self.buckets)):
+            self.bind_bucket(index)
+
+    def bind_bucket(self, index: int) -> None:
+        """bind(), for one bucket."""
+        bucket = self.buckets[index]
+        for param, view in zip(bucket.params, bucket.views, strict=True):
+            if param.grad is view:
+                continue
+            if param.grad is None:
+                view.zero_()
+            else:
+                view.copy_(param.grad)
+            param.grad = view
+
+    def zero(self) -> None:
+        """Clear every gradient: one fill per bucket, and the views stay bound."""
+        for bucket in self.buckets:
+            bucket.buffer.zero_()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(bucket.nbytes for bucket in self.buckets)
+
+    def sizes(self) -> list[int]:
+        """Each bucket's gradient bytes, in order."""
+        return [bucket.nbytes for bucket in self.buckets]
+
+
+# --- the collectives, counted and named -------------------------------------------------------------
+
+
+class Waitable(Protocol):
+    """A collective in flight: a dist.Work, or a future chained to one."""
+
+    def wait(self) -> Any: ...
+
+
+@dataclass
+class CommCounters:
+    """Cumulative since the last pop(): bytes synced, calls, and (when measured) wall time.
+
+    `bytes` is all_reduce-equivalent gradient bytes (a reduce_scatter and its all_gather of a
+    gradient count it once). `seconds` and `exposed_seconds` cover `timed_steps` steps: every step
+    when a hook times each bucket, or one sampled step per row when DDP's runtime statistics time it.
+    """
+
+    bytes: int = 0
+    collectives: int = 0
+    seconds: float = 0.0  # wall time with at least one collective in flight
+    exposed_seconds: float = 0.0  # the part of it not hidden under backward computation
+    timed_steps: int = 0  # how many steps seconds/exposed_seconds were measured over (0: untimed)
+    # Per kind of collective ("all_reduce", "reduce_scatter", ...): [bytes of the buffer, calls].
+    kinds: dict[str, list[int]] = field(default_factory=dict)
+
+    def add(self, kind: str, nbytes: int) -> None:
+        """One collective of `kind` on a buffer of `nbytes` (nccl-tests' size: the whole buffer)."""
+        counts = self.kinds.setdefault(kind, [0, 0])
+        counts[0] += nbytes
+        counts[1] += 1
+        self.collectives += 1
+
+    def pop(self) -> CommCounters:
+        """The counts so far; the counters start again from zero."""
+        popped = CommCounters(
+            self.bytes, self.collectives, self.seconds, self.exposed_seconds, self.timed_steps, self.kinds
+        )
+        self.bytes, self.collectives, self.seconds, self.exposed_seconds, self.timed_steps = 0, 0, 0.0, 0.0, 0
+        self.kinds = {}
+        return popped
+
+
+def busy_time(intervals: Sequence[tuple[float, float]]) -> float:
+    """Length of the union of [start, end] intervals: time with at least one collective in flight."""
+    total, cursor = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > cursor:
+            total += end - max(start, cursor)
+            cursor = end
+    return total
+
+
+def exposed_time(intervals: Sequence[tuple[float, float]]) -> float:
+    """Communication left after the last bucket was launched, i.e. after backward's compute ended."""
+    if not intervals:
+        return 0.0
+    return max(0.0, max(end for _, end in intervals) - max(start for start, _ in intervals))
+
+
+class Collectives:
+    """torch.distributed's collectives, asynchronous (SUM for reductions), each one counted in
+    `counts` and, while trainer.profile records, launched inside a profiler range naming it
+    (`bucket 3 all_reduce 4.0 MiB`); otherwise the naming costs one global read.
+
+    `grad_bytes`: the gradient bytes a reduction averages, for comm/bytes_per_step (default: the
+    whole tensor); a gather or broadcast of parameters adds none.
+    """
+
+    def __init__(self) -> None:
+        self.counts = CommCounters()
+
+    def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None, grad_bytes: int | None = None) -> dist.Work:
+        nbytes = self._count("all_reduce", tensor, grad_bytes)
+        return _launch("all_reduce", nbytes, bucket, dist.all_reduce, tensor, op=dist.ReduceOp.SUM, async_op=True)
+
+    def reduce_scatter(
+        self, shard: torch.Tensor, full: torch.Tensor, bucket: int | None = None, grad_bytes: int | None = None
+    ) -> dist.Work:
+        """This rank's 1/N of the sum of `full` (a padded buffer) into `shard`."""
+        nbytes = self._count("reduce_scatter", full, grad_bytes)
+        return _launch(
+            "reduce_scatter", nbytes, bucket, reduce_scatter_tensor, shard, full, op=dist.ReduceOp.SUM, async_op=True
+        )
+
+    def all_gather(self, full: torch.Tensor, shard: torch.Tensor, bucket: int | None = None) -> dist.Work:
+        """Every rank's `shard`, side by side, into every rank's `full`."""
+        nbytes = self._count("all_gather", full, 0)
+        return _launch("all_gather", nbytes, bucket, all_gather_tensor, full, shard, async_op=True)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, bucket: int | None = None) -> dist.Work:
+        nbytes = self._count("broadcast", tensor, 0)
+        return _launch("broadcast", nbytes, bucket, dist.broadcast, tensor, src=src, async_op=True)
+
+    def _count(self, kind: str, tensor: torch.Tensor, grad_bytes: int | None) -> int:
+        nbytes = tensor.numel() * tensor.element_size()
+        self.counts.bytes += nbytes if grad_bytes is None else grad_bytes
+        self.counts.add(kind, nbytes)
+        return nbytes
+
+
+def _launch(kind: str, nbytes: int, bucket: int | None, collective: Any, *args: Any, **kwargs: Any) -> dist.Work:
+    if spans.recording:
+        with spans.named(kind, nbytes, bucket):
+            return _started(collective(*args, **kwargs))
+    return _started(collective(*args, **kwargs))
+
+
+def _started(work: dist.Work | None) -> dist.Work:
+    assert work is not None, "async_op=True returns the collective's Work"
+    return work
