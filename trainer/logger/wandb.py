@@ -12,14 +12,16 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from trainer.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-MODES = ("offline", "online", "disabled")
+Mode = Literal["offline", "online", "disabled"]  # the schema's choices for logger.mode
+MODES: tuple[str, ...] = typing.get_args(Mode)
 # Every metric is plotted against `step`, the optimizer step, not W&B's own row counter, and some
 # are aggregated in the run's summary (the runs table, a sweep's parallel coordinates): None keeps
 # W&B's default, the last value. No catch-all "*": wandb-core picks among matching globs in no fixed

@@ -11,7 +11,9 @@ import logging
 import os
 import signal
 import time
+import typing
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
@@ -20,7 +22,8 @@ from trainer.errors import check, is_int
 
 log = logging.getLogger(__name__)
 
-KINDS = ("crash", "hang", "sigterm", "perturb", "nan_loss")
+Kind = Literal["crash", "hang", "sigterm", "perturb", "nan_loss"]  # the schema's choices for trainer.fault.kind
+KINDS: tuple[str, ...] = typing.get_args(Kind)
 
 
 class InjectedFault(RuntimeError):

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass, field
+from typing import Literal
 
 from trainer.errors import ConfigError, check, is_int, is_number
 from trainer.reliability.fault import Fault
 
-DEVICES = ("auto", "cpu", "cuda")
-PRECISIONS = ("fp32", "bf16")
-NONFINITE = ("raise", "skip")
+Device = Literal["auto", "cpu", "cuda"]
+Precision = Literal["fp32", "bf16"]  # autocast
+OnNonfinite = Literal["raise", "skip"]
+DEVICES: tuple[str, ...] = typing.get_args(Device)
+PRECISIONS: tuple[str, ...] = typing.get_args(Precision)
+NONFINITE: tuple[str, ...] = typing.get_args(OnNonfinite)
 
 
 @dataclass(frozen=True)
@@ -22,8 +27,8 @@ class TrainSettings:
     log_every_n_steps: int = 10
     eval_every_n_steps: int = 100  # 0: evaluate only at the end
     grad_accum_steps: int = 1  # micro-batches of data.batch_size per optimizer step
-    device: str = "auto"  # auto | cpu | cuda
-    precision: str = "fp32"  # fp32 | bf16 (autocast)
+    device: Device = "auto"
+    precision: Precision = "fp32"
     collective_timeout_s: float = 300.0
     progress_bar: bool = True
     profile: bool = False  # torch.profiler trace of a few steps per rank, in <run dir>/profiler/
@@ -31,7 +36,7 @@ class TrainSettings:
     keep_checkpoints: int = 3  # step-<n>.pt files kept (last.pt always points at the newest)
     resume: str = "auto"  # auto: from <run dir>/checkpoints/last.pt if present; never; or a path
     checkpoint_on_sigterm: bool = False  # when every rank is stopped at the same step boundary
-    on_nonfinite: str = "raise"  # raise | skip (skip the optimizer step on all ranks alike)
+    on_nonfinite: OnNonfinite = "raise"  # skip: skip the optimizer step on all ranks alike
     check_replicas_every_n_steps: int = 100  # 0: off; strategies that let replicas differ skip it
     compile: bool = False  # torch.compile the model (in place) before the sync strategy wraps it
     peak_tflops: float | None = None  # the device's peak, for perf/mfu; null: a known CUDA GPU's, else no MFU

@@ -1,73 +1,84 @@
 """Schemas of conf/sync/*.yaml: one dataclass per option, registered under OPTIONS.
 
 The flags DDP and FSDP receive are typed here, so torch's own constructor errors never reach a user.
+The choices are declared here rather than imported from trainer/sync/ (which would load torch's
+FSDP on every run); the strategies' own tuples must list the same (tests/test_config_schema.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Literal
 
-from trainer.setup.schema.spec import key
-from trainer.sync.averaging import COLLECTIVES
-from trainer.sync.ddp_hooks import COMM_HOOKS
-from trainer.sync.fsdp import MIXED_PRECISION
-from trainer.sync.fsdp_units import WRAPS
+from omegaconf import MISSING
+from pydantic import Field
+
+from trainer.setup.schema.declare import NonEmpty, Schema
+
+Collective = Literal["all_reduce", "rs_ag"]  # trainer/sync/averaging.py's COLLECTIVES
+CommHook = Literal["none", "fp16", "bf16", "powersgd"]  # trainer/sync/ddp_hooks.py's COMM_HOOKS
+MixedPrecision = Literal["none", "bf16"]  # trainer/sync/fsdp.py's MIXED_PRECISION
+Wrap = Literal["auto", "block", "module"]  # trainer/sync/fsdp_units.py's WRAPS
 
 
 @dataclass
-class SyncConfig:
-    _target_: str = key(nonempty=True)
+class SyncConfig(Schema):
+    _target_: NonEmpty = MISSING
 
 
 @dataclass
 class BucketsConfig(SyncConfig):
     """Bucketed all-reduce, by DDP or by hand, and the bucket_cap_mb=auto search."""
 
-    bucket_cap_mb: Any = key(gt=0, number=float, choices=("auto",), note="MiB of gradients per bucket")
-    time_every_n_steps: int = key(ge=1)
-    auto_candidates_mb: list[float] = key(gt=0, nonempty=True)
-    auto_steps_per_trial: int = key(ge=1)
-    auto_warmup_steps: int = key(ge=1)
+    bucket_cap_mb: Annotated[
+        Annotated[float, Field(gt=0, strict=True)] | Literal["auto"], Field(description="MiB of gradients per bucket")
+    ] = MISSING
+    time_every_n_steps: Annotated[int, Field(ge=1)] = MISSING
+    auto_candidates_mb: Annotated[list[Annotated[float, Field(gt=0)]], Field(min_length=1)] = MISSING
+    auto_steps_per_trial: Annotated[int, Field(ge=1)] = MISSING
+    auto_warmup_steps: Annotated[int, Field(ge=1)] = MISSING
 
 
 @dataclass
 class DDPConfig(BucketsConfig):
-    gradient_as_bucket_view: bool = key()
-    static_graph: bool = key()
-    find_unused_parameters: bool = key()
-    broadcast_buffers: bool = key()
-    comm_hook: str = key(choices=COMM_HOOKS)
-    powersgd_rank: int = key(ge=1)
-    powersgd_start_step: int = key(ge=2)
-    time_buckets: bool = key()
+    gradient_as_bucket_view: bool = MISSING
+    static_graph: bool = MISSING
+    find_unused_parameters: bool = MISSING
+    broadcast_buffers: bool = MISSING
+    comm_hook: CommHook = MISSING
+    powersgd_rank: Annotated[int, Field(ge=1)] = MISSING
+    powersgd_start_step: Annotated[int, Field(ge=2)] = MISSING
+    time_buckets: bool = MISSING
 
 
 @dataclass
 class BucketedConfig(BucketsConfig):
-    collective: str = key(choices=COLLECTIVES)
+    collective: Collective = MISSING
 
 
 @dataclass
 class ManualConfig(SyncConfig):
-    coalesce_mb: float = key(ge=0, note="0: one buffer per gradient tensor")
-    collective: str = key(choices=COLLECTIVES)
-    find_unused_parameters: bool = key()
+    coalesce_mb: Annotated[float, Field(ge=0, description="0: one buffer per gradient tensor")] = MISSING
+    collective: Collective = MISSING
+    find_unused_parameters: bool = MISSING
 
 
 @dataclass
 class ZeroConfig(SyncConfig):
-    stage: int = key(choices=(1, 2), note="1: optimizer state sharded; 2: gradients too; stage 3 is sync=fsdp")
-    bucket_cap_mb: float = key(gt=0, note="MiB of gradients per bucket")
-    find_unused_parameters: bool = key()
-    time_every_n_steps: int = key(ge=1)
+    stage: Annotated[
+        Literal[1, 2],
+        Field(description="1: optimizer state sharded; 2: gradients too; stage 3 is sync=fsdp"),
+    ] = MISSING
+    bucket_cap_mb: Annotated[float, Field(gt=0, description="MiB of gradients per bucket")] = MISSING
+    find_unused_parameters: bool = MISSING
+    time_every_n_steps: Annotated[int, Field(ge=1)] = MISSING
 
 
 @dataclass
 class FSDPConfig(SyncConfig):
-    reshard_after_forward: bool = key()
-    mixed_precision: str = key(choices=tuple(MIXED_PRECISION))
-    wrap: str = key(choices=WRAPS)
+    reshard_after_forward: bool = MISSING
+    mixed_precision: MixedPrecision = MISSING
+    wrap: Wrap = MISSING
 
 
 OPTIONS: dict[str, type] = {
