@@ -13,13 +13,16 @@ import hashlib
 import json
 import os
 import sysconfig
+import typing
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
-TOKENIZERS = ("char", "byte")
+Tokenizer = Literal["char", "byte"]  # the schema's choices for data.tokenizer
+TOKENIZERS: tuple[str, ...] = typing.get_args(Tokenizer)
 CHUNK_BYTES = 1 << 20
 MAX_VOCAB = 1 << 16  # ids are stored as uint16
 

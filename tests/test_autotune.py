@@ -15,11 +15,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 import trainer.sync.ddp as ddp_module
 from tests.cli import CPU, output, torchrun, train_rows
-from tests.compose import compose_config
 from tests.dist_helpers import run_on_ranks
 from tests.train_helpers import assert_same_model, build, case_results, params_of, train_each
 from trainer.errors import ConfigError
-from trainer.setup.build import instantiate
+from trainer.setup.precheck import check_overrides
 from trainer.sync.autotune import CapTuner
 
 # Fed step times (seconds) per rank and candidate: one untimed warm-up step, then two timed ones.
@@ -169,19 +168,28 @@ def test_bucketed_auto_rebuilds_its_buckets_without_changing_the_numbers(
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["sync.bucket_cap_mb=0"], r"sync\.bucket_cap_mb=0 is invalid: must be a number > 0 .* or auto"),
-        (["sync.bucket_cap_mb=bogus"], r"sync\.bucket_cap_mb='bogus' is invalid: must be a number > 0 .* or auto"),
-        (["sync.auto_candidates_mb=[]"], r"sync\.auto_candidates_mb=\[\] is invalid: must be a non-empty list"),
+        (["sync.bucket_cap_mb=0"], r"sync\.bucket_cap_mb=0 is invalid: (must be|accepted:) a number > 0.* or auto"),
+        (
+            ["sync.bucket_cap_mb=bogus"],
+            r"sync\.bucket_cap_mb='bogus' is invalid: (must be|accepted:) a number > 0.* or auto",
+        ),
+        (
+            ["sync.auto_candidates_mb=[]"],
+            r"sync\.auto_candidates_mb=\[\] is invalid: (must be a non-empty list|accepted: a list .*\(not empty\))",
+        ),
         (["sync.auto_candidates_mb=[1,0]"], r"sync\.auto_candidates_mb=\[1(\.0)?, 0(\.0)?\] is invalid: .*numbers > 0"),
-        (["sync.auto_steps_per_trial=0"], r"sync\.auto_steps_per_trial=0 is invalid: must be an integer >= 1"),
-        (["sync.auto_warmup_steps=0"], r"sync\.auto_warmup_steps=0 is invalid: must be an integer >= 1"),
+        (
+            ["sync.auto_steps_per_trial=0"],
+            r"sync\.auto_steps_per_trial=0 is invalid: (must be|accepted:) an integer >= 1",
+        ),
+        (["sync.auto_warmup_steps=0"], r"sync\.auto_warmup_steps=0 is invalid: (must be|accepted:) an integer >= 1"),
     ],
     ids=["cap-0", "cap-bogus", "no-candidates", "candidate-0", "steps-0", "warmup-0"],
 )
 @pytest.mark.parametrize("sync", ["ddp", "bucketed"])
 def test_bad_auto_settings_are_config_errors(sync: str, overrides: list[str], message: str) -> None:
-    with pytest.raises(ConfigError, match=message):
-        instantiate(compose_config([f"sync={sync}", *overrides]).sync)
+    with pytest.raises(ConfigError, match=message):  # the command-line check train.py runs first
+        check_overrides([f"sync={sync}", *overrides])
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """A hand-written table of bad command-line values that train.py must refuse, naming the key and the value.
 
-Every range and choice a config key takes is declared once, in trainer/setup/schema/ (`key(ge=...,
-choices=...)`). tests/test_config_schema.py sweeps every key with bad values *derived from those
+Every range and choice a config key takes is declared once, in trainer/setup/schema/ (pydantic's
+`Field(ge=...)`, `Literal[...]`). tests/test_config_schema.py sweeps every key with bad values *derived from those
 declarations*, which has a blind spot: delete a bound from the schema (the `gt=0` of optim.lr, say)
 and its bad value disappears from the sweep together with the bound, so nothing fails. The values
 here are therefore written by hand, one row per bound side (lower, upper), choice list and fixed
@@ -10,11 +10,11 @@ seed=2**32 for `lt=2**32`): a bound that is removed, loosened or turned from `gt
 its row pass the check, and the row fails.
 
 Each row goes through precheck.check_command_line, the very call train.py makes on every rank
-before Hydra's app (compose with Hydra's compose API, the schema's types, validate.py's ranges and
+before Hydra's app (compose with Hydra's compose API, the schema's types, pydantic's ranges and
 choices, then the constructors of trainer, data and sync), in-process: it must exit 2 and print one
 line that names the key and the offending value (as Python writes it: 0.0 for a float key given 0).
 What is checked is the refusal, not which layer makes it: some keys are guarded twice (the sync
-strategies and TrainSettings check their own bucket_cap_mb, max_steps, ...), so for those a bound
+strategies check their own bucket_cap_mb, collective, ...), so for those a bound
 deleted from the schema alone still leaves the row passing, and the coverage test below says so.
 
 The one place this file reads the schema is test_the_table_covers_every_bound_and_choice: it checks
@@ -32,7 +32,7 @@ import pytest
 
 from trainer.setup.precheck import EXIT_CODE, check_command_line
 from trainer.setup.schema import SCHEMAS
-from trainer.setup.schema.spec import Spec, spec_of
+from trainer.setup.schema.declare import Key, key_of
 
 
 class Row(NamedTuple):
@@ -170,20 +170,20 @@ def test_a_bad_value_is_refused_naming_the_key_and_the_value(row: Row, capsys: p
     assert row.key in lines[0] and row.said in lines[0], f"expected {row.said!r} in: {lines[0]}"
 
 
-def _leaves(schema: type, prefix: str) -> list[tuple[str, Spec]]:
-    """(full key, Spec) of every leaf field, those of nested dataclasses (trainer.fault) included."""
+def _leaves(schema: type, prefix: str) -> list[tuple[str, Key]]:
+    """(full key, Key) of every leaf field, those of nested dataclasses (trainer.fault) included."""
     hints = typing.get_type_hints(schema)
-    found: list[tuple[str, Spec]] = []
+    found: list[tuple[str, Key]] = []
     for field in dataclasses.fields(schema):
         if dataclasses.is_dataclass(hints[field.name]):
             found += _leaves(hints[field.name], f"{prefix}{field.name}.")
         else:
-            found.append((f"{prefix}{field.name}", spec_of(field)))
+            found.append((f"{prefix}{field.name}", key_of(schema, field.name)))
     return found
 
 
-def _sides(spec: Spec) -> set[str]:
-    """What a key's Spec restricts beyond its type, in the table's words."""
+def _sides(spec: Key) -> set[str]:
+    """What a key's declaration restricts beyond its type, in the table's words."""
     sides = {"low"} if spec.ge is not None or spec.gt is not None else set()
     sides |= {"high"} if spec.le is not None or spec.lt is not None else set()
     sides |= {"choice"} if spec.choices else set()

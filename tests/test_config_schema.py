@@ -18,7 +18,7 @@ from tests.compose import CONF_DIR, compose_config
 from trainer.errors import ConfigError
 from trainer.setup.precheck import check_overrides
 from trainer.setup.schema import MODULES, SCHEMAS
-from trainer.setup.schema.spec import Spec, spec_of
+from trainer.setup.schema.declare import Key, key_of
 
 # Groups whose options are not typed nodes of their own: they set keys of the typed groups.
 UNTYPED_GROUPS = {
@@ -77,7 +77,8 @@ def _compare(raw: DictConfig, schema: type, where: str, module: str) -> None:
     for name in (str(k) for k in raw if k != "defaults"):
         assert name in fields, (
             f"{where} sets `{name}`, which {schema.__name__} in {module} lacks: add the typed field "
-            f"`{name}: <type> = key(<range or choices>)` there (docs/configuration.md, adding a key)"
+            f"`{name}: Annotated[<type>, Field(<range>)] = MISSING` (or a Literal of its choices) there "
+            "(docs/configuration.md, adding a key)"
         )
         if dataclasses.is_dataclass(hints[name]):
             _compare(raw[name], hints[name], f"{where} under {name}", module)
@@ -106,15 +107,15 @@ def test_every_yaml_option_has_a_schema_with_the_same_keys(group: str, option: s
     assert OmegaConf.get_type(compose_config([f"{group}={option}"])[group]) is schema
 
 
-def leaves(schema: type, prefix: str) -> list[tuple[str, Any, Spec]]:
-    """(full key, annotation, Spec) of every leaf field, nested dataclasses (trainer.fault) included."""
+def leaves(schema: type, prefix: str) -> list[tuple[str, Any, Key]]:
+    """(full key, annotation, Key) of every leaf field, nested dataclasses (trainer.fault) included."""
     found = []
     hints = typing.get_type_hints(schema)
     for field in dataclasses.fields(schema):
         if dataclasses.is_dataclass(hints[field.name]):
             found += leaves(hints[field.name], f"{prefix}{field.name}.")
         else:
-            found.append((f"{prefix}{field.name}", hints[field.name], spec_of(field)))
+            found.append((f"{prefix}{field.name}", hints[field.name], key_of(schema, field.name)))
     return found
 
 
@@ -126,7 +127,7 @@ def _base(annotation: Any) -> Any:
     return _base(args[0]) if args else annotation
 
 
-def wrong_kinds(key: str, annotation: Any, spec: Spec) -> list[str]:
+def wrong_kinds(key: str, annotation: Any, spec: Key) -> list[str]:
     """Override values of the wrong kind for this key: a word for a number, maybe for a boolean, ..."""
     base = _base(annotation)
     if spec.number is not None:
@@ -140,7 +141,7 @@ def wrong_kinds(key: str, annotation: Any, spec: Spec) -> list[str]:
     }[base]
 
 
-def out_of_range(key: str, annotation: Any, spec: Spec) -> list[str]:
+def out_of_range(key: str, annotation: Any, spec: Key) -> list[str]:
     """Override values of the right kind that the key must refuse: past each bound, outside the choices."""
     base = _base(annotation)
     values = [
@@ -163,7 +164,7 @@ def out_of_range(key: str, annotation: Any, spec: Spec) -> list[str]:
         kind = "number" if base in (int, float) else "string" if base is str else None
         listed = {"number": ANY_NUMBER, "string": ANY_STRING}.get(kind or "")
         assert listed is None or key in listed, (
-            f"{key} accepts any {kind}: give it a range or choices (key(ge=..., choices=...)), "
+            f"{key} accepts any {kind}: give it a range or choices (Field(ge=...), Literal[...]), "
             f"or list it in tests/test_config_schema.py's ANY_{(kind or '').upper()} with the reason"
         )
     return bad
@@ -259,3 +260,23 @@ def test_a_plain_node_replacing_a_group_is_still_checked_against_its_target() ->
     plain = ["~optim", "+optim._target_=torch.optim.LBFGS", "+optim._partial_=true"]
     check_overrides([*plain, "+optim.lr=0.5"])
     assert "LBFGS takes no keyword momentum" in _refused([*plain, "+optim.momentum=0.5"])
+
+
+def test_the_sync_schemas_choices_are_the_strategies_own() -> None:
+    # The schema checks a choice; a strategy's constructor only says, in its annotation, which
+    # typed values it is handed. Both must name the same values.
+    from trainer.setup.schema import sync as schema
+    from trainer.sync.bucketed import BucketedSync
+    from trainer.sync.ddp import DDPSync
+    from trainer.sync.fsdp import MIXED_PRECISION, FSDPSync
+    from trainer.sync.manual import ManualSync
+
+    def choices(cls: type, name: str) -> tuple[object, ...]:
+        return typing.get_args(typing.get_type_hints(cls.__init__)[name])
+
+    assert (
+        choices(ManualSync, "collective") == choices(BucketedSync, "collective") == typing.get_args(schema.Collective)
+    )
+    assert choices(DDPSync, "comm_hook") == typing.get_args(schema.CommHook)
+    assert choices(FSDPSync, "mixed_precision") == tuple(MIXED_PRECISION) == typing.get_args(schema.MixedPrecision)
+    assert choices(FSDPSync, "wrap") == typing.get_args(schema.Wrap)

@@ -21,6 +21,7 @@ from tests.train_helpers import SIX_STEPS, bit_identical, build, case_results, m
 from trainer.errors import ConfigError
 from trainer.loop.metrics import optimizer_state_mb
 from trainer.setup.build import build_parts, check_device, instantiate
+from trainer.setup.precheck import check_overrides
 
 # As tests/test_equivalence.py: 64 samples, 2 ranks x 8 = 4 steps per epoch, 6 steps cross an epoch.
 COMMON = [
@@ -259,18 +260,16 @@ def test_counted_communication_is_what_fsdp_sent(
 
 
 def test_bad_values_are_refused_with_the_key() -> None:
-    cfg = compose_config(["sync=fsdp", "sync.mixed_precision=fp8"])
     with pytest.raises(ConfigError, match=r"sync\.mixed_precision='fp8' is invalid: accepted: none, bf16"):
-        instantiate(cfg.sync)
+        check_overrides(["sync=fsdp", "sync.mixed_precision=fp8"])
     with pytest.raises(ConfigError, match=r"sync\.reshard_after_forward=sometimes is invalid"):
         compose_config(["sync=fsdp", "sync.reshard_after_forward=sometimes"])  # typed: refused while composing
     cfg = compose_config(["sync=fsdp", "sync.mixed_precision=bf16"])
     parts = build_parts(cfg, instantiate(cfg.trainer))
     with pytest.raises(ConfigError, match=r"sync\.mixed_precision=bf16 cannot run on cpu.*trainer\.device=cuda"):
         check_device(parts, torch.device("cpu"))
-    cfg = compose_config(["sync=fsdp", "sync.wrap=layer"])
-    with pytest.raises(ConfigError, match=r"sync\.wrap='layer' is invalid: accepted: auto .*block .*module"):
-        instantiate(cfg.sync)
+    with pytest.raises(ConfigError, match=r"sync\.wrap='layer' is invalid: accepted: auto.*block.*module"):
+        check_overrides(["sync=fsdp", "sync.wrap=layer"])
 
 
 def test_units_per_wrap_keep_shared_parameters_in_one_unit() -> None:

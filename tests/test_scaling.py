@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import typing
 from pathlib import Path
 
 import pytest
@@ -166,9 +167,9 @@ def test_fsdp_units_follow_sync_wrap() -> None:
     """sync.wrap's choice: module units (per owning module), or the root's tensors then one unit per
     block; auto is block only when the run recorded blocks (older summaries have none)."""
     from trainer.scaling.predict import FSDP_WRAPS, fsdp_units
-    from trainer.sync.fsdp_units import WRAPS
+    from trainer.setup.schema.sync import Wrap
 
-    assert FSDP_WRAPS == WRAPS
+    assert typing.get_args(Wrap) == FSDP_WRAPS
     tensors = (
         Tensor("emb.weight", 8),
         Tensor("blocks.0.lin.weight", 4, "blocks.0"),

@@ -13,13 +13,11 @@ import hashlib
 import logging
 import re
 from pathlib import Path
-from typing import Any
-
-from trainer.errors import ConfigError
+from typing import Any, Literal
 
 log = logging.getLogger(__name__)
 
-MODES = ("offline", "online", "disabled")
+Mode = Literal["offline", "online", "disabled"]  # the schema's choices for logger.mode
 # Every metric is plotted against `step`, the optimizer step, not W&B's own row counter, and some
 # are aggregated in the run's summary (the runs table, a sweep's parallel coordinates): None keeps
 # W&B's default, the last value. No catch-all "*": wandb-core picks among matching globs in no fixed
@@ -106,7 +104,7 @@ class WandbLogger:
 
     def __init__(
         self,
-        mode: str,
+        mode: Mode,
         project: str,
         entity: str | None,
         *,
@@ -116,8 +114,6 @@ class WandbLogger:
         run_config: dict[str, Any],
         rank: int,
     ) -> None:
-        if mode not in MODES:
-            raise ConfigError(f"logger.mode={mode!r} is not one of: {', '.join(MODES)}")
         import wandb  # here, so that logger=none never imports W&B
 
         self._wandb = wandb
@@ -127,10 +123,10 @@ class WandbLogger:
         earlier = last_offline_step(dir, self.run_id) if mode == "offline" else None
         # wandb 0.31 sends its own usage telemetry based on the global settings, not init()'s, so
         # offline must be set here too, or an "offline" run still reaches for the network at exit.
-        wandb.setup(settings=wandb.Settings(mode=mode))  # type: ignore[arg-type]  # checked against MODES
+        wandb.setup(settings=wandb.Settings(mode=mode))
         # mode is always passed explicitly: without it and without an API key wandb.init fails.
         self._run = wandb.init(
-            mode=mode,  # type: ignore[arg-type]
+            mode=mode,
             project=project,
             entity=entity,
             dir=dir,

@@ -26,14 +26,16 @@ def steps_per_epoch(num_batches: int, grad_accum_steps: int, keep_partial: bool 
 
 
 def total_steps(max_steps: int | None, num_epochs: int | None, steps_in_epoch: int) -> int:
-    """Optimizer steps to run: max_steps, num_epochs worth, or whichever ends first when both are set."""
+    """Optimizer steps to run: max_steps, num_epochs worth, or whichever ends first when both are set.
+
+    One of them is set: the config check refuses both null (trainer/setup/validate.py).
+    """
     candidates = []
     if max_steps is not None:
         candidates.append(max_steps)
     if num_epochs is not None:
         candidates.append(num_epochs * steps_in_epoch)
-    if not candidates:
-        raise ConfigError("trainer.max_steps and trainer.num_epochs are both null: set at least one")
+    assert candidates, "max_steps and num_epochs both None"
     return min(candidates)
 
 

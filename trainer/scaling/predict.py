@@ -22,7 +22,7 @@ from trainer.scaling.costs import Topology
 from trainer.scaling.profile import RunProfile
 
 STRATEGIES = ("none", "manual", "bucketed", "ddp", "zero", "fsdp")
-# sync.wrap's values (trainer/sync/fsdp_units.py's WRAPS; a test keeps them equal): this package
+# sync.wrap's values (trainer/setup/schema/sync.py's Wrap; a test keeps them equal): this package
 # does not import torch.
 FSDP_WRAPS = ("auto", "block", "module")
 MIB = 2**20

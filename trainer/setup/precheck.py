@@ -3,7 +3,7 @@
 train.py calls check_command_line() on every rank before @hydra.main, which would create the run
 dir and .hydra/ first. It composes what Hydra will compose (every value of a sweep too), so that a
 bad override, a value of the wrong type (OmegaConf, against trainer/setup/schema/) or out of range
-(trainer/setup/validate.py) stops every rank alike before the process group, a logger or a file
+(pydantic, through trainer/setup/validate.py) stops every rank alike before the process group, a logger or a file
 exists. Rank 0 prints the message; the other ranks wait for its word, then exit the same way.
 """
 
@@ -14,7 +14,6 @@ import datetime as dt
 import os
 import sys
 import time
-import typing
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -29,7 +28,7 @@ from trainer.errors import ConfigError, from_leaves
 from trainer.setup import config as conf
 from trainer.setup.build import instantiate
 from trainer.setup.dist import LaunchEnv, job_store, read_launch_env
-from trainer.setup.schema.spec import accepted, spec_of
+from trainer.setup.schema.declare import accepted, declared_of
 from trainer.setup.validate import accepted_for, validate
 
 EXIT_CODE = 2
@@ -127,12 +126,12 @@ def explain_compose_error(err: BaseException, overrides: list[str]) -> ConfigErr
 
 def _accepted_from_schema(cause: OmegaConfBaseException, full_key: str) -> str | None:
     """What the key accepts, from the schema OmegaConf names in its error (no second compose)."""
-    schema = getattr(cause, "object_type", None)
+    declared = declared_of(getattr(cause, "object_type", None))
     leaf = full_key.rpartition(".")[2]
-    if schema is None or not dataclasses.is_dataclass(schema) or "[" in leaf:
+    if declared is None or "[" in leaf:
         return None
-    field = next((f for f in dataclasses.fields(schema) if f.name == leaf), None)
-    return accepted(typing.get_type_hints(schema)[leaf], spec_of(field)) if field else None
+    known = any(f.name == leaf for f in dataclasses.fields(declared))
+    return accepted(declared, leaf) if known else None
 
 
 def _compose_choices(overrides: list[str]) -> DictConfig | None:

@@ -1,9 +1,11 @@
 """Every composed value checked against its schema's range or choices, before anything starts.
 
 OmegaConf has already checked each value's type while composing (the schemas in
-trainer/setup/schema/); this adds what a type cannot say, plus the few rules that tie keys together.
-It runs in train.py before Hydra's app, on every rank alike, so a bad value stops the job before the
-process group, the loggers or any file exist.
+trainer/setup/schema/); pydantic checks each typed node's values against the same declarations
+(ranges, choices, lengths, no key the schema lacks), and its first error becomes one ConfigError line
+naming the full key, the value and what the key accepts. check_rules adds the few rules that tie
+keys together. It runs in train.py before Hydra's app, on every rank alike, so a bad value stops the
+job before the process group, the loggers or any file exist.
 """
 
 from __future__ import annotations
@@ -15,43 +17,52 @@ from typing import Any
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
+from pydantic import ValidationError
+from pydantic_core import ErrorDetails
 
 from trainer.errors import ConfigError, check
-from trainer.setup.schema.spec import Spec, accepted, check_value, spec_of
+from trainer.setup.schema.declare import accepted, adapter, declared_of
 
 
-def _fields(node: DictConfig) -> tuple[type | None, dict[str, tuple[Any, Spec]]]:
-    """A typed node's schema and, per field, its annotation and Spec (empty for an untyped node)."""
-    schema = OmegaConf.get_type(node)
-    if schema is None or not dataclasses.is_dataclass(schema):
-        return None, {}
-    hints = typing.get_type_hints(schema)
-    return schema, {f.name: (hints[f.name], spec_of(f)) for f in dataclasses.fields(schema)}
+def _refusal(error: ErrorDetails, declared: type, node: DictConfig, prefix: str) -> tuple[bool, str]:
+    """One of pydantic's errors as (the value is copied from another key, the one-line message).
 
-
-def check_node(node: DictConfig, prefix: str, interpolated: bool = False) -> None:
-    """Each field of a typed node (and of the typed nodes inside it) within its range or choices.
-
-    Values copied from another key (sync.time_every_n_steps: ${trainer.log_every_n_steps}) are
-    checked in a second pass (interpolated=True), so a bad value is reported under its own key first.
+    pydantic's location is followed through the nested schemas (trainer.fault) to the key's field;
+    what follows it (a list's index, a union's member) is the value's, which is named whole.
     """
-    schema, fields = _fields(node)
-    for extra in (str(k) for k in node if k not in fields):  # added with +group.key=...
-        if schema is None:
+    loc = list(error["loc"])
+    while len(loc) > 1 and isinstance(loc[0], str) and loc[0] in node:
+        inner = typing.get_type_hints(declared).get(loc[0])
+        if not (isinstance(inner, type) and dataclasses.is_dataclass(inner)):
             break
-        names = ", ".join(f for f in fields if not f.startswith("_"))
-        raise ConfigError(
-            f"{prefix}{extra} is not a key of {prefix.rstrip('.')} ({schema.__name__}): accepted keys: {names}"
-        )
-    for name, (annotation, spec) in fields.items():
-        if OmegaConf.is_interpolation(node, name) != interpolated:
-            continue
-        value = node[name]  # resolves interpolations
-        if isinstance(value, DictConfig):
-            check_node(value, f"{prefix}{name}.", interpolated)
-            continue
-        plain = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
-        check_value(f"{prefix}{name}", plain, annotation, spec)
+        prefix, node, declared, loc = f"{prefix}{loc[0]}.", node[loc[0]], inner, loc[1:]
+    name = str(loc[0]) if loc else ""
+    if error["type"] == "unexpected_keyword_argument":  # added with +group.key=...
+        names = ", ".join(f.name for f in dataclasses.fields(declared) if not f.name.startswith("_"))
+        where = prefix.rstrip(".")
+        return False, f"{prefix}{name} is not a key of {where} ({declared.__name__}): accepted keys: {names}"
+    if name not in node:
+        return False, f"{prefix}{'.'.join(str(part) for part in loc)}: {error['msg']}"
+    value = node[name]  # resolves interpolations
+    plain = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+    return OmegaConf.is_interpolation(node, name), f"{prefix}{name}={plain!r} is invalid: {accepted(declared, name)}"
+
+
+def check_node(node: DictConfig, prefix: str) -> list[tuple[bool, str]]:
+    """pydantic's errors for a typed node's values (nested typed nodes included), none for an untyped one.
+
+    Each comes with whether its value is copied from another key (sync.time_every_n_steps:
+    ${trainer.log_every_n_steps}): validate() reports those last, so a bad value is named under its
+    own key first.
+    """
+    declared = declared_of(OmegaConf.get_type(node))
+    if declared is None:
+        return []
+    try:
+        adapter(declared).validate_python(OmegaConf.to_container(node, resolve=True))
+    except ValidationError as err:
+        return [_refusal(e, declared, node, prefix) for e in err.errors()]
+    return []
 
 
 def accepted_for(cfg: DictConfig, full_key: str) -> str | None:
@@ -60,10 +71,10 @@ def accepted_for(cfg: DictConfig, full_key: str) -> str | None:
     parent = OmegaConf.select(cfg, parent_key, default=None) if parent_key else cfg
     if not isinstance(parent, DictConfig):
         return None
-    _, fields = _fields(parent)
-    if leaf not in fields:
+    declared = declared_of(OmegaConf.get_type(parent))
+    if declared is None or leaf not in {f.name for f in dataclasses.fields(declared)}:
         return None
-    return accepted(*fields[leaf])
+    return accepted(declared, leaf)
 
 
 def _number(cfg: DictConfig, key: str) -> Any:
@@ -81,6 +92,22 @@ def check_rules(cfg: DictConfig) -> None:
             "schedule.warmup_steps",
             warmup,
             f"must not exceed trainer.max_steps={max_steps} (the warm-up is part of the run)",
+        )
+    comm_hook = _number(cfg, "sync.comm_hook")  # sync=ddp's
+    if comm_hook is not None and comm_hook != "none":
+        check(
+            not _number(cfg, "sync.time_buckets"),
+            "sync.comm_hook",
+            comm_hook,
+            "sync.time_buckets=true registers DDP's one communication hook already: use comm_hook=none, or "
+            "time_buckets=false (DDP's runtime statistics time the hooked communication too)",
+        )
+        check(
+            comm_hook != "powersgd" or _number(cfg, "sync.bucket_cap_mb") != "auto",
+            "sync.comm_hook",
+            comm_hook,
+            "with sync.bucket_cap_mb=auto: PowerSGD keeps per-bucket state (error feedback, warm start) that "
+            "a rebuild of the buckets would invalidate; give bucket_cap_mb a number",
         )
     if _number(cfg, "optim.nesterov"):  # torch's SGD raises for this when the trainer builds it
         momentum, dampening = _number(cfg, "optim.momentum"), _number(cfg, "optim.dampening")
@@ -135,9 +162,9 @@ def validate(cfg: DictConfig) -> None:
     run_name = cfg.get("run_name")
     check(isinstance(run_name, str) and run_name != "", "run_name", run_name, "accepted: a non-empty name")
     groups = [(str(n), cfg[n]) for n in cfg if n != "hydra" and isinstance(cfg[n], DictConfig)]
-    for interpolated in (False, True):
-        for name, node in groups:
-            check_node(node, f"{name}.", interpolated)
+    refusals = [r for name, node in groups for r in check_node(node, f"{name}.")]
+    if refusals:
+        raise ConfigError(min(refusals, key=lambda r: r[0])[1])  # the first one of a key's own value
     for name, node in groups:
         for key, target_node in _with_targets(node, name):
             check_target(target_node, key, keywords=key == "optim")

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from trainer.errors import ConfigError, check
+from trainer.errors import ConfigError
 from trainer.sync.autotune import DEFAULT_CANDIDATES_MB, CapTuner
 from trainer.sync.base import SyncStrategy
 from trainer.sync.ddp_hooks import CountedHook, TimedAllReduceHook
@@ -47,20 +47,6 @@ class DDPSync(SyncStrategy):
         powersgd_rank: int = 1,
         powersgd_start_step: int = 10,
     ) -> None:
-        check(
-            comm_hook == "none" or not time_buckets,
-            "sync.comm_hook",
-            comm_hook,
-            "sync.time_buckets=true registers DDP's one communication hook already: use comm_hook=none, or "
-            "time_buckets=false (DDP's runtime statistics time the hooked communication too)",
-        )
-        check(
-            comm_hook != "powersgd" or bucket_cap_mb != "auto",
-            "sync.comm_hook",
-            comm_hook,
-            "with sync.bucket_cap_mb=auto: PowerSGD keeps per-bucket state (error feedback, warm start) that "
-            "a rebuild of the buckets would invalidate; give bucket_cap_mb a number",
-        )
         super().__init__()
         self.bucket_cap_mb: float | str = bucket_cap_mb if bucket_cap_mb == "auto" else float(bucket_cap_mb)
         self.gradient_as_bucket_view = gradient_as_bucket_view

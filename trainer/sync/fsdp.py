@@ -15,7 +15,7 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -32,10 +32,10 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from trainer.errors import ConfigError, check
+from trainer.errors import ConfigError
 from trainer.sync.base import OptimizerFactory, SyncStrategy
 from trainer.sync.fsdp_state import by_index, by_name
-from trainer.sync.fsdp_units import check_wrap, plan_units, resolve
+from trainer.sync.fsdp_units import Wrap, plan_units, resolve
 from trainer.sync.fsdp_usage import FirstForwardCheck, usage_plan
 from trainer.sync.shared import broadcast_from_rank0
 
@@ -77,23 +77,15 @@ class FSDPSync(SyncStrategy):
     # trainer's replica check to compare (state_dicts() gathers them when a checkpoint needs them).
     keeps_replicas_equal = False
 
-    def __init__(self, reshard_after_forward: bool = True, mixed_precision: str = "none", wrap: str = "auto") -> None:
+    def __init__(
+        self,
+        reshard_after_forward: bool = True,
+        mixed_precision: Literal["none", "bf16"] = "none",
+        wrap: Wrap = "auto",
+    ) -> None:
         super().__init__()
-        self.wrap_policy = check_wrap(wrap)
+        self.wrap_policy = wrap
         self._wrapped = ""  # what auto resolved to
-        check(
-            isinstance(reshard_after_forward, bool),
-            "sync.reshard_after_forward",
-            reshard_after_forward,
-            "accepted: true (free each unit's gathered parameters after its forward, gather again in "
-            "backward) or false (keep them until backward: less communication, more memory)",
-        )
-        check(
-            mixed_precision in MIXED_PRECISION,
-            "sync.mixed_precision",
-            mixed_precision,
-            f"accepted: {', '.join(MIXED_PRECISION)}",
-        )
         self.reshard_after_forward = reshard_after_forward
         self.mixed_precision = mixed_precision
         self._units: list[Unit] = []

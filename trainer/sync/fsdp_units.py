@@ -13,22 +13,11 @@ left to the root unit instead, which then holds the shared parameter once.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from torch import nn
 
-from trainer.errors import check
-
-WRAPS = ("auto", "block", "module")
-
-
-def check_wrap(wrap: str) -> str:
-    check(
-        wrap in WRAPS,
-        "sync.wrap",
-        wrap,
-        "accepted: auto (block if the model has an nn.ModuleList of blocks, else module), block (one FSDP unit "
-        "per nn.ModuleList element, the rest in the root), module (one unit per module owning parameters)",
-    )
-    return wrap
+Wrap = Literal["auto", "block", "module"]  # sync.wrap (trainer/setup/schema/sync.py checks it)
 
 
 def blocks_of(model: nn.Module) -> list[tuple[str, nn.Module]]:

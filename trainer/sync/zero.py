@@ -31,7 +31,7 @@ drops the shard's .grad, re-bound here at the next step) is enough.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -42,7 +42,7 @@ from trainer.sync.base import OptimizerFactory, SyncStrategy
 from trainer.sync.bucket_launch import BucketLauncher
 from trainer.sync.shared import CommCounters, broadcast_from_rank0, group_by_size, names_of
 from trainer.sync.unused import UsedParams
-from trainer.sync.zero_checks import ELEMENTWISE, check_one_kind, check_optimizer, check_stage
+from trainer.sync.zero_checks import ELEMENTWISE, check_one_kind, check_optimizer
 from trainer.sync.zero_grads import ShardedGrads
 from trainer.sync.zero_state import Layout, gather_full_state, shard_of_full_state
 from trainer.sync.zero_unused import restore_unused, save_unused
@@ -60,13 +60,12 @@ class ZeroSync(SyncStrategy):
 
     def __init__(
         self,
-        stage: int = 2,
+        stage: Literal[1, 2] = 2,
         bucket_cap_mb: float = 25.0,
         find_unused_parameters: bool = False,
         time_every_n_steps: int = 10,
     ) -> None:
         super().__init__()
-        check_stage(stage)
         self.stage, self.bucket_cap_mb = stage, float(bucket_cap_mb)
         self.find_unused_parameters = find_unused_parameters
         self.time_every_n_steps = time_every_n_steps

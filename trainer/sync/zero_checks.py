@@ -1,5 +1,6 @@
-"""What sync=zero refuses, before it trains a different model than one process would: a stage it is
-not, an optimizer that is not element-wise or has several groups, parameters of mixed kinds."""
+"""What sync=zero refuses, known only with the model and the optimizer, before it trains a different
+model than one process would: an optimizer that is not element-wise or has several groups,
+parameters of mixed kinds."""
 
 from __future__ import annotations
 
@@ -28,22 +29,6 @@ ELEMENTWISE = (
     torch.optim.Adadelta,
     torch.optim.ASGD,
 )
-
-
-def check_stage(stage: object) -> None:
-    """sync.stage: 1 or 2; 0 and 3 are other strategies, and the message says which."""
-    if stage in (1, 2) and not isinstance(stage, bool):
-        return
-    if stage == 3:
-        hint = "stage 3 (parameters sharded too) is sync=fsdp"
-    elif stage == 0:
-        hint = "stage 0 (nothing sharded) is sync=ddp or sync=bucketed"
-    else:
-        hint = "stage 3 is sync=fsdp; stage 0 is sync=ddp"
-    raise ConfigError(
-        f"sync.stage={stage!r} is invalid with sync=zero: accepted: 1 (optimizer state sharded) or 2 (optimizer "
-        f"state and gradients sharded); {hint}"
-    )
 
 
 def check_optimizer(optimizer: Optimizer, shard: nn.Parameter) -> None:

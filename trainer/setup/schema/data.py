@@ -3,56 +3,66 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
-from data.tokens import TOKENIZERS
-from trainer.setup.schema.spec import SEED_BOUND, key
+from omegaconf import MISSING
+from pydantic import Field
+
+from data.tokens import Tokenizer
+from trainer.setup.schema.declare import SEED_BOUND, NonEmpty, Schema
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Schema):
     """Keys every data option takes (data/base.py's DataModule)."""
 
-    _target_: str = key(nonempty=True)
-    batch_size: int = key(ge=1, note="per rank")
-    num_workers: int = key(ge=0, note="0 loads in the training process")
-    drop_last: bool = key()
+    _target_: NonEmpty = MISSING
+    batch_size: Annotated[int, Field(ge=1, description="per rank")] = MISSING
+    num_workers: Annotated[int, Field(ge=0, description="0 loads in the training process")] = MISSING
+    drop_last: bool = MISSING
 
 
 @dataclass
 class SyntheticConfig(DataConfig):
-    num_samples: int = key(ge=1)
-    num_val_samples: int = key(ge=1)
-    input_dim: int = key(ge=1)
-    num_classes: int = key(ge=2)
-    seed: int = key(ge=0, lt=SEED_BOUND)
+    num_samples: Annotated[int, Field(ge=1)] = MISSING
+    num_val_samples: Annotated[int, Field(ge=1)] = MISSING
+    input_dim: Annotated[int, Field(ge=1)] = MISSING
+    num_classes: Annotated[int, Field(ge=2)] = MISSING
+    seed: Annotated[int, Field(ge=0, lt=SEED_BOUND)] = MISSING
 
 
 @dataclass
 class FakeConfig(DataConfig):
-    num_samples: int = key(ge=1)
-    num_val_samples: int = key(ge=1)
-    image_shape: list[int] = key(ge=1, length=3, note="[C, H, W], C 1 or 3")
-    num_classes: int = key(ge=2)
+    num_samples: Annotated[int, Field(ge=1)] = MISSING
+    num_val_samples: Annotated[int, Field(ge=1)] = MISSING
+    image_shape: Annotated[
+        list[Annotated[int, Field(ge=1)]], Field(min_length=3, max_length=3, description="[C, H, W], C 1 or 3")
+    ] = MISSING
+    num_classes: Annotated[int, Field(ge=2)] = MISSING
 
 
 @dataclass
 class MnistConfig(DataConfig):
-    root: str = key(nonempty=True)
-    download: bool = key()
+    root: NonEmpty = MISSING
+    download: bool = MISSING
 
 
 @dataclass
 class Cifar10Config(MnistConfig):
-    verify_md5: bool = key()
+    verify_md5: bool = MISSING
 
 
 @dataclass
 class TextConfig(DataConfig):
-    path: str | None = key(note="a UTF-8 file or a directory of *.txt; null: Python's standard library sources")
-    tokenizer: str = key(choices=TOKENIZERS)
-    cache_dir: str = key(nonempty=True, note="where rank 0 writes the token file")
-    block_size: int | None = key(ge=1, note="the model's context (model.block_size)")
-    num_workers: int = key(ge=0, le=0, note="only 0: a batch is one gather from the memory-mapped tokens")
+    path: Annotated[
+        str | None, Field(description="a UTF-8 file or a directory of *.txt; null: Python's standard library sources")
+    ] = MISSING
+    tokenizer: Tokenizer = MISSING
+    cache_dir: Annotated[str, Field(min_length=1, description="where rank 0 writes the token file")] = MISSING
+    block_size: Annotated[int | None, Field(ge=1, description="the model's context (model.block_size)")] = MISSING
+    num_workers: Annotated[
+        int, Field(ge=0, le=0, description="only 0: a batch is one gather from the memory-mapped tokens")
+    ] = MISSING
 
 
 OPTIONS: dict[str, type] = {

@@ -3,51 +3,61 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
-from trainer.setup.schema.spec import key
+from omegaconf import MISSING
+from pydantic import Field
+
+from trainer.setup.schema.declare import NonEmpty, Schema
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(Schema):
     """Keys every model takes (input shape and class count come from the data at run time)."""
 
-    _target_: str = key(nonempty=True)
+    _target_: NonEmpty = MISSING
 
 
 @dataclass
 class BatchNormConfig(ModelConfig):
     """A model with BatchNorm layers; sync_batchnorm is the builder's key (trainer/setup/build.py)."""
 
-    sync_batchnorm: bool = key(note="CUDA only: BatchNorm statistics over all ranks")
+    sync_batchnorm: Annotated[bool, Field(description="CUDA only: BatchNorm statistics over all ranks")] = MISSING
 
 
 @dataclass
 class MLPConfig(ModelConfig):
-    hidden_sizes: list[int] = key(ge=1, note="hidden layer widths; [] gives a linear classifier")
+    hidden_sizes: Annotated[
+        list[Annotated[int, Field(ge=1)]], Field(description="hidden layer widths; [] gives a linear classifier")
+    ] = MISSING
 
 
 @dataclass
 class CNNConfig(BatchNormConfig):
-    channels: list[int] = key(ge=1, nonempty=True, note="one conv stage per entry")
-    hidden_size: int = key(ge=1)
-    batchnorm: bool = key()
+    channels: Annotated[
+        list[Annotated[int, Field(ge=1)]], Field(min_length=1, description="one conv stage per entry")
+    ] = MISSING
+    hidden_size: Annotated[int, Field(ge=1)] = MISSING
+    batchnorm: bool = MISSING
 
 
 @dataclass
 class ResNet18Config(BatchNormConfig):
-    small_input_stem: bool = key()
+    small_input_stem: bool = MISSING
 
 
 @dataclass
 class GPTConfig(ModelConfig):
     """vocab_size comes from the data (data=text) at run time."""
 
-    n_layer: int = key(ge=1)
-    n_head: int = key(ge=1, note="must divide model.n_embd")
-    n_embd: int = key(ge=1)
-    block_size: int = key(ge=1, note="context in tokens; must fit in the validation split")
-    dropout: float = key(ge=0, lt=1, note="> 0 breaks the equivalence of N ranks and one process")
-    bias: bool = key()
+    n_layer: Annotated[int, Field(ge=1)] = MISSING
+    n_head: Annotated[int, Field(ge=1, description="must divide model.n_embd")] = MISSING
+    n_embd: Annotated[int, Field(ge=1)] = MISSING
+    block_size: Annotated[int, Field(ge=1, description="context in tokens; must fit in the validation split")] = MISSING
+    dropout: Annotated[
+        float, Field(ge=0, lt=1, description="> 0 breaks the equivalence of N ranks and one process")
+    ] = MISSING
+    bias: bool = MISSING
 
 
 OPTIONS: dict[str, type] = {"mlp": MLPConfig, "cnn": CNNConfig, "resnet18": ResNet18Config, "gpt": GPTConfig}

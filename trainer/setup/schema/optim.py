@@ -5,30 +5,34 @@ which must be > 0: a zero learning rate trains nothing)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated, Literal
 
-from trainer.setup.schema.spec import key
+from omegaconf import MISSING
+from pydantic import Field
+
+from trainer.setup.schema.declare import NonEmpty, Schema
 
 
 @dataclass
-class OptimConfig:
-    _target_: str = key(nonempty=True)
-    _partial_: bool = key(True, choices=(True,), note="the trainer binds the model's parameters")
-    lr: float = key(gt=0)
-    weight_decay: float = key(ge=0)
+class OptimConfig(Schema):
+    _target_: NonEmpty = MISSING
+    _partial_: Annotated[Literal[True], Field(description="the trainer binds the model's parameters")] = True
+    lr: Annotated[float, Field(gt=0)] = MISSING
+    weight_decay: Annotated[float, Field(ge=0)] = MISSING
 
 
 @dataclass
 class SGDConfig(OptimConfig):
-    momentum: float = key(ge=0, lt=1)
-    dampening: float = key(ge=0, le=1)
-    nesterov: bool = key(note="needs momentum > 0 and dampening 0")
+    momentum: Annotated[float, Field(ge=0, lt=1)] = MISSING
+    dampening: Annotated[float, Field(ge=0, le=1)] = MISSING
+    nesterov: Annotated[bool, Field(description="needs momentum > 0 and dampening 0")] = MISSING
 
 
 @dataclass
 class AdamWConfig(OptimConfig):
-    betas: list[float] = key(ge=0, lt=1, length=2)
-    eps: float = key(gt=0)
-    amsgrad: bool = key()
+    betas: Annotated[list[Annotated[float, Field(ge=0, lt=1)]], Field(min_length=2, max_length=2)] = MISSING
+    eps: Annotated[float, Field(gt=0)] = MISSING
+    amsgrad: bool = MISSING
 
 
 OPTIONS: dict[str, type] = {"sgd": SGDConfig, "adamw": AdamWConfig}

@@ -3,67 +3,74 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Annotated
 
-from trainer.logger.wandb import MODES as WANDB_MODES
-from trainer.reliability.fault import KINDS as FAULT_KINDS
-from trainer.setup.schema.spec import SEED_BOUND, key
-from trainer.setup.settings import DEVICES, NONFINITE, PRECISIONS
+from omegaconf import MISSING
+from pydantic import Field
+
+from trainer.logger.wandb import Mode as WandbMode
+from trainer.reliability.fault import Kind as FaultKind
+from trainer.setup.schema.declare import SEED_BOUND, NonEmpty, Schema
+from trainer.setup.settings import Device, OnNonfinite, Precision
 
 
 @dataclass
-class ScheduleConfig:
-    _target_: str = key(nonempty=True)
+class ScheduleConfig(Schema):
+    _target_: NonEmpty = MISSING
 
 
 @dataclass
 class WarmupCosineConfig(ScheduleConfig):
-    warmup_steps: int = key(ge=0, note="not longer than trainer.max_steps")
-    min_lr_ratio: float = key(ge=0, le=1)
+    warmup_steps: Annotated[int, Field(ge=0, description="not longer than trainer.max_steps")] = MISSING
+    min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = MISSING
 
 
 @dataclass
-class FaultConfig:
-    _target_: str = key(nonempty=True)
-    rank: int | None = key(ge=0, note="null: off")
-    at_step: int | None = key(ge=1, note="null: off")
-    kind: str = key(choices=FAULT_KINDS)
+class FaultConfig(Schema):
+    _target_: NonEmpty = MISSING
+    rank: Annotated[int | None, Field(ge=0, description="null: off")] = MISSING
+    at_step: Annotated[int | None, Field(ge=1, description="null: off")] = MISSING
+    kind: FaultKind = MISSING
 
 
 @dataclass
-class TrainerConfig:
-    _target_: str = key(nonempty=True)
-    max_steps: int | None = key(ge=0, note="null: train trainer.num_epochs")
-    num_epochs: int | None = key(ge=1)
-    seed: int = key(ge=0, lt=SEED_BOUND)
-    log_every_n_steps: int = key(ge=1)
-    eval_every_n_steps: int = key(ge=0, note="0: only at the end")
-    grad_accum_steps: int = key(ge=1)
-    device: str = key(choices=DEVICES)
-    precision: str = key(choices=PRECISIONS)
-    collective_timeout_s: float = key(gt=0)
-    progress_bar: bool = key()
-    profile: bool = key()
-    checkpoint_every_n_steps: int = key(ge=0, note="0: only at the end")
-    keep_checkpoints: int = key(ge=1)
-    resume: str = key(nonempty=True, note="auto, never, or the path of a checkpoint file")
-    checkpoint_on_sigterm: bool = key()
-    on_nonfinite: str = key(choices=NONFINITE)
-    check_replicas_every_n_steps: int = key(ge=0, note="0: off")
-    compile: bool = key(note="torch.compile the model before the sync strategy wraps it")
-    peak_tflops: float | None = key(gt=0, note="the device's peak for perf/mfu; null: a table on CUDA, none on CPU")
+class TrainerConfig(Schema):
+    _target_: NonEmpty = MISSING
+    max_steps: Annotated[int | None, Field(ge=0, description="null: train trainer.num_epochs")] = MISSING
+    num_epochs: Annotated[int | None, Field(ge=1)] = MISSING
+    seed: Annotated[int, Field(ge=0, lt=SEED_BOUND)] = MISSING
+    log_every_n_steps: Annotated[int, Field(ge=1)] = MISSING
+    eval_every_n_steps: Annotated[int, Field(ge=0, description="0: only at the end")] = MISSING
+    grad_accum_steps: Annotated[int, Field(ge=1)] = MISSING
+    device: Device = MISSING
+    precision: Precision = MISSING
+    collective_timeout_s: Annotated[float, Field(gt=0)] = MISSING
+    progress_bar: bool = MISSING
+    profile: bool = MISSING
+    checkpoint_every_n_steps: Annotated[int, Field(ge=0, description="0: only at the end")] = MISSING
+    keep_checkpoints: Annotated[int, Field(ge=1)] = MISSING
+    resume: Annotated[str, Field(min_length=1, description="auto, never, or the path of a checkpoint file")] = MISSING
+    checkpoint_on_sigterm: bool = MISSING
+    on_nonfinite: OnNonfinite = MISSING
+    check_replicas_every_n_steps: Annotated[int, Field(ge=0, description="0: off")] = MISSING
+    compile: Annotated[bool, Field(description="torch.compile the model before the sync strategy wraps it")] = MISSING
+    peak_tflops: Annotated[
+        float | None,
+        Field(gt=0, description="the device's peak for perf/mfu; null: a table on CUDA, none on CPU"),
+    ] = MISSING
     fault: FaultConfig = field(default_factory=FaultConfig)
 
 
 @dataclass
-class LoggerConfig:
-    _target_: str = key(nonempty=True)
+class LoggerConfig(Schema):
+    _target_: NonEmpty = MISSING
 
 
 @dataclass
 class WandbConfig(LoggerConfig):
-    mode: str = key(choices=WANDB_MODES, note="also from the WANDB_MODE environment variable")
-    project: str = key(nonempty=True)
-    entity: str | None = key(note="null: your W&B default")
+    mode: Annotated[WandbMode, Field(description="also from the WANDB_MODE environment variable")] = MISSING
+    project: NonEmpty = MISSING
+    entity: Annotated[str | None, Field(description="null: your W&B default")] = MISSING
 
 
 SCHEDULES: dict[str, type] = {"constant": ScheduleConfig, "warmup_cosine": WarmupCosineConfig}

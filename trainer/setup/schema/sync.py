@@ -1,74 +1,120 @@
 """Schemas of conf/sync/*.yaml: one dataclass per option, registered under OPTIONS.
 
 The flags DDP and FSDP receive are typed here, so torch's own constructor errors never reach a user.
+The choices are declared here, the one place they are checked, rather than imported from
+trainer/sync/ (which would load torch's FSDP on every run); the strategies' constructors name the
+same values in their annotations (tests/test_config_schema.py compares them).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Literal
 
-from trainer.setup.schema.spec import key
+from omegaconf import MISSING
+from pydantic import Field
 
-COLLECTIVES = ("all_reduce", "rs_ag")
-COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
-MIXED_PRECISION = ("none", "bf16")
-WRAPS = ("auto", "block", "module")
+from trainer.setup.schema.declare import NonEmpty, Schema
+
+Collective = Literal["all_reduce", "rs_ag"]
+CommHook = Literal["none", "fp16", "bf16", "powersgd"]
+MixedPrecision = Literal["none", "bf16"]
+Wrap = Literal["auto", "block", "module"]
 
 
 @dataclass
-class SyncConfig:
-    _target_: str = key(nonempty=True)
+class SyncConfig(Schema):
+    _target_: NonEmpty = MISSING
 
 
 @dataclass
 class BucketsConfig(SyncConfig):
     """Bucketed all-reduce, by DDP or by hand, and the bucket_cap_mb=auto search."""
 
-    bucket_cap_mb: Any = key(gt=0, number=float, choices=("auto",), note="MiB of gradients per bucket")
-    time_every_n_steps: int = key(ge=1)
-    auto_candidates_mb: list[float] = key(gt=0, nonempty=True)
-    auto_steps_per_trial: int = key(ge=1)
-    auto_warmup_steps: int = key(ge=1)
+    bucket_cap_mb: Annotated[
+        Annotated[float, Field(gt=0, strict=True)] | Literal["auto"],
+        Field(
+            description="MiB of gradients per bucket, DDP's default 25; auto: time sync.auto_candidates_mb "
+            "on the first steps, keep the fastest"
+        ),
+    ] = MISSING
+    time_every_n_steps: Annotated[int, Field(ge=1, description="communication is timed on one step in this many")] = (
+        MISSING
+    )
+    auto_candidates_mb: Annotated[
+        list[Annotated[float, Field(gt=0)]],
+        Field(min_length=1, description="the bucket caps in MiB that bucket_cap_mb=auto tries"),
+    ] = MISSING
+    auto_steps_per_trial: Annotated[int, Field(ge=1, description="timed steps per candidate cap")] = MISSING
+    auto_warmup_steps: Annotated[
+        int, Field(ge=1, description="untimed steps per candidate, after its buckets are built")
+    ] = MISSING
 
 
 @dataclass
 class DDPConfig(BucketsConfig):
-    gradient_as_bucket_view: bool = key()
-    static_graph: bool = key()
-    find_unused_parameters: bool = key()
-    broadcast_buffers: bool = key()
-    comm_hook: str = key(choices=COMM_HOOKS)
-    powersgd_rank: int = key(ge=1)
-    powersgd_start_step: int = key(ge=2)
-    time_buckets: bool = key()
+    gradient_as_bucket_view: bool = MISSING
+    static_graph: bool = MISSING
+    find_unused_parameters: bool = MISSING
+    broadcast_buffers: bool = MISSING
+    comm_hook: CommHook = MISSING
+    powersgd_rank: Annotated[int, Field(ge=1, description="PowerSGD's matrix_approximation_rank")] = MISSING
+    # PowerSGDState refuses start_powerSGD_iter <= 1 with error feedback or warm start (both on here):
+    # DDP rebuilds its buckets after the first step, which would invalidate their per-bucket state.
+    powersgd_start_step: Annotated[
+        int,
+        Field(
+            ge=2,
+            description="PowerSGD's start_powerSGD_iter: steps of plain all-reduce before compressing; "
+            "with error feedback and warm start it needs at least 2",
+        ),
+    ] = MISSING
+    time_buckets: bool = MISSING
 
 
 @dataclass
 class BucketedConfig(BucketsConfig):
-    collective: str = key(choices=COLLECTIVES)
+    collective: Collective = MISSING
 
 
 @dataclass
 class ManualConfig(SyncConfig):
-    coalesce_mb: float = key(ge=0, note="0: one buffer per gradient tensor")
-    collective: str = key(choices=COLLECTIVES)
-    find_unused_parameters: bool = key()
+    coalesce_mb: Annotated[float, Field(ge=0, description="0: one buffer per gradient tensor")] = MISSING
+    collective: Collective = MISSING
+    find_unused_parameters: bool = MISSING
 
 
 @dataclass
 class ZeroConfig(SyncConfig):
-    stage: int = key(choices=(1, 2), note="1: optimizer state sharded; 2: gradients too; stage 3 is sync=fsdp")
-    bucket_cap_mb: float = key(gt=0, note="MiB of gradients per bucket")
-    find_unused_parameters: bool = key()
-    time_every_n_steps: int = key(ge=1)
+    stage: Annotated[
+        Literal[1, 2],
+        Field(
+            description="1: optimizer state sharded; 2: gradients too; stage 3 (parameters sharded too) is "
+            "sync=fsdp, stage 0 (nothing sharded) is sync=ddp or sync=bucketed"
+        ),
+    ] = MISSING
+    bucket_cap_mb: Annotated[float, Field(gt=0, description="MiB of gradients per bucket")] = MISSING
+    find_unused_parameters: bool = MISSING
+    time_every_n_steps: Annotated[int, Field(ge=1)] = MISSING
 
 
 @dataclass
 class FSDPConfig(SyncConfig):
-    reshard_after_forward: bool = key()
-    mixed_precision: str = key(choices=MIXED_PRECISION)
-    wrap: str = key(choices=WRAPS)
+    reshard_after_forward: Annotated[
+        bool,
+        Field(
+            description="true: free each unit's gathered parameters after its forward, gather again in backward; "
+            "false: keep them until backward (less communication, more memory)"
+        ),
+    ] = MISSING
+    mixed_precision: MixedPrecision = MISSING
+    wrap: Annotated[
+        Wrap,
+        Field(
+            description="auto: block if the model has an nn.ModuleList of blocks, else module; block: one FSDP "
+            "unit per nn.ModuleList element, the rest in the root; module: one unit per module owning parameters"
+        ),
+    ] = MISSING
 
 
 OPTIONS: dict[str, type] = {
