@@ -41,7 +41,7 @@ from trainer.setup.preflight import bytes_needed, check_output_dir
 def main(cfg: DictConfig) -> dict[str, Any]:
     loggers: list[MetricLogger] = []
     # ConfigError -> one message (rank 0's) + exit 2; SIGTERM -> flush + exit 143; Ctrl-C -> exit 130
-    with exit_cleanly(loggers, precheck.speaks_for_the_job):
+    with exit_cleanly(loggers, precheck.prints_bad_input_error):
         config = conf.plain_config(cfg)
         settings = instantiate(cfg.trainer)
         parts = build_parts(cfg, settings)  # every constructor runs here, before any collective

@@ -19,11 +19,12 @@ from tests.test_fsdp import real_collectives
 from trainer.sync import zero_grads
 from trainer.sync.bucket_timing import Stopwatch, timed
 from trainer.sync.bucketed import BucketedSync
+from trainer.sync.collectives import Collectives
 from trainer.sync.ddp import DDPSync
+from trainer.sync.flat import FlatGrads
 from trainer.sync.fsdp import FSDPSync
 from trainer.sync.manual import ManualSync
 from trainer.sync.none import NoSync
-from trainer.sync.shared import Collectives, FlatGrads
 from trainer.sync.zero import ZeroSync
 
 TINY_MB = 300 / 2**20  # below the branch's 8x8 float64 weight (512 bytes): that tensor makes a group alone

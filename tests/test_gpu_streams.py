@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from trainer.sync.bucket_timing import Stopwatch, timed
-from trainer.sync.shared import Collectives, FlatGrads
+from trainer.sync.collectives import Collectives
+from trainer.sync.flat import FlatGrads
 
 
 @pytest.mark.gpu

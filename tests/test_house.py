@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -65,6 +66,40 @@ def test_nothing_below_the_commands_imports_one() -> None:
         if m.startswith("trainer.") and not m.startswith("trainer.tools")
     }
     assert {m: i for m, i in offenders.items() if i} == {}
+
+
+def reading_path(module: str) -> list[str]:
+    """The module and every module of trainer/, models/ and data/ it imports, transitively (empty
+    package __init__ files left out): what a reader must open to follow it."""
+    graph, seen, todo = our_modules(), set(), [module]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo += [i for i in graph[name] if i.split(".")[0] in ("trainer", "models", "data")]
+    return sorted(m for m in seen if module_path(m).stat().st_size > 0)
+
+
+def module_path(module: str) -> Path:
+    path = REPO / (module.replace(".", "/") + ".py")
+    return path if path.exists() else REPO / module.replace(".", "/") / "__init__.py"
+
+
+def test_each_strategys_reading_path_is_the_one_docs_architecture_md_measures() -> None:
+    # The table in docs/architecture.md ("Reading a strategy") is measured, not written: a change
+    # that makes a strategy pull in more files or lines must update it, and say so there.
+    text = (REPO / "docs" / "architecture.md").read_text()
+    table = {
+        m[0]: (int(m[1]), int(m[2]), int(m[3].replace(",", "")))
+        for m in re.findall(r"^\| `(\w+)` \| (\d+) lines \| (\d+) files \| ([\d,]+) lines \|", text, re.MULTILINE)
+    }
+    measured = {}
+    for strategy in ("none", "manual", "bucketed", "ddp", "zero", "fsdp"):
+        path = reading_path(f"trainer.sync.{strategy}")
+        own = len(module_path(f"trainer.sync.{strategy}").read_text().splitlines())
+        lines = sum(len(module_path(m).read_text().splitlines()) for m in path)
+        measured[strategy] = (own, len(path), lines)
+    assert table == measured
 
 
 def test_no_import_circles() -> None:

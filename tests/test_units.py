@@ -26,8 +26,9 @@ from trainer.loop.summary import format_report, job_throughput, rank_timing
 from trainer.loop.timing import PHASES, StepTimer
 from trainer.setup.dist import choose_device
 from trainer.setup.precheck import check_overrides
-from trainer.sync.shared import Collectives, CommCounters, FlatGrads, busy_time, exposed_time
-from trainer.sync.shared import group_by_size as plan
+from trainer.sync.collectives import Collectives, CommCounters, busy_time, exposed_time
+from trainer.sync.flat import FlatGrads
+from trainer.sync.flat import group_by_size as plan
 
 
 def test_warmup_cosine_shape() -> None:

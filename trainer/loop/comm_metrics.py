@@ -1,9 +1,9 @@
-"""A strategy's communication counts (trainer/sync/shared.py's CommCounters) as a logged row's
+"""A strategy's communication counts (trainer/sync/collectives.py's CommCounters) as a logged row's
 per-step comm/* and time/comm* metrics."""
 
 from __future__ import annotations
 
-from trainer.sync.shared import CommCounters
+from trainer.sync.collectives import CommCounters
 
 
 def all_reduce_bus_factor(world_size: int) -> float:

@@ -34,7 +34,7 @@ class Window:
         self._targets: list[torch.Tensor] = []
         self.samples = 0
         self.tokens = 0
-        self.micro_batches = 0  # with data: a rank that shadowed (data.drop_last=false) has fewer
+        self.micro_batches = 0  # with data: a rank that ran out of data (data.drop_last=false) has fewer
         self.steps = 0
         self.started = time.perf_counter()
 

@@ -45,7 +45,7 @@ class TrainRows:
     ) -> float:
         """One row from the window since the previous row; returns its loss. The window is reset."""
         loss_sum, correct, _ = totals
-        # The mean micro-batch loss (each was divided by grad_accum_steps): a rank that shadowed
+        # The mean micro-batch loss (each was divided by grad_accum_steps): a rank that ran
         # micro-batches it had no data for (data.drop_last=false) averages only those it trained.
         trained = window.micro_batches
         loss = loss_sum * steps.settings.grad_accum_steps / trained if trained else float("nan")
@@ -58,7 +58,7 @@ class TrainRows:
         row: dict[str, Any] = {
             "step": step,
             "epoch": epoch,
-            # Omitted by a rank that trained on nothing since the last row (it only shadowed).
+            # Omitted by a rank that trained on nothing since the last row (it only ran micro-batches without data).
             **({"train/loss": loss, "train/accuracy": correct / window.tokens} if trained else {}),
             "train/lr": steps.lr,
             **{f"time/{phase}_s": seconds for phase, seconds in phases.items()},

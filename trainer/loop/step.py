@@ -55,57 +55,30 @@ class StepRunner:
         window: Window,
     ) -> None:
         self.settings, self.ctx, self.model, self.train_model, self.sync = settings, ctx, model, train_model, sync
-        self.empty_inputs = empty_inputs  # a batch of 0 samples, for shadow()
+        self.empty_inputs = empty_inputs  # a batch of 0 samples, for backward_without_data()
         self.optimizer, self.scheduler, self.timer, self.window = optimizer, scheduler, timer, window
         self.autocast = autocast_for(settings.precision, ctx.device)
         self.lr = optimizer.param_groups[0]["lr"]  # the rate the last step used
         self.skipped_steps = 0  # on_nonfinite=skip
 
-    def shadow(self) -> None:
-        """A micro-batch for a rank with no samples left while others still have some.
-
-        A forward and backward on a batch of 0 samples: every collective the others run in this
-        micro-batch (DDP's bucket all-reduces, FSDP's all-gathers, the hooks of bucketed) gets
-        its partner, and this rank's contribution to the gradient sum is exactly zero, as a rank
-        that joined does under torch's Join. Unlike Join, the rank then takes the optimizer step
-        with the averaged gradient, so the replicas and their optimizer state stay identical.
-        """
-        with self.autocast():
-            logits = self.train_model(self.empty_inputs)
-        (logits.float().sum() * 0.0).backward()
-
     def run(self, batches: Iterator[Any], step: int) -> None:
-        """Optimizer step number `step` (1-based) on the next grad_accum_steps batches."""
-        s, ctx, timer, window = self.settings, self.ctx, self.timer, self.window
-        if s.fault.due(ctx.rank, step, ctx.attempt):
-            self.sync.wait_for_parameters()  # kind=perturb nudges a parameter: after the last step's writes
-        s.fault.maybe_fire(ctx.rank, step, ctx.attempt, self.model)
-        k = s.grad_accum_steps
+        """Optimizer step number `step` (1-based) on the next grad_accum_steps batches: the
+        tutorial's step (forward, backward, the sync, the optimizer), each phase timed."""
+        k, timer, window = self.settings.grad_accum_steps, self.timer, self.window
         timer.start()
         for i in range(k):
-            batch = next(batches)
-            if batch is None:  # this rank's share of the epoch is used up (data.drop_last=false)
-                timer.mark("data")
-                with self.sync.no_sync(self.train_model) if i < k - 1 else nullcontext():
-                    self.shadow()
-                timer.mark("backward")
-                continue
-            inputs, targets = batch
-            inputs = inputs.to(ctx.device, non_blocking=True)
-            targets = targets.to(ctx.device, non_blocking=True)
-            timer.mark("data")
             # Only the last micro-batch may communicate; the others accumulate gradients locally.
             with self.sync.no_sync(self.train_model) if i < k - 1 else nullcontext():
-                with self.autocast():
-                    logits = self.train_model(inputs)
-                    if targets.dim() > 1:  # a language model: every token is a sample of the loss
-                        loss = F.cross_entropy(logits.flatten(0, -2), targets.flatten())
-                    else:
-                        loss = F.cross_entropy(logits, targets)
-                    if k > 1:  # the mean over the whole step's samples (no extra kernel when k == 1)
-                        loss = loss / k
-                if s.fault.poisons_loss(ctx.rank, step, ctx.attempt):
-                    loss = loss * float("nan")
+                batch = next(batches)
+                if batch is None:  # this rank's share of the epoch is used up (data.drop_last=false)
+                    timer.mark("data")
+                    self.backward_without_data()
+                    timer.mark("backward")
+                    continue
+                inputs = batch[0].to(self.ctx.device, non_blocking=True)
+                targets = batch[1].to(self.ctx.device, non_blocking=True)
+                timer.mark("data")
+                loss, logits = self.forward(inputs, targets, step)
                 window.add(loss, logits, targets, step)
                 timer.mark("forward")
                 loss.backward()
@@ -113,7 +86,7 @@ class StepRunner:
         self.sync.after_backward(self.train_model)
         timer.mark("sync")
         self.lr = self.optimizer.param_groups[0]["lr"]
-        if s.on_nonfinite == "skip" and not self.sync.grads_finite(self.model, self.optimizer):
+        if self.settings.on_nonfinite == "skip" and not self.sync.grads_finite(self.model, self.optimizer):
             # Gradients are averaged by now, so every rank sees the same non-finite values and
             # skips this same step: the replicas stay equal.
             self.skipped_steps += 1
@@ -125,3 +98,29 @@ class StepRunner:
         timer.mark("optimizer")
         window.steps += 1
         timer.stop()
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss, logits) of a micro-batch: its loss divided by grad_accum_steps (the step's is their sum)."""
+        k = self.settings.grad_accum_steps
+        with self.autocast():
+            logits = self.train_model(inputs)
+            if targets.dim() > 1:  # a language model: every token is a sample of the loss
+                loss = F.cross_entropy(logits.flatten(0, -2), targets.flatten())
+            else:
+                loss = F.cross_entropy(logits, targets)
+            if k > 1:  # the mean over the whole step's samples (no extra kernel when k == 1)
+                loss = loss / k
+        return loss, logits
+
+    def backward_without_data(self) -> None:
+        """A micro-batch for a rank with no samples left while others still have some.
+
+        A forward and backward on a batch of 0 samples: every collective the others run in this
+        micro-batch (DDP's bucket all-reduces, FSDP's all-gathers, the hooks of bucketed) gets
+        its partner, and this rank's contribution to the gradient sum is exactly zero, as a rank
+        that joined does under torch's Join. Unlike Join, the rank then takes the optimizer step
+        with the averaged gradient, so the replicas and their optimizer state stay identical.
+        """
+        with self.autocast():
+            logits = self.train_model(self.empty_inputs)
+        (logits.float().sum() * 0.0).backward()

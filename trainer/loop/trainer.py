@@ -32,6 +32,7 @@ from tqdm import tqdm
 from data.base import DataModule, ResumableSampler
 from trainer.errors import from_leaves
 from trainer.logger.base import MetricLogger, resumed_at
+from trainer.loop.fault_steps import FaultInjectingSteps
 from trainer.loop.lm import compile_model, end_of_run_sample, token_rates, write_vocab
 from trainer.loop.metrics import Window, evaluate
 from trainer.loop.profiling import ProfiledStepTimer, StepProfiler, send_timeline
@@ -93,7 +94,7 @@ class Trainer:
         assert isinstance(self.train_loader.sampler, ResumableSampler)
         self._sampler = self.train_loader.sampler  # shuffles per epoch; skips ahead on resume
         # Every rank runs as many steps as the rank with the most batches (data.drop_last=false may
-        # leave some a batch short: they shadow the others' collectives, StepRunner.shadow).
+        # leave some a batch short: they pair the others' collectives, StepRunner.backward_without_data).
         self._uneven = not data.drop_last
         most = max(data.train_batches(ctx.world_size))
         self.steps_per_epoch = steps_per_epoch(most, settings.grad_accum_steps, keep_partial=self._uneven)
@@ -112,7 +113,9 @@ class Trainer:
         self._batches: Iterator[Any] | None = None  # the current epoch's batches
         self.data = data
         self._rows = TrainRows(ctx, sync, self.loggers, token_rates(self.model, data, ctx.device, settings))
-        self._steps = StepRunner(
+        # trainer.fault (a testing aid) attaches around the step path only when it is configured.
+        steps = FaultInjectingSteps if settings.fault.configured else StepRunner
+        self._steps = steps(
             settings=settings,
             ctx=ctx,
             model=self.model,
@@ -223,7 +226,7 @@ class Trainer:
         if self._batches is None:  # a new epoch: a new shuffle, the same on every rank
             self._sampler.set_epoch(self.epoch)
             self._batches = iter(self.train_loader)
-            if self._uneven:  # None once this rank's batches run out: StepRunner shadows the others
+            if self._uneven:  # None once this rank's batches run out: StepRunner pairs the others' collectives
                 self._batches = itertools.chain(self._batches, itertools.repeat(None))
         try:
             self._steps.run(self._batches, self.step + 1)

@@ -36,6 +36,10 @@ class Fault:
     at_step: int | None = None
     kind: Kind = "crash"
 
+    @property
+    def configured(self) -> bool:
+        return self.rank is not None and self.at_step is not None
+
     def due(self, rank: int, step: int, attempt: int) -> bool:
         """Whether this rank fires at this step (the first attempt only)."""
         return attempt == 0 and rank == self.rank and step == self.at_step

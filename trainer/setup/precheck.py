@@ -225,7 +225,7 @@ def check_command_line(argv: list[str], rank: int, wait_for_rank0: Callable[[boo
         raise SystemExit(EXIT_CODE) from None
 
 
-def speaks_for_the_job() -> bool:
+def prints_bad_input_error() -> bool:
     """For a bad-input error found inside the app (e.g. SyncBatchNorm on CPU, a missing data root):
     whether this rank prints it. Rank 0 does and says so through the job's store; the others stay
     quiet once rank 0 has spoken (they print their own if it has not: their error may be theirs alone).

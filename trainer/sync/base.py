@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from trainer.sync.shared import Collectives, CommCounters
+from trainer.sync.collectives import Collectives, CommCounters
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
 
@@ -32,7 +32,7 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
 class SyncStrategy(ABC):
     """How the replicas' gradients become one averaged gradient.
 
-    A strategy sends through `self.net` (trainer/sync/shared.py), which counts every collective;
+    A strategy sends through `self.net` (trainer/sync/collectives.py), which counts every collective;
     the trainer reads the counts at logged rows through pop_comm_counts(). `comm_in_sync_phase`
     says that all its communication happens inside after_backward, so the trainer's timing of
     that phase is its communication time.

@@ -31,7 +31,7 @@ from torch.utils.hooks import RemovableHandle
 
 from trainer.errors import ConfigError
 from trainer.sync.bucket_timing import BucketTimer
-from trainer.sync.shared import Waitable
+from trainer.sync.collectives import Waitable
 
 # on_grad(bucket index, index in the bucket, parameter, first call in this backward)
 OnGrad = Callable[[int, int, nn.Parameter, bool], None]

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer.sync.shared import CommCounters, Waitable, busy_time
+from trainer.sync.collectives import CommCounters, Waitable, busy_time
 
 Spans = list[tuple[Any, Any]]  # (launch, arrival) per collective
 Waited = list[tuple[Any, Any, Any]]  # (launch, arrival, when the wait began)

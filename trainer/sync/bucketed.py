@@ -32,7 +32,8 @@ from torch.optim import Optimizer
 from trainer.sync.autotune import DEFAULT_CANDIDATES_MB, CapTuner
 from trainer.sync.base import SyncStrategy
 from trainer.sync.bucket_launch import BucketLauncher
-from trainer.sync.shared import CommCounters, FlatGrads, Waitable, broadcast_from_rank0, group_by_size, names_of
+from trainer.sync.collectives import CommCounters, Waitable, broadcast_from_rank0
+from trainer.sync.flat import FlatGrads, group_by_size, names_of
 
 
 class BucketedSync(SyncStrategy):

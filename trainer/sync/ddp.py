@@ -15,9 +15,8 @@ from torch.nn.parallel import DistributedDataParallel
 from trainer.errors import ConfigError
 from trainer.sync.autotune import DEFAULT_CANDIDATES_MB, CapTuner
 from trainer.sync.base import SyncStrategy
-from trainer.sync.ddp_hooks import CountedHook, TimedAllReduceHook
-from trainer.sync.ddp_runtime import RuntimeStats, SwappableDDP
-from trainer.sync.shared import CommCounters, busy_time, exposed_time
+from trainer.sync.collectives import CommCounters, busy_time, exposed_time
+from trainer.sync.ddp_hooks import CountedHook, RuntimeStats, SwappableDDP, TimedAllReduceHook
 
 # torch 2.14 renamed the per-forward buffer broadcast to forward_sync_buffers (the old name warns).
 # The new flag always syncs buffers at construction, which we want anyway: replicas start equal.

@@ -34,10 +34,10 @@ from torch.optim import Optimizer
 
 from trainer.errors import ConfigError
 from trainer.sync.base import OptimizerFactory, SyncStrategy
+from trainer.sync.collectives import broadcast_from_rank0
 from trainer.sync.fsdp_state import by_index, by_name
 from trainer.sync.fsdp_units import Wrap, plan_units, resolve
 from trainer.sync.fsdp_usage import FirstForwardCheck, usage_plan
-from trainer.sync.shared import broadcast_from_rank0
 
 # What the parameters are all-gathered in, and the gradients reduce-scattered in.
 MIXED_PRECISION = {"none": None, "bf16": (torch.bfloat16, torch.float32)}

@@ -28,7 +28,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from trainer.sync.base import SyncStrategy
-from trainer.sync.shared import FlatGrads, broadcast_from_rank0, group_by_size, names_of
+from trainer.sync.collectives import broadcast_from_rank0
+from trainer.sync.flat import FlatGrads, group_by_size, names_of
 from trainer.sync.unused import UsedParams
 
 

@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.sync.shared import Collectives, FlatGrads, Waitable
+from trainer.sync.collectives import Collectives, Waitable
+from trainer.sync.flat import FlatGrads
 from trainer.sync.zero_state import Layout
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.sync.shared import all_gather_tensor
+from trainer.sync.collectives import all_gather_tensor
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer.sync.shared import all_gather_tensor, reduce_scatter_tensor
+from trainer.sync.collectives import all_gather_tensor, reduce_scatter_tensor
 
 OPS = ("broadcast", "all_reduce", "all_gather", "reduce_scatter", "all_reduce_composed")
 REPEATS = 3  # timed runs of `iters` calls each; the median of them is reported

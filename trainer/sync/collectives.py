@@ -1,15 +1,13 @@
-"""What several strategies share: the first broadcast, gradients in flat buffers, and the collectives.
+"""The collectives a strategy issues, in one place: each launched asynchronously, counted for the
+comm/* metrics, and named in the profiler's trace while trainer.profile records.
 
-No strategy imports another; what two of them need lives here. Everything a strategy sends about
-gradients or parameters goes through `Collectives`, which launches it asynchronously and keeps the
-books in one place: it counts each collective for the comm/* metrics, and names it in the
-profiler's trace while trainer.profile records. The strategy's own file then says only what is
-sent and when.
+Every strategy sends through its `self.net` (a Collectives, trainer/sync/base.py), so its own file
+says only what is sent and when; the books are kept here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -29,119 +27,6 @@ def broadcast_from_rank0(model: nn.Module) -> None:
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
             dist.broadcast(tensor, src=0)
-
-
-def names_of(model: nn.Module, params: Sequence[nn.Parameter]) -> list[str]:
-    """Each parameter's name in the model (the first, for a tied one): for the messages."""
-    names: dict[int, str] = {}
-    for name, param in model.named_parameters():
-        names.setdefault(id(param), name)
-    return [names.get(id(p), "?") for p in params]
-
-
-# --- gradients in flat buffers --------------------------------------------------------------------
-# A collective then runs on a bucket's buffer directly: nothing is copied into a flat buffer before it
-# or back out after it (two copies of every gradient per step). Autograd keeps accumulating into the
-# views as long as nobody drops them, so a strategy zeroes the buffers between steps instead of
-# setting the gradients to None.
-
-
-def group_by_size(params: Iterable[nn.Parameter], cap_bytes: int) -> Iterator[list[nn.Parameter]]:
-    """Consecutive groups of at most cap_bytes (a larger parameter goes alone; 0: one parameter each).
-
-    A group never mixes dtypes or devices: its gradients share one buffer.
-    """
-    group: list[nn.Parameter] = []
-    size = 0
-    for param in params:
-        nbytes = param.numel() * param.element_size()
-        same_kind = not group or (param.dtype, param.device) == (group[0].dtype, group[0].device)
-        if group and (size + nbytes > cap_bytes or not same_kind):
-            yield group
-            group, size = [], 0
-        group.append(param)
-        size += nbytes
-    if group:
-        yield group
-
-
-@dataclass
-class Bucket:
-    """Some parameters' gradients side by side in one buffer, padded to a multiple of the world size
-    (reduce_scatter splits it evenly)."""
-
-    params: list[nn.Parameter]
-    views: list[torch.Tensor]  # each parameter's .grad, a view into `buffer`
-    buffer: torch.Tensor  # numel gradient elements, then zeros up to a multiple of the world size
-    numel: int
-    shard: torch.Tensor  # this rank's 1/world_size of the buffer, for reduce_scatter + all_gather
-
-    @property
-    def nbytes(self) -> int:
-        """The gradients' bytes (what all_reduce sends, without the padding)."""
-        return self.numel * self.buffer.element_size()
-
-    @property
-    def padded_nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
-
-    @property
-    def grads(self) -> torch.Tensor:
-        """The gradients without the padding."""
-        return self.buffer[: self.numel]
-
-
-class FlatGrads:
-    """A bucket per group of parameters, in order, each parameter's .grad bound to its bucket's view."""
-
-    def __init__(self, groups: Sequence[list[nn.Parameter]], world_size: int) -> None:
-        self.buckets = [self._allocate(group, world_size) for group in groups]
-        self.bind()
-
-    @staticmethod
-    def _allocate(params: list[nn.Parameter], world_size: int) -> Bucket:
-        numel = sum(p.numel() for p in params)
-        padded = -(-numel // world_size) * world_size
-        buffer = torch.zeros(padded, dtype=params[0].dtype, device=params[0].device)
-        views, offset = [], 0
-        for param in params:
-            views.append(buffer[offset : offset + param.numel()].view_as(param))
-            offset += param.numel()
-        shard = torch.empty(padded // world_size, dtype=buffer.dtype, device=buffer.device)
-        return Bucket(params, views, buffer, numel, shard)
-
-    def bind(self) -> None:
-        """Make every parameter's .grad its view again, keeping any gradient it already holds."""
-        for index in range(len(self.buckets)):
-            self.bind_bucket(index)
-
-    def bind_bucket(self, index: int) -> None:
-        """bind(), for one bucket."""
-        bucket = self.buckets[index]
-        for param, view in zip(bucket.params, bucket.views, strict=True):
-            if param.grad is view:
-                continue
-            if param.grad is None:
-                view.zero_()
-            else:
-                view.copy_(param.grad)
-            param.grad = view
-
-    def zero(self) -> None:
-        """Clear every gradient: one fill per bucket, and the views stay bound."""
-        for bucket in self.buckets:
-            bucket.buffer.zero_()
-
-    @property
-    def nbytes(self) -> int:
-        return sum(bucket.nbytes for bucket in self.buckets)
-
-    def sizes(self) -> list[int]:
-        """Each bucket's gradient bytes, in order."""
-        return [bucket.nbytes for bucket in self.buckets]
-
-
-# --- the collectives, counted and named -------------------------------------------------------------
 
 
 class Waitable(Protocol):
