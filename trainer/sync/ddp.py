@@ -129,7 +129,7 @@ class DDPSync(SyncStrategy):
         """
         assert self._proxy is not None
         self._count_untimed_collectives()  # with the old layout
-        # The old DDP goes with its last reference (test_autotune watches it die), and with it its reducer's
+        # The old DDP goes with its last reference, and with it its reducer's
         # buckets and autograd hooks; those hooks were inert anyway: a reducer expects them only after its
         # own forward.
         self._proxy.ddp = self._build(cap_mb)

@@ -6,27 +6,28 @@ this rank's slice of the averaged bucket is read into its shard of the gradient 
 optimizer steps on). A bucket of one parameter that needs no padding (a tensor above the cap)
 has no buffer: its .grad, autograd's own tensor, is all-reduced in place and set to None after
 the step (a flat view would cost an in-place accumulation and a zeroing pass over it every step:
-~6 ms for a 64 MiB weight on CPU). A rank holds the full gradient, plus its 1/N shard.
+a few percent of the step for a large weight; docs/performance.md). A rank holds the full
+gradient, plus its 1/N shard.
 
 Stage 2 (the gradients sharded too): a gradient is moved, as its hook fires, into its bucket's
 staging buffer (allocated when the bucket's first gradient arrives), and the parameter's .grad is
 dropped; the full bucket is reduced into this rank's shard of the gradient (a reduce_scatter, or
 on gloo an all_reduce and a slice: see below), then the staging buffer is freed. A bucket
 of one parameter that needs no padding (a tensor above the cap, typically) stages autograd's own
-gradient tensor: no buffer to allocate, no copy (a fresh 64 MiB buffer costs ~30 ms of page
-faults on CPU). After backward a rank holds 1/N of the gradient; during backward, the buckets
+gradient tensor: no buffer to allocate, no copy (a fresh buffer of that size costs its page
+faults every step). After backward a rank holds 1/N of the gradient; during backward, the buckets
 being filled or in flight. Under no_sync the hooks do nothing: autograd accumulates the
 full local gradient in each .grad, and the last micro-batch's hooks move it.
 
 A gradient that never arrived in the last backward (a parameter unused there, or one whose .grad
 was replaced) is folded in by fill_missing() before its bucket starts (after backward, in order).
 
-gloo's reduce_scatter and all_gather are slow paths. Measured here (2 CPU ranks, 64 MiB of fp32):
-all_reduce 43 ms, reduce_scatter 85 ms, all_gather 70 ms, but one broadcast from each rank of its
-shard 20 ms. So on gloo a bucket is all_reduced in place and this rank's slice read into its shard
-(the full bucket is held until then either way), and the shards are gathered by one broadcast per
-rank, each from its owner (as ZeroRedundancyOptimizer broadcasts its parameters). Same bytes,
-bit-identical results: only the collectives differ, and comm/* counts the ones really issued.
+gloo's reduce_scatter and all_gather are slow paths (about twice an all_reduce each, where one
+broadcast per rank of its shard costs half of one: the numbers are in docs/sync.md). So on gloo a
+bucket is all_reduced in place and this rank's slice read into its shard (the full bucket is held
+until then either way), and the shards are gathered by one broadcast per rank, each from its owner
+(as ZeroRedundancyOptimizer broadcasts its parameters). Same bytes, bit-identical results: only the
+collectives differ, and comm/* counts the ones really issued.
 """
 
 from __future__ import annotations
