@@ -273,24 +273,24 @@ def test_bad_values_are_refused_with_the_key() -> None:
 
 
 def test_units_per_wrap_keep_shared_parameters_in_one_unit() -> None:
-    """sync.wrap's units (fsdp_units.plan_units, no process group needed): blocks or owning modules,
+    """sync.wrap's units (fsdp_units.choose_units, no process group needed): blocks or owning modules,
     and every candidate holding a parameter another one holds (tied weights) left to the root."""
     from tests.edge_models import Branchy, Tied
-    from trainer.sync.fsdp_units import plan_units, resolve
+    from trainer.sync.fsdp_units import choose_units, resolve
 
     tied = Tied()
-    units, root = plan_units(tied, "auto")
+    units, root = choose_units(tied, "auto")
     assert resolve(tied, "auto") == "block" and units == list(tied.blocks)
     assert [id(p) for p in root] == [id(tied.emb.weight), id(tied.norm.weight), id(tied.norm.bias)]
-    units, root = plan_units(tied, "module")  # emb and head share a weight: both left to the root
+    units, root = choose_units(tied, "module")  # emb and head share a weight: both left to the root
     assert units == [tied.blocks[0][0], tied.blocks[1][0], tied.norm] and [id(p) for p in root] == [id(tied.emb.weight)]
     branchy = Branchy()
-    assert resolve(branchy, "auto") == "module" and plan_units(branchy, "auto")[0] == [
+    assert resolve(branchy, "auto") == "module" and choose_units(branchy, "auto")[0] == [
         branchy.trunk,
         branchy.branch,
         branchy.out,
     ]
-    assert plan_units(branchy, "block") == ([], list(branchy.parameters()))  # no blocks: one root unit
+    assert choose_units(branchy, "block") == ([], list(branchy.parameters()))  # no blocks: one root unit
     tied.blocks[1][0].weight = tied.blocks[0][0].weight  # a weight shared by two blocks
-    units, _ = plan_units(tied, "block")
+    units, _ = choose_units(tied, "block")
     assert units == []

@@ -49,12 +49,12 @@ class BucketLauncher:
         time_every_n_steps: int,
         strict: bool = True,
         in_backward: bool = True,
-        closes_late: bool = False,
+        ends_at_next_forward: bool = False,
     ) -> None:
         self.strategy = strategy
         self.params, self.names = list(params), list(names)
         self.strict, self.in_backward = strict, in_backward
-        self.timer = BucketTimer(self.params[0].device, time_every_n_steps, closes_late)
+        self.timer = BucketTimer(self.params[0].device, time_every_n_steps, ends_at_next_forward)
         self.expected: list[int] | None = None  # per parameter, hook calls per backward (learned in step 1)
         self.accumulating = False  # no_sync: the hooks do nothing, gradients accumulate locally
         self.works: list[Waitable] = []  # per started bucket, in order

@@ -92,15 +92,15 @@ class _WaitThenNote:
 class BucketTimer:
     """This step's marks, if it is a timed one; the timed steps since the last row, for the row.
 
-    `closes_late`: the step ends when its last collectives are waited for, just before the next
+    `ends_at_next_forward`: the step ends when its last collectives are waited for, just before the next
     forward (zero's gathers), so the step read by the row after the next step is timed: the one
     before a logged one (rows log every n steps too).
     """
 
-    def __init__(self, device: torch.device, time_every_n_steps: int, closes_late: bool = False) -> None:
+    def __init__(self, device: torch.device, time_every_n_steps: int, ends_at_next_forward: bool = False) -> None:
         self.stopwatch = Stopwatch(device)
         self.every = time_every_n_steps
-        self._lag = 1 if closes_late else 0
+        self._lag = 1 if ends_at_next_forward else 0
         self.step = 0
         self.timing = self._timed_step(0)  # this step's collectives are timed
         self._marks: list[Any] = []  # launch mark per started bucket

@@ -36,8 +36,8 @@ from trainer.errors import ConfigError
 from trainer.sync.base import OptimizerFactory, SyncStrategy
 from trainer.sync.collectives import broadcast_from_rank0
 from trainer.sync.fsdp_state import by_index, by_name
-from trainer.sync.fsdp_units import Wrap, plan_units, resolve
-from trainer.sync.fsdp_usage import FirstForwardCheck, usage_plan
+from trainer.sync.fsdp_units import Wrap, choose_units, resolve
+from trainer.sync.fsdp_usage import FirstForwardCheck, expected_usage
 
 # What the parameters are all-gathered in, and the gradients reduce-scattered in.
 MIXED_PRECISION = {"none": None, "bf16": (torch.bfloat16, torch.float32)}
@@ -110,14 +110,14 @@ class FSDPSync(SyncStrategy):
         mesh = init_device_mesh(device.type, (self._world_size,))
         dtypes = MIXED_PRECISION[self.mixed_precision]
         policy = MixedPrecisionPolicy(*dtypes) if dtypes else MixedPrecisionPolicy()
-        layers, rest = plan_units(model, self.wrap_policy)
+        layers, rest = choose_units(model, self.wrap_policy)
         self._wrapped = resolve(model, self.wrap_policy)
         recurse = self._wrapped == "block"
         owners = {id(p): (m, n) for m in model.modules() for n, p in m.named_parameters(recurse=False)}
         units = [self._unit(m, list(m.parameters(recurse=recurse)), owners, is_root=False) for m in layers]
         units.append(self._unit(model, rest, owners, is_root=True))
         self._units = [u for u in units if u.all_gather_bytes]  # a root without parameters of its own gathers nothing
-        usage = usage_plan(model, layers, owners, recurse)  # names, while the parameters are the plain ones
+        usage = expected_usage(model, layers, owners, recurse)  # names, while the parameters are the plain ones
         for layer in layers:
             fully_shard(layer, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=policy)
         # The root follows torch's own rule: left to its default (None), FSDP2 keeps the root's

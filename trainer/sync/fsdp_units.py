@@ -43,7 +43,7 @@ def resolve(model: nn.Module, wrap: str) -> str:
     return "block" if blocks_of(model) else "module"
 
 
-def plan_units(model: nn.Module, wrap: str) -> tuple[list[nn.Module], list[nn.Parameter]]:
+def choose_units(model: nn.Module, wrap: str) -> tuple[list[nn.Module], list[nn.Parameter]]:
     """The non-root units, in registration order, and the parameters left to the root."""
     block = resolve(model, wrap) == "block"
     if block:

@@ -188,7 +188,7 @@ def graph_leaves(outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return leaves
 
 
-def usage_plan(
+def expected_usage(
     model: nn.Module, layers: list[nn.Module], owners: dict[int, tuple[nn.Module, str]], recurse: bool
 ) -> tuple[list[tuple[str, nn.Module, list[str]]], list[tuple[str, nn.Module, str]]]:
     """FirstForwardCheck's units (name, module, parameter names) and parameters (name, owner, attribute)."""

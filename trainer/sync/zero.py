@@ -114,7 +114,7 @@ class ZeroSync(SyncStrategy):
             self.time_every_n_steps,
             strict=False,
             in_backward=not self.find_unused_parameters,
-            closes_late=True,  # its step ends when the gathers are waited for, before the next forward
+            ends_at_next_forward=True,  # its step ends when the gathers are waited for, before the next forward
         )
         self._launcher.build(groups, self._grads.on_grad, self._grads.start)
         self._used = UsedParams(params, names, self.find_unused_parameters, "zero")
