@@ -33,7 +33,7 @@ class HandWritten:
     gradient, whatever the knobs), ddp and bucketed to PyTorch's DistributedDataParallel, zero to
     DDP with torch's ZeroRedundancyOptimizer (its optimizer-state sharding: all_reduce, then each
     rank steps its share of the parameters and broadcasts them), fsdp to fully_shard on each
-    layer that owns parameters, then the root.
+    transformer block (or, without blocks, each layer that owns parameters), then the root.
     """
 
     def __init__(self, overrides: list[str], strategy: str, ctx: ddist.DistContext) -> None:
@@ -54,8 +54,17 @@ class HandWritten:
         if strategy in ("ddp", "bucketed", "zero"):  # bucketed (DDP built by hand) is measured against PyTorch's DDP
             model = DistributedDataParallel(model, bucket_cap_mb=25)
         if strategy == "fsdp":
+            # As FSDP2's tutorials write it: a transformer's blocks (the elements of its
+            # nn.ModuleList) one unit each; another model, each module owning parameters. A
+            # parameter two modules share (the gpt's head tied to its embedding) stays in the root.
+            blocks = [b for m in model.modules() if isinstance(m, torch.nn.ModuleList) for b in m]
+            owners: dict[int, int] = {}
             for layer in model.modules():
-                if layer is not model and any(True for _ in layer.parameters(recurse=False)):
+                for param in layer.parameters(recurse=False):
+                    owners[id(param)] = owners.get(id(param), 0) + 1
+            for layer in blocks or list(model.modules()):
+                own = list(layer.parameters(recurse=bool(blocks)))  # a block's are its submodules'
+                if layer is not model and own and all(owners[id(p)] == 1 for p in own):
                     fully_shard(layer)
             fully_shard(model)
         if self.manual:
