@@ -50,7 +50,7 @@ from trainer.loop.summary import gather_summary, parameter_layout, write_json
 from trainer.loop.timing import StepTimer
 from trainer.reliability import resume
 from trainer.reliability.exits import StepBoundary, Terminated
-from trainer.reliability.guards import check_replicas, raise_if_nonfinite
+from trainer.reliability.guards import NonFiniteCheck, check_replicas
 from trainer.setup.dist import DistContext
 from trainer.setup.settings import TrainSettings
 from trainer.sync.base import SyncStrategy
@@ -110,6 +110,7 @@ class Trainer:
         # A profiled run's timer also keeps each phase's interval for the trace (trainer.profile).
         self._timer = (ProfiledStepTimer if settings.profile else StepTimer)(ctx.device)
         self._window = Window(ctx.device)
+        self._nonfinite = NonFiniteCheck(ctx.device)
         self._batches: Iterator[Any] | None = None  # the current epoch's batches
         self.data = data
         self._rows = TrainRows(ctx, sync, self.loggers, token_rates(self.model, data, ctx.device, settings))
@@ -264,11 +265,13 @@ class Trainer:
             self._window.started = time.perf_counter()  # nor is writing checkpoints
 
     def _check_finite(self, first_bad_step: int | None = None) -> None:
-        """on_nonfinite=raise: stop every rank if any saw a non-finite loss since the last row."""
+        """on_nonfinite=raise: stop every rank if any saw a non-finite loss (at a row: the answer
+        of the row before; before a checkpoint: everything so far, waited for)."""
         if self.settings.on_nonfinite == "raise":
             if first_bad_step is None:  # between rows (a checkpoint): look at the window so far
-                first_bad_step = self._window.totals()[2]
-            raise_if_nonfinite(first_bad_step, self.ctx.device)
+                self._nonfinite.now(self._window.totals()[2])
+            else:
+                self._nonfinite.at_row(first_bad_step)
 
     def save_checkpoint(self) -> None:
         """checkpoints/step-<step>.pt and last.pt (rank 0), after checking the state is worth keeping."""

@@ -15,20 +15,52 @@ class ReplicaMismatch(RuntimeError):
     """Ranks that should hold identical parameters do not."""
 
 
-def raise_if_nonfinite(first_bad_step: int, device: torch.device) -> None:
-    """Raise naming the first non-finite loss on any rank (first_bad_step -1: none on this rank).
+class NonFiniteCheck:
+    """trainer.on_nonfinite=raise: every rank stops together, naming the first non-finite loss.
 
-    Every rank must call this at the same point: it all-gathers each rank's first bad step, so that
-    all of them stop together with the same message. It is called at logged steps, before
-    checkpoints and at the end, where the loop synchronises anyway; alone, it needs no collective.
+    The ranks must agree (each knows only its own losses), which takes a collective. At a logged
+    row it is launched and not waited for: waiting would hold every rank at every row until the
+    slowest arrives, which on a sub-millisecond step costs more than the step (measured in
+    docs/performance.md). Its answer is read at the next row, so a non-finite loss stops the job
+    one logged row after the one that saw it. Before a checkpoint and at the end of training the
+    check waits and looks at everything so far: no checkpoint holds a model that saw one.
+    Every rank must call it at the same points (the loop's periodic events are on every rank alike).
     """
-    seen = [first_bad_step]
-    if dist.get_world_size() > 1:
-        mine = torch.tensor(first_bad_step, dtype=torch.int64, device=device)
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pending: tuple[list[torch.Tensor], dist.Work] | None = None
+
+    def at_row(self, first_bad_step: int) -> None:
+        """This row's first bad step (-1: none here), sent; the previous row's answer, read."""
+        self._read_pending()
+        if dist.get_world_size() == 1:
+            _raise_if_bad([first_bad_step])
+            return
+        mine = torch.tensor(first_bad_step, dtype=torch.int64, device=self.device)
         gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, mine)
-        seen = [int(step) for step in torch.stack(gathered).tolist()]
-    bad = {rank: step for rank, step in enumerate(seen) if step >= 0}
+        work = dist.all_gather(gathered, mine, async_op=True)
+        assert work is not None, "async_op=True returns the collective's Work"
+        self._pending = (gathered, work)
+
+    def now(self, first_bad_step: int) -> None:
+        """Before a checkpoint and at the end: every rank's answer so far, waited for."""
+        self._read_pending()
+        self.at_row(first_bad_step)
+        self._read_pending()
+
+    def _read_pending(self) -> None:
+        if self._pending is None:
+            return
+        gathered, work = self._pending
+        self._pending = None
+        work.wait()
+        _raise_if_bad([int(step) for step in torch.stack(gathered).tolist()])
+
+
+def _raise_if_bad(first_bad_steps: list[int]) -> None:
+    """Raise naming the first non-finite loss among the ranks' (-1: none on that rank)."""
+    bad = {rank: step for rank, step in enumerate(first_bad_steps) if step >= 0}
     if bad:
         first = min(bad.values())
         ranks = ", ".join(str(r) for r, s in sorted(bad.items()) if s == first)
