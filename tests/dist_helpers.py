@@ -23,6 +23,7 @@ TIMEOUT = dt.timedelta(seconds=240)
 _stopped: str | None = None
 _store: dist.Store | None = None  # the group's FileStore: a channel that a collective out of step cannot jam
 STOP = "dist_helpers/stop"
+GRACE_S = 90.0  # how long a rank that raised waits to hear from its peers (tests/test_harness.py shortens it)
 
 
 def stop_collectives(reason: str) -> None:
@@ -35,26 +36,28 @@ def collectives_stopped() -> str | None:
     return _stopped
 
 
-def still_in_step(key: str, raised: bool, rank: int, world_size: int, grace_s: float = 90.0) -> bool:
+def still_in_step(key: str, raised: bool, rank: int, world_size: int) -> bool:
     """After a piece of work that may have raised: whether the ranks are still in step, the same
     answer on every rank, through the store (which a collective out of step cannot jam).
 
     They are if every rank raised (bad input refused alike) or none did. A rank that raised and
-    hears nothing from a peer within grace_s takes that peer to be stuck in a collective waiting
+    hears nothing from a peer within GRACE_S takes that peer to be stuck in a collective waiting
     for it: it says stop and leaves, and its closed connections end the peer's wait at once.
     """
     assert _store is not None, "inside run_on_ranks only"
     _store.set(f"{key}/{rank}", "raised" if raised else "passed")
     keys = [f"{key}/{r}" for r in range(world_size)]
-    deadline = time.monotonic() + (grace_s if raised else 2 * TIMEOUT.total_seconds())
+    deadline = time.monotonic() + (GRACE_S if raised else 2 * TIMEOUT.total_seconds())
     while not _store.check(keys):
         if _store.check([STOP]) or time.monotonic() > deadline:
             break
         time.sleep(0.05)
     words = [_store.get(k).decode() for k in keys] if _store.check(keys) else []
     if _store.check([STOP]) or len(set(words)) != 1:
-        failed = [r for r, w in enumerate(words) if w == "raised"] or f"{rank}, a peer silent"
-        _store.set(STOP, f"{key}: raised on rank(s) {failed} only")
+        failed = [r for r, w in enumerate(words) if w == "raised"]
+        silent = f"raised on rank {rank}, a peer silent for {GRACE_S:g} s"
+        why = f"raised on rank(s) {failed} only" if words else silent
+        _store.set(STOP, f"{key}: {why}")
         stop_collectives(f"{key} raised on some ranks only, so the ranks are out of step")
         return False
     return True

@@ -78,11 +78,3 @@ def used_on(counts: Sequence[tuple[str, int]], world_size: int) -> str:
     """'a.weight' (used on 1 of 2 ranks), ...: the first five, and how many more."""
     shown = ", ".join(f"{name!r} (used on {n} of {world_size} ranks)" for name, n in counts[:5])
     return shown + (f" and {len(counts) - 5} more" if len(counts) > 5 else "")
-
-
-def names_of(model: nn.Module, params: Sequence[nn.Parameter]) -> list[str]:
-    """Each parameter's name in the model (the first, for a tied one)."""
-    names: dict[int, str] = {}
-    for name, param in model.named_parameters():
-        names.setdefault(id(param), name)
-    return [names.get(id(p), "?") for p in params]
