@@ -151,12 +151,13 @@ class Result:
 
 def bench(model: str, strategy: str, args: argparse.Namespace, ctx: ddist.DistContext, out: Path) -> Result:
     overrides = MODELS[model]
-    framework = Framework(overrides, strategy, ctx, out / f"{model}-{strategy.replace(':', '-')}")
+    framework = Framework(overrides, strategy, ctx, out / f"{model}-{strategy.replace(':', '-')}", args.set)
     loop = HandWritten(overrides, strategy, ctx)
     result = Result(model, strategy)
     impls = [(result.framework_s, framework), (result.loop_s, loop)]
     if args.baseline and args.baseline != strategy:
-        base = Framework(overrides, args.baseline, ctx, out / f"{model}-baseline-{args.baseline.replace(':', '-')}")
+        base_out = out / f"{model}-baseline-{args.baseline.replace(':', '-')}"
+        base = Framework(overrides, args.baseline, ctx, base_out, args.set)
         impls.append((result.baseline_s, base))
     for _, impl in impls:
         impl.run(args.warmup)
@@ -225,6 +226,13 @@ def main() -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="as trainer.device")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--baseline", help="also time the framework under this strategy in the same rounds")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for the framework only, e.g. trainer.log_every_n_steps=100 (repeatable)",
+    )
     parser.add_argument("--quick", action="store_true", help="2 rounds of 3 steps (on mlp-tiny unless --models)")
     args = parser.parse_args()
     if args.quick:
@@ -246,6 +254,7 @@ def main() -> None:
             print(
                 f"{ctx.world_size} ranks, {ctx.backend} on {ctx.device}, {args.rounds} rounds x {args.steps} steps, "
                 "medians over rounds; the job's time per step is its slowest rank's"
+                + (f"; the framework with {' '.join(args.set)}" if args.set else "")
             )
             print(format_table(results, args.baseline))
             if args.json:

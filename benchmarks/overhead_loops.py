@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -104,7 +104,9 @@ class HandWritten:
 class Framework:
     """ddplab's own Trainer, built as train.py builds it, logging JSONL every 10 steps."""
 
-    def __init__(self, overrides: list[str], strategy: str, ctx: ddist.DistContext, out: Path) -> None:
+    def __init__(
+        self, overrides: list[str], strategy: str, ctx: ddist.DistContext, out: Path, extra: Sequence[str] = ()
+    ) -> None:
         name, *knobs = strategy.split(":")  # e.g. "manual:coalesce_mb=25" -> sync=manual sync.coalesce_mb=25
         sync = [f"sync={name}", *(f"sync.{knob}" for knob in knobs)]
         cfg = compose_config(
@@ -115,6 +117,7 @@ class Framework:
                 "trainer.max_steps=1000000000",
                 "trainer.eval_every_n_steps=0",
                 "trainer.progress_bar=false",
+                *extra,  # the benchmark's --set: after the defaults above, so that it can change them
             ]
         )
         settings = instantiate(cfg.trainer)

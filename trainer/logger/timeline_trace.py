@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.spans import collective_name
+from trainer.sync.collectives import collective_name
 
 DTYPE_BYTES = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8, "int": 4}
 AUTOGRAD = "autograd::engine::evaluate_function"  # one backward op's computation on the host

@@ -3,7 +3,7 @@
 The traces (`profiler/rank{r}.pt.trace.json`) are the profiler's own Chrome-trace format (Perfetto,
 TensorBoard and Holistic Trace Analysis read them), with the lab's additions: each step's phases
 (data, forward, backward, sync, optimizer) as ranges on the training thread, the names of the
-collectives (trainer/spans.py), and under the key `ddplab` the clock reference that puts every
+collectives (trainer/sync/collectives.py), and under the key `ddplab` the clock reference that puts every
 rank on rank 0's clock (`python -m trainer.tools.timeline <run dir>` merges them). The profiler
 costs time while it records, so it is off by default and records only a few steps, after one
 step of wait and one of warm-up; with it off nothing here runs in the step.
@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from trainer import spans
 from trainer.logger.base import MetricLogger, TimelineLogger
 from trainer.loop.timing import StepTimer
+from trainer.sync import collectives
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +50,14 @@ class ProfiledStepTimer(StepTimer):
 
     def mark(self, phase: str) -> None:
         super().mark(phase)
-        if spans.recording:
+        if collectives.recording:
             now = time.perf_counter()
             self.host.append((phase, self._last, now, self.step))
             self._last = now
 
     def stop(self) -> None:
         super().stop()
-        if spans.recording:
+        if collectives.recording:
             self.profiled += 1
 
 
@@ -132,7 +132,7 @@ class StepProfiler(AbstractContextManager["StepProfiler"]):
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         if self._profile is not None:
-            spans.recording = False
+            collectives.recording = False
             self._profile.__exit__(kind, exc, tb)
 
     def step(self, done_step: int = 0) -> None:
@@ -144,11 +144,11 @@ class StepProfiler(AbstractContextManager["StepProfiler"]):
             self._step_marks.append((done_step + 1, time.perf_counter()))
             self._profile.step()  # opens ProfilerStep#k for the next step (or writes the trace)
             # Names and phases only for the steps the profiler records (not its wait and warm-up).
-            spans.recording = WAIT + WARMUP <= self._profile.step_num < WAIT + WARMUP + self._active
+            collectives.recording = WAIT + WARMUP <= self._profile.step_num < WAIT + WARMUP + self._active
 
     def _trace_ready(self, prof: profile) -> None:
         """Write the profiler's trace, then add the phases and the clock reference to it."""
-        spans.recording = False  # the profiled steps are over: nothing more to name
+        collectives.recording = False  # the profiled steps are over: nothing more to name
         path = self._out_dir / f"rank{self._rank}.pt.trace.json"
         prof.export_chrome_trace(str(path))
         trace = json.loads(path.read_text())

@@ -69,6 +69,7 @@ class DDPSync(SyncStrategy):
         self._hook: CountedHook | None = None
         self._stats: RuntimeStats | None = None
         self._steps_since_row = 0  # steps since the last row that DDP reduced without our hook
+        self._rebuilt_layout: tuple[DistributedDataParallel, list[int]] | None = None  # (the DDP it is of, sizes)
         self._grad_bytes = 0
 
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -215,7 +216,12 @@ class DDPSync(SyncStrategy):
         first iteration, in the order gradients became ready: report that layout once it exists.
         """
         assert self._ddp is not None
+        if self._rebuilt_layout is not None and self._rebuilt_layout[0] is self._ddp:
+            return self._rebuilt_layout[1], True  # fixed once rebuilt: a row reads DDP's record once, not twice
         data = self._ddp._get_ddp_logging_data()
         rebuilt = bool(data.get("has_rebuilt_buckets")) and bool(data.get("rebuilt_bucket_sizes"))
         layout = data.get("rebuilt_bucket_sizes") if rebuilt else data.get("bucket_sizes", "")
-        return [int(s) for s in str(layout).split(",") if s.strip()], rebuilt
+        sizes = [int(s) for s in str(layout).split(",") if s.strip()]
+        if rebuilt:
+            self._rebuilt_layout = (self._ddp, sizes)
+        return sizes, rebuilt

@@ -22,7 +22,7 @@ speak in the full model's terms (zero_state.py). Micro-batches under no_sync acc
 
 A parameter no rank used (find_unused_parameters=true, trainer/sync/unused.py) gets no update: the
 optimizer steps on the whole shard, so its slice of the shard's parameters and optimizer state is
-put back as it was (zero_rules.py). With find_unused_parameters=true no bucket starts during
+put back as it was (zero_state.py). With find_unused_parameters=true no bucket starts during
 backward (one could wait for a gradient that never comes): they all start after it, in order. The
 gradient buckets are cleared right after the step, so a caller's plain optimizer.zero_grad() (which
 drops the shard's .grad, re-bound here at the next step) is enough.
@@ -44,8 +44,16 @@ from trainer.sync.collectives import CommCounters, broadcast_from_rank0
 from trainer.sync.flat import group_by_size, names_of
 from trainer.sync.unused import UsedParams
 from trainer.sync.zero_grads import ShardedGrads
-from trainer.sync.zero_rules import ELEMENTWISE, check_one_kind, check_optimizer, restore_unused, save_unused
-from trainer.sync.zero_state import Layout, gather_full_state, shard_of_full_state
+from trainer.sync.zero_state import (
+    ELEMENTWISE,
+    Layout,
+    check_one_kind,
+    check_optimizer,
+    gather_full_state,
+    restore_unused,
+    save_unused,
+    shard_of_full_state,
+)
 
 __all__ = ["ELEMENTWISE", "ZeroSync"]
 
