@@ -80,6 +80,12 @@ NONFINITE = {
     + ["trainer.fault.rank=1", "trainer.fault.at_step=3"]
     for mode in ("raise", "skip")
 }
+# A row every 2 steps: the row at step 4 sends the agreement that saw step 3, the row at step 6 reads it.
+NONFINITE_LATE = ["trainer.max_steps=12", "trainer.log_every_n_steps=2", "trainer.on_nonfinite=raise"] + [
+    "trainer.fault.kind=nan_loss",
+    "trainer.fault.rank=1",
+    "trainer.fault.at_step=3",
+]
 DRIFT = [
     "trainer.max_steps=8",
     "trainer.check_replicas_every_n_steps=4",
@@ -145,6 +151,7 @@ def scenarios(rank: int, world_size: int, root: str) -> dict[str, Any]:
             f"nonfinite-{mode}": lambda at, o=overrides: fit(rank, world_size, o, str(at / "run"))
             for mode, overrides in NONFINITE.items()
         },
+        "nonfinite-late": lambda at: fit(rank, world_size, NONFINITE_LATE, str(at / "run")),
         "drift": lambda at: fit(rank, world_size, DRIFT, str(at / "run")),
     }
     results: dict[str, Any] = {}
@@ -239,6 +246,18 @@ def test_nonfinite_loss_raises_or_is_skipped_on_every_rank(
     assert all(torch.isfinite(t).all() for t in results[0]["model"].values())
     rows = train_rows(root / "run" / "metrics" / "rank0.jsonl")
     assert rows[-1]["train/skipped_steps"] == 1
+
+
+def test_nonfinite_loss_stops_every_rank_one_logged_row_after_the_row_that_saw_it(
+    runs: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    # The agreement is launched at a row and read at the next (docs/reliability.md): the loss of
+    # step 3 is in the row of step 4, whose agreement the row of step 6 reads and stops at.
+    root, results = results_of(runs, "nonfinite-late")
+    assert all("non-finite loss at step 3 on rank(s) 1" in r["error"] for r in results)
+    for rank in (0, 1):
+        rows = train_rows(root / "run" / "metrics" / f"rank{rank}.jsonl")
+        assert [row["step"] for row in rows] == [2, 4], f"rank {rank} stopped elsewhere"
 
 
 def test_replica_check_names_the_rank_that_drifted(runs: tuple[Path, list[dict[str, Any]]]) -> None:
