@@ -1,9 +1,10 @@
-"""A text corpus read as a stream, its tokenizer (char or byte), and its token file on disk.
+"""A text corpus read as a stream, its tokenizer (char, byte or bpe), and its token file on disk.
 
 Why streaming: every rank scans the corpus once at start-up (for its hash, its characters and its
 length, which the model's vocab size and the config checks need before any process group exists),
 and that scan must not hold the corpus in memory. The tokens themselves are written once, by rank
-0, to a uint16 file keyed by the corpus's hash; every rank memory-maps it.
+0, to a uint16 file keyed by the corpus's hash; every rank memory-maps it. bpe's tokenizer is trained
+by rank 0 too, and its files live beside the token file (data/bpe_cache.py).
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ from typing import Literal
 
 import numpy as np
 
-Tokenizer = Literal["char", "byte"]  # the schema's choices for data.tokenizer
+from data import bpe
+
+Tokenizer = Literal["char", "byte", "bpe"]  # the schema's choices for data.tokenizer
 TOKENIZERS: tuple[str, ...] = typing.get_args(Tokenizer)
 CHUNK_BYTES = 1 << 20
-MAX_VOCAB = 1 << 16  # ids are stored as uint16
+MAX_VOCAB = 1 << 16  # ids are stored as uint16: the largest vocabulary (data.vocab_size) that fits
 
 
 def default_corpus() -> list[Path]:
@@ -77,19 +80,33 @@ class Corpus:
     files: list[Path]
     tokenizer: str
     digest: str  # sha256 of the tokenizer's name and the files' bytes, in order
+    # char and byte: the tokens. bpe: the characters (its split is cut in the text; only rank 0's
+    # trained tokenizer can count the tokens, which it writes beside them: data/bpe_cache.py).
     num_tokens: int
-    chars: str  # the sorted distinct characters (char tokenizer); "" for byte
+    chars: str  # the sorted distinct characters (char tokenizer); "" for byte and bpe
+    bpe_vocab_size: int | None = None  # data.vocab_size: bpe's, at most; None for char and byte
 
     @property
     def vocab_size(self) -> int:
+        if self.tokenizer == "bpe":
+            assert self.bpe_vocab_size is not None, "scan() sets it for bpe"
+            return self.bpe_vocab_size
         return len(self.chars) if self.tokenizer == "char" else 256
 
+    @property
+    def tag(self) -> str:
+        """The tokenizer in the cache's file names: char, byte, bpe<vocab_size>."""
+        return f"bpe{self.bpe_vocab_size}" if self.tokenizer == "bpe" else self.tokenizer
+
     def vocab(self) -> dict[str, object]:
-        """What decoding needs, without the corpus: goes to the run dir and into checkpoints."""
+        """What decoding needs, without the corpus: goes to the run dir and into checkpoints (bpe's
+        tokenizer JSON is added once rank 0 has trained it: TextData.vocabulary)."""
+        if self.tokenizer == "bpe":  # no "chars": the end-of-run sample then starts from a newline
+            return {"tokenizer": self.tokenizer, "vocab_size": self.vocab_size}
         return {"tokenizer": self.tokenizer, "chars": self.chars, "vocab_size": self.vocab_size}
 
 
-def scan(files: list[Path], tokenizer: str) -> Corpus:
+def scan(files: list[Path], tokenizer: str, bpe_vocab_size: int | None = None) -> Corpus:
     digest = hashlib.sha256(tokenizer.encode())
     for _, chunk in _chunks(files):
         digest.update(chunk)
@@ -98,8 +115,11 @@ def scan(files: list[Path], tokenizer: str) -> Corpus:
     seen: set[str] = set()
     count = 0
     for text in _texts(files):
-        seen.update(text)
+        if tokenizer == "char":
+            seen.update(text)
         count += len(text)
+    if tokenizer == "bpe":
+        return Corpus(files, tokenizer, digest.hexdigest(), count, "", bpe_vocab_size)
     if len(seen) > MAX_VOCAB:
         raise ValueError(
             f"the corpus has {len(seen)} distinct characters, more than {MAX_VOCAB}: use data.tokenizer=byte"
@@ -107,7 +127,30 @@ def scan(files: list[Path], tokenizer: str) -> Corpus:
     return Corpus(files, tokenizer, digest.hexdigest(), count, "".join(sorted(seen)))
 
 
+def text_batches(files: list[Path], start: int, stop: int) -> Iterator[list[str]]:
+    """Characters [start, stop) of the corpus as batches of lines (each ends with a newline, but the
+    last and any line longer than a chunk), about a chunk at a time: the pieces bpe is trained on and
+    encodes apart, the same pieces both times, so that no merge spans two lines and the work runs
+    in parallel."""
+    pos, rest = 0, ""
+    for text in _texts(files):
+        part = text[max(start - pos, 0) : max(stop - pos, 0)]
+        pos += len(text)
+        *lines, rest = (rest + part).split("\n")
+        batch = [line + "\n" for line in lines]
+        if len(rest) > CHUNK_BYTES:  # a text without newlines is still served a chunk at a time
+            batch, rest = [*batch, rest], ""
+        if batch:
+            yield batch
+        if pos >= stop:
+            break
+    if rest:
+        yield [rest]
+
+
 def encode(text: str, vocab: dict[str, object]) -> list[int]:
+    if vocab["tokenizer"] == "bpe":
+        return bpe.encode_batch(str(vocab["bpe"]), [text])
     if vocab["tokenizer"] == "byte":
         return list(text.encode("utf-8"))
     index = {c: i for i, c in enumerate(str(vocab["chars"]))}
@@ -118,6 +161,8 @@ def encode(text: str, vocab: dict[str, object]) -> list[int]:
 
 
 def decode(ids: list[int], vocab: dict[str, object]) -> str:
+    if vocab["tokenizer"] == "bpe":
+        return bpe.decode(str(vocab["bpe"]), ids)
     if vocab["tokenizer"] == "byte":
         return bytes(ids).decode("utf-8", errors="replace")
     chars = str(vocab["chars"])
@@ -136,7 +181,7 @@ def _token_chunks(corpus: Corpus) -> Iterator[np.ndarray]:
 
 
 def token_file(cache_dir: str, corpus: Corpus) -> Path:
-    return Path(cache_dir) / f"{corpus.digest[:20]}.{corpus.tokenizer}.u16"
+    return Path(cache_dir) / f"{corpus.digest[:20]}.{corpus.tag}.u16"
 
 
 def write_tokens(cache_dir: str, corpus: Corpus) -> Path:

@@ -1,19 +1,26 @@
-"""data=text: tokenizers' round trips, the split, windows across ranks, the token file; bad input."""
+"""data=text: tokenizers' round trips, the split, windows across ranks, the token file; bpe's training,
+cache and sample; bad input."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from data import bpe
+from data.bpe_cache import meta_file, tokenizer_file
 from data.text import TextData
-from data.tokens import decode, default_corpus, encode, token_file
+from data.tokens import decode, default_corpus, encode, text_batches, token_file
+from tests.cli import CPU, output, python_train
 from tests.compose import compose_config
 from tests.text_helpers import tiny_gpt, write_corpus
 from trainer.errors import ConfigError
 from trainer.setup.build import build_parts, instantiate
+from trainer.tools import sample
 
 
 def make(tmp_path: Path, text: str | None = None, **kw: object) -> TextData:
@@ -89,6 +96,93 @@ def test_default_corpus_is_pythons_stdlib(tmp_path: Path):
     assert (Path(files[0]).parent / "os.py").is_file()
 
 
+BPE: dict[str, object] = {"tokenizer": "bpe", "vocab_size": 300}
+
+
+def bpe_text(tmp_path: Path) -> str:
+    """1800 characters of word salad (the training text), then 200 of a word only the validation text
+    has: a BPE trained on the whole corpus would make tokens of it (it does, at 300)."""
+    return write_corpus(tmp_path / "salad.txt", 1800).read_text(encoding="utf-8") + "quizzical " * 20
+
+
+def test_bpe_is_trained_on_the_training_text_only_and_round_trips(tmp_path: Path):
+    text = bpe_text(tmp_path)
+    data = make(tmp_path, text, **BPE)
+    train, val = data.build_datasets()
+    vocab = data.vocabulary()
+    assert decode(train.tokens.tolist(), vocab) == text[:1800] and decode(val.tokens.tolist(), vocab) == text[1800:]
+    assert data.num_train == len(train.tokens) < 1800  # the split is cut in the text, then counted in tokens
+    assert (
+        data.num_classes == vocab["vocab_size"] == 300
+        and int(np.max(train.tokens.tolist() + val.tokens.tolist())) < 300
+    )
+    words = bpe.load(str(vocab["bpe"])).get_vocab()
+    assert len(words) == 300 and not [w for w in words if "quiz" in w]  # nothing of the validation text
+    assert data.decode(data.encode("héllo → the lab\n")) == "héllo → the lab\n"  # any UTF-8: byte-level
+    (tmp_path / "again").mkdir()
+    again = make(tmp_path / "again", text, **BPE)  # a fresh cache: trained again, the same tokenizer
+    assert again.vocabulary()["bpe"] == vocab["bpe"]
+
+
+def test_bpe_is_trained_once_and_reused_from_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    text, cache = bpe_text(tmp_path), str(tmp_path / "tok")
+    first = make(tmp_path, text, **BPE)
+    files = [tokenizer_file(cache, first.corpus), token_file(cache, first.corpus), meta_file(cache, first.corpus)]
+    written = [f.stat().st_mtime_ns for f in files]
+
+    def no_training(*args: object) -> str:
+        raise AssertionError("bpe trained again: the cached tokenizer was not reused")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(bpe, "train", no_training)
+        second = make(tmp_path, text, **BPE)  # another run on the same corpus and size: rank 0's prepare again
+    assert [f.stat().st_mtime_ns for f in files] == written and second.vocabulary() == first.vocabulary()
+    other = make(tmp_path, text, tokenizer="bpe", vocab_size=280)  # another size: its own tokenizer, beside
+    assert tokenizer_file(cache, other.corpus) != files[0] and other.vocabulary()["bpe"] != first.vocabulary()["bpe"]
+    files[0].unlink()  # a deleted tokenizer is trained again, the same: its tokens stay
+    assert make(tmp_path, text, **BPE).vocabulary() == first.vocabulary() and files[1].stat().st_mtime_ns == written[1]
+
+
+def test_a_cached_tokenizer_that_does_not_match_is_refused(tmp_path: Path):
+    text = bpe_text(tmp_path)
+    data = make(tmp_path, text, **BPE)
+    path = tokenizer_file(str(tmp_path / "tok"), data.corpus)
+    good = path.read_text(encoding="utf-8")
+
+    def refusal(tokenizer_json: str) -> str:
+        path.write_text(tokenizer_json, encoding="utf-8")
+        with pytest.raises(ValueError) as err:
+            make(tmp_path, text, **BPE)
+        message = str(err.value)
+        assert "\n" not in message and f"{path} does not match the cache" in message and "delete it" in message
+        return message
+
+    edited = json.loads(good)
+    edited["model"]["merges"].pop()
+    assert "not the tokenizer that made" in refusal(json.dumps(edited))
+    assert "not a tokenizer's JSON" in refusal(good[:100])
+    larger = bpe.train(text_batches(data.corpus.files, 0, 1800), 320)
+    assert "has 320 tokens, not 256 to data.vocab_size=300" in refusal(larger)
+    path.write_text(good, encoding="utf-8")
+    assert make(tmp_path, text, **BPE).vocabulary() == data.vocabulary()
+
+
+def test_a_bpe_run_samples_without_corpus_or_cache(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    corpus, cache, run_dir = write_corpus(tmp_path / "c.txt", 3000), tmp_path / "tok", tmp_path / "run"
+    args = [CPU, *tiny_gpt(corpus, cache), "data.tokenizer=bpe", "data.vocab_size=300", "logger=none"]
+    args += ["trainer.max_steps=2", "trainer.progress_bar=false", f"hydra.run.dir={run_dir}"]
+    proc = python_train(args, cwd=tmp_path)
+    assert proc.returncode == 0, output(proc)
+    saved = json.loads((run_dir / "vocab.json").read_text(encoding="utf-8"))
+    (trained,) = cache.glob("*.bpe300.tokenizer.json")
+    assert saved["tokenizer"] == "bpe" and saved["vocab_size"] == 300 and saved["bpe"] == trained.read_text()
+    shutil.rmtree(cache)
+    corpus.unlink()
+    assert sample.main([str(run_dir), "--prompt", "the lab", "--tokens", "20", "--seed", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("the lab") and len(printed) > len("the lab\n")
+
+
 # Bad input: each a ConfigError naming the key or path, raised while building the parts (before any
 # process group, logger or file exists); train.py turns it into exit code 2 (test_gpt_train).
 def parts_error(tmp_path: Path, overrides: list[str]) -> str:
@@ -110,6 +204,16 @@ def test_bad_input_names_the_key_or_path(tmp_path: Path):
     assert "use model=gpt" in parts_error(tmp_path, ["model=cnn", *gpt[5:]])
     assert "data.tokenizer='word' is invalid" in parts_error(tmp_path, [*gpt, "data.tokenizer=word"])
     assert "data.num_workers=2 is invalid for data=text" in parts_error(tmp_path, [*gpt, "data.num_workers=2"])
+    as_bpe = [*gpt, "data.tokenizer=bpe"]  # the leaf's own checks, in the schema's words (test_config_refusals)
+    assert "data.vocab_size=255 is invalid: accepted: an integer >= 256" in parts_error(
+        tmp_path, [*as_bpe, "data.vocab_size=255"]
+    )
+    too_large = parts_error(tmp_path, [*as_bpe, "data.vocab_size=65537"])
+    assert "data.vocab_size=65537 is invalid" in too_large and "and <= 65536" in too_large
+    assert "data.vocab_size=null is invalid for data.tokenizer=bpe" in parts_error(tmp_path, as_bpe)
+    assert "data.vocab_size=300 is invalid for data.tokenizer=char" in parts_error(
+        tmp_path, [*gpt, "data.vocab_size=300"]
+    )
     assert "not UTF-8" in parts_error(tmp_path, [*gpt, f"data.path={_latin1(tmp_path)}"])
 
 

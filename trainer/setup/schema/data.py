@@ -8,7 +8,8 @@ from typing import Annotated
 from omegaconf import MISSING
 from pydantic import Field
 
-from data.tokens import Tokenizer
+from data.bpe import MIN_VOCAB
+from data.tokens import MAX_VOCAB, Tokenizer
 from trainer.setup.schema.declare import SEED_BOUND, NonEmpty, Schema
 
 
@@ -58,6 +59,15 @@ class TextConfig(DataConfig):
         str | None, Field(description="a UTF-8 file or a directory of *.txt; null: Python's standard library sources")
     ] = MISSING
     tokenizer: Tokenizer = MISSING
+    vocab_size: Annotated[
+        int | None,
+        Field(
+            ge=MIN_VOCAB,
+            le=MAX_VOCAB,
+            description="bpe's tokens: its 256 byte values and merges, ids that fit the uint16 token file; "
+            "null for char and byte",
+        ),
+    ] = MISSING
     cache_dir: Annotated[str, Field(min_length=1, description="where rank 0 writes the token file")] = MISSING
     block_size: Annotated[int | None, Field(ge=1, description="the model's context (model.block_size)")] = MISSING
     num_workers: Annotated[
