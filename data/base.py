@@ -140,20 +140,29 @@ class DataModule(ABC):
             return [n // world_size // b] * world_size
         return [-(-rank_share(n, r, world_size) // b) for r in range(world_size)]
 
-    def val_batches(self, world_size: int) -> list[int]:
+    def val_size(self, max_samples: int | None = None) -> int:
+        """Samples evaluated: the val set's first max_samples (trainer.eval_max_samples), all of it
+        when it has fewer or max_samples is None."""
+        n = _size(self._built()[1])
+        return n if max_samples is None else min(n, max_samples)
+
+    def val_batches(self, world_size: int, max_samples: int | None = None) -> list[int]:
         """Batches of each rank's val shard: they may differ by one, and a strategy whose forward
         communicates (FSDP) needs every rank to run as many forwards as the one with the most."""
-        n, b = _size(self._built()[1]), self.batch_size
+        n, b = self.val_size(max_samples), self.batch_size
         return [-(-rank_share(n, r, world_size) // b) for r in range(world_size)]
 
-    def val_loader(self, rank: int, world_size: int, pin_memory: bool = False) -> Loader:
-        """In-order loader over this rank's strided shard of the val set.
+    def val_loader(
+        self, rank: int, world_size: int, pin_memory: bool = False, max_samples: int | None = None
+    ) -> Loader:
+        """In-order loader over this rank's strided shard of the val set's first val_size(max_samples).
 
-        Invariant: the shards range(rank, len(val), world_size) are disjoint and cover the val set
-        with no padding or duplicates, so all-reduced sums and counts give exact metrics.
+        Invariant: the shards range(rank, n, world_size) are disjoint and cover those n samples
+        with no padding or duplicates, so all-reduced sums and counts give exact metrics. The
+        subset is cut before sharding, so the ranks' union is the same n samples at any world size.
         """
         _, val = self._built()
-        shard = Subset(val, range(rank, _size(val), world_size))  # rank_share(n, rank, world_size) samples
+        shard = Subset(val, range(rank, self.val_size(max_samples), world_size))  # rank_share(n, rank, world_size)
         return self._loader(shard, sampler=None, drop_last=False, pin_memory=pin_memory)
 
     def _built(self) -> tuple[Dataset, Dataset]:

@@ -7,6 +7,13 @@ that write into the residual stream scaled by 1/sqrt(2 n_layer) so the stream's 
 grow with depth. dropout defaults to 0: with randomness in the forward pass, N ranks x B no longer
 train the same model as one process x N*B.
 
+activation_checkpointing=True keeps only each block's input for backward and runs the block again
+there (torch.utils.checkpoint, non-reentrant): activation memory falls from every block's
+intermediates to one tensor per block, for about one more forward per step. The recomputation
+repeats the same kernels on the same inputs (and replays the RNG state, so dropout masks repeat
+too), so the gradients are the ones without it. Only a training forward with autograd on is
+checkpointed: evaluation and sampling (no grad) run each block once, plainly.
+
 The forward returns logits of shape (batch, block_size, vocab): the trainer's cross-entropy and
 accuracy flatten the leading dimensions, so a token is a sample for the loss.
 """
@@ -19,6 +26,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 def _check(key: str, value: int, least: int) -> None:
@@ -77,6 +85,7 @@ class GPT(nn.Module):
         num_classes: int,
         dropout: float = 0.0,
         bias: bool = True,
+        activation_checkpointing: bool = False,
     ) -> None:
         super().__init__()
         _check("n_layer", n_layer, 1)
@@ -95,7 +104,12 @@ class GPT(nn.Module):
                 f"model.block_size={block_size} but the data gives samples of shape {tuple(input_shape)}: "
                 f"the model reads windows of ({block_size},) tokens; leave data.block_size at model.block_size"
             )
+        if not isinstance(activation_checkpointing, bool):
+            raise ValueError(
+                f"model.activation_checkpointing={activation_checkpointing!r} is invalid: accepted true, false"
+            )
         self.n_layer, self.n_head, self.n_embd, self.block_size = n_layer, n_head, n_embd, block_size
+        self.activation_checkpointing = activation_checkpointing
         self.vocab_size = num_classes
         self.wte = nn.Embedding(num_classes, n_embd)
         self.wpe = nn.Embedding(block_size, n_embd)
@@ -120,8 +134,12 @@ class GPT(nn.Module):
         t = idx.shape[1]
         pos = torch.arange(t, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
+        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.blocks:
-            x = block(x)
+            # Through block's __call__ either way, so hooks on it (FSDP's unit gathers) fire on
+            # the recomputation too. Non-reentrant: the parameters' gradients come from the one
+            # backward pass, so DDP's and the strategies' per-parameter hooks fire once, as without.
+            x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
         return self.lm_head(self.ln_f(x))
 
     def non_embedding_params(self) -> int:

@@ -78,3 +78,18 @@ def test_step_costs_counts_every_piece_of_the_step_path(tmp_path: Path) -> None:
     assert len(pieces) == 6 and all(us > 0 for us in pieces)  # each piece does real work, and was timed
     # Each cell is rounded to 0.1 µs, so the pieces' sum may miss the total by up to 0.05 per piece.
     assert abs(sum(pieces) - float(cells["total"])) <= 0.05 * len(pieces) + 1e-9
+
+
+def test_activation_memory_benchmark_quick_run(tmp_path: Path) -> None:
+    """Both variants measured side by side: checkpointing keeps fewer bytes for backward, and the
+    time ratio sits inside its own spread."""
+    out = tmp_path / "activations.json"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "activation_memory.py"), "--quick", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| saved MiB | saved MiB ckpt |" in proc.stdout and "ckpt / plain [IQR]" in proc.stdout
+    (row,) = json.loads(out.read_text())
+    assert 0 < row["saved_mib_checkpointed"] < row["saved_mib"] and row["saved_ratio"] < 0.5
+    low, high = row["time_ratio_iqr"]
+    assert row["ms"] > 0 and row["ms_checkpointed"] > 0 and low <= row["time_ratio"] <= high
+    assert row["peak_mib"] is None  # CPU: no CUDA allocator to read

@@ -1,5 +1,7 @@
 """The promise on a transformer with a tied head: 2 ranks x B train the same GPT as 1 process x 2B,
-for every sync strategy; a resumed run is bit-identical; the sample tool reads the trained run."""
+for every sync strategy, with model.activation_checkpointing too; a resumed run is bit-identical;
+trainer.eval_max_samples evaluates the same windows at world sizes 1 and 2; the sample tool reads
+the trained run."""
 
 from __future__ import annotations
 
@@ -16,7 +18,15 @@ import torch.distributed as dist
 from tests.compose import REPO, compose_config
 from tests.dist_helpers import run_on_ranks
 from tests.text_helpers import tiny_gpt, write_corpus
-from tests.train_helpers import assert_same_model, build, case_results, max_abs_diff, params_of, train_each
+from tests.train_helpers import (
+    assert_same_model,
+    bit_identical,
+    build,
+    case_results,
+    max_abs_diff,
+    params_of,
+    train_each,
+)
 from trainer.setup.config import plain_config
 
 # ~1150 characters: 1035 train tokens = 64 windows of 16, so 2 ranks x 8 = 4 steps per epoch and 6 steps
@@ -38,6 +48,12 @@ CASES = {
     "zero": ["sync=zero"],
     "fsdp": ["sync=fsdp"],
 }
+# model.activation_checkpointing=true under the strategies whose hooks meet the recomputed blocks:
+# bucketed's and zero's post-accumulate-grad hooks (and their first-step check that every parameter
+# got a gradient), DDP's reducer, FSDP's unit gathers around each block.
+CHECKPOINTED = ("manual", "bucketed", "ddp", "zero", "fsdp")
+# A fixed subset of the 7 validation windows: shards of 2 and 1 at 2 ranks; 1000 is more than the split.
+EVAL_MAX_SAMPLES = 3
 
 
 def train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dict[str, torch.Tensor]:
@@ -46,6 +62,44 @@ def train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dic
     trainer.fit()
     assert trainer.step == 6 and trainer.epoch == 1
     return params_of(trainer)
+
+
+def train_checkpointed(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dict[str, Any]:
+    """train() with model.activation_checkpointing=true, counting block 0's forwards with autograd
+    on: twice per micro-batch (the forward, then the recomputation in backward) if it applies."""
+    config = plain_config(compose_config([*COMMON, *overrides]))
+    trainer = build(rank, world_size, [*COMMON, *overrides], run_dir, config=config)
+    grad_forwards = [0]
+
+    def count(module: torch.nn.Module, args: Any) -> None:  # a pre-hook: the recomputation stops early
+        grad_forwards[0] += torch.is_grad_enabled()
+
+    trainer.model.blocks[0].register_forward_pre_hook(count)
+    trainer.fit()
+    return {"params": params_of(trainer), "grad_forwards": grad_forwards[0], "micro_batches": trainer.step}
+
+
+def perturbed_eval(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dict[str, Any]:
+    """eval/* of the initial GPT moved by a fixed random step (the same on every rank at any world
+    size), so that windows differ in loss; and how many windows this rank evaluates."""
+    trainer = build(rank, world_size, [*COMMON, *overrides], run_dir)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in trainer.model.parameters():
+            param.add_(0.5 * torch.randn(param.shape, generator=generator))
+    windows = sum(targets.shape[0] for _, targets in trainer.val_loader)
+    return {"metrics": trainer.evaluate(), "windows": windows}
+
+
+def eval_cases(rank: int, world_size: int, gpt: list[str], root: str) -> dict[str, Any]:
+    """The whole split, its first EVAL_MAX_SAMPLES windows, and more samples than the split has."""
+    sync = "sync=none" if world_size == 1 else "sync=ddp"
+    cases = {
+        "eval-full": [*gpt, sync, "data.batch_size=8"],
+        "eval-subset": [*gpt, sync, "data.batch_size=8", f"trainer.eval_max_samples={EVAL_MAX_SAMPLES}"],
+        "eval-over": [*gpt, sync, "data.batch_size=8", "trainer.eval_max_samples=1000"],
+    }
+    return train_each(rank, world_size, perturbed_eval, cases, root)
 
 
 def resume_case(rank: int, world_size: int, gpt: list[str], root: str) -> dict[str, Any]:
@@ -71,8 +125,19 @@ def all_cases(rank: int, world_size: int, gpt: list[str], root: str) -> dict[str
     cases = {name: [*gpt, "data.batch_size=8", *o] for name, o in CASES.items()}
     cases["none"] = [*gpt, "data.batch_size=8", "sync=none"]
     results = train_each(rank, world_size, train, cases, f"{root}/runs")
+    checkpointed = {
+        f"{name}-checkpointed": [*cases[name], "model.activation_checkpointing=true"] for name in CHECKPOINTED
+    }
+    results |= train_each(rank, world_size, train_checkpointed, checkpointed, f"{root}/checkpointed")
+    results |= eval_cases(rank, world_size, gpt, f"{root}/eval")
     results["resume"] = resume_case(rank, world_size, gpt, f"{root}/resume")
     return results
+
+
+def single_cases(rank: int, world_size: int, corpus: list[str], run_dir: str) -> dict[str, Any]:
+    """One process x 16 windows (the reference), and the evaluation cases at world size 1."""
+    params = train(rank, world_size, [*corpus, "sync=none", "data.batch_size=16"], run_dir)
+    return {"params": params, **eval_cases(rank, world_size, corpus, f"{run_dir}-eval")}
 
 
 @pytest.fixture(scope="module")
@@ -82,11 +147,16 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def single(corpus: list[str], tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, torch.Tensor], Path]:
+def single_run(corpus: list[str], tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
     root = tmp_path_factory.mktemp("single")
     run_dir = root / "run"
-    (params,) = run_on_ranks(train, 1, root / "rank", [*corpus, "sync=none", "data.batch_size=16"], str(run_dir))
-    return params, run_dir
+    (results,) = run_on_ranks(single_cases, 1, root / "rank", corpus, str(run_dir))
+    return results, run_dir
+
+
+@pytest.fixture(scope="module")
+def single(single_run: tuple[dict[str, Any], Path]) -> tuple[dict[str, torch.Tensor], Path]:
+    return single_run[0]["params"], single_run[1]
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +173,43 @@ def test_two_ranks_equal_one_process_with_twice_the_batch(
     rank0, rank1 = case_results(pairs, case)
     assert_same_model([rank0, rank1], single[0])
     assert max_abs_diff(rank0, pairs[0]["none"]) > 1e-4 or case == "none"
+
+
+@pytest.mark.parametrize("case", CHECKPOINTED)
+def test_activation_checkpointing_trains_the_same_model(
+    pairs: list[dict[str, Any]], single: tuple[dict[str, torch.Tensor], Path], case: str
+) -> None:
+    """Recomputed blocks (no randomness at dropout 0) give the gradients of the plain run: the same
+    parameters as this strategy without checkpointing, and so as one process on twice the batch."""
+    ranks = case_results(pairs, f"{case}-checkpointed")
+    assert_same_model([r["params"] for r in ranks], single[0])
+    for rank, plain in zip(ranks, case_results(pairs, case), strict=True):
+        assert bit_identical(rank["params"], plain)  # on CPU the recomputation repeats the same kernels
+        # It applied: block 0 ran twice per training micro-batch (the recomputation in backward),
+        # and evaluation and the end-of-run sample (no grad) ran it plainly.
+        assert rank["grad_forwards"] == 2 * rank["micro_batches"]
+
+
+def test_eval_max_samples_gives_the_same_eval_loss_at_world_sizes_1_and_2(
+    pairs: list[dict[str, Any]], single_run: tuple[dict[str, Any], Path]
+) -> None:
+    one, two = single_run[0], case_results(pairs, "eval-subset")
+    (full_one,) = case_results([one], "eval-full")
+    (subset_one,) = case_results([one], "eval-subset")
+    (over_one,) = case_results([one], "eval-over")
+    loss = subset_one["metrics"]["eval/loss"]
+    for rank in two:  # the same windows: equal up to float summation order
+        assert rank["metrics"]["eval/loss"] == pytest.approx(loss, rel=1e-6)
+        assert rank["metrics"]["eval/accuracy"] == subset_one["metrics"]["eval/accuracy"]
+    # The key applies: another loss than the whole split's, over a fraction of its windows, cut
+    # before sharding (rank r takes windows r, r + 2, ... of the first 3).
+    assert abs(loss - full_one["metrics"]["eval/loss"]) > 1e-3 * loss
+    assert subset_one["windows"] == EVAL_MAX_SAMPLES and full_one["windows"] == 7
+    assert [rank["windows"] for rank in two] == [2, 1]
+    # More samples than the split has: the whole split.
+    assert over_one["metrics"] == full_one["metrics"]
+    for over, full in zip(case_results(pairs, "eval-over"), case_results(pairs, "eval-full"), strict=True):
+        assert over["metrics"] == full["metrics"]
 
 
 def test_sync_none_lets_replicas_diverge(pairs: list[dict[str, Any]], single: tuple[dict[str, torch.Tensor], Path]):

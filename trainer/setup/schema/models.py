@@ -58,6 +58,9 @@ class GPTConfig(ModelConfig):
         float, Field(ge=0, lt=1, description="> 0 breaks the equivalence of N ranks and one process")
     ] = MISSING
     bias: bool = MISSING
+    activation_checkpointing: Annotated[
+        bool, Field(description="recompute each block in backward: less activation memory, one more forward")
+    ] = MISSING
 
 
 OPTIONS: dict[str, type] = {"mlp": MLPConfig, "cnn": CNNConfig, "resnet18": ResNet18Config, "gpt": GPTConfig}
