@@ -12,7 +12,7 @@ from torch import nn
 from data.base import DataModule
 from tests.compose import CONF_DIR, compose_config
 from trainer.logger.jsonl import JsonlLogger
-from trainer.setup.build import instantiate
+from trainer.setup.build import instantiate, optimizer_factory
 from trainer.setup.settings import TrainSettings
 from trainer.sync.base import SyncStrategy
 
@@ -68,7 +68,8 @@ def test_option_composes_and_instantiates(group: str, option: str, tmp_path: Pat
         sync = instantiate(cfg.sync)
         assert isinstance(sync, SyncStrategy) and sync.describe()["strategy"] == option.split("_")[0]
     elif group == "optim":
-        optimizer = instantiate(cfg.optim)([nn.Parameter(torch.zeros(3))])
+        # optim.weight_decay_on is the builder's key: the node is built through its optimizer_factory.
+        optimizer = optimizer_factory(cfg.optim)([nn.Parameter(torch.zeros(3))])
         assert isinstance(optimizer, torch.optim.Optimizer)
     elif group == "schedule":
         schedule = instantiate(cfg.schedule, total_steps=100)

@@ -58,7 +58,7 @@ def test_batch_and_step_arithmetic() -> None:
         ({"max_steps": -1}, "trainer.max_steps=-1"),
         ({"max_steps": None, "num_epochs": None}, "both null"),
         ({"grad_accum_steps": 0}, "trainer.grad_accum_steps=0"),
-        ({"precision": "fp16"}, "trainer.precision='fp16'.*fp32, bf16"),
+        ({"precision": "fp8"}, "trainer.precision='fp8'.*fp32, bf16, fp16"),
         ({"device": "tpu"}, "trainer.device='tpu'.*auto, cpu, cuda"),
         ({"log_every_n_steps": 0}, "trainer.log_every_n_steps=0"),
         ({"collective_timeout_s": 0}, "trainer.collective_timeout_s=0"),

@@ -32,6 +32,9 @@ class Window:
         self._loss_steps: list[int] = []  # the optimizer step (1-based) each loss belongs to
         self._predictions: list[torch.Tensor] = []
         self._targets: list[torch.Tensor] = []
+        self._grad_norms: list[torch.Tensor] = []  # every step's with max_grad_norm, else the logged step's
+        self._norm_steps: list[int] = []
+        self.grad_norm: float | None = None  # the last step's, before clipping: set by totals()
         self.samples = 0
         self.tokens = 0
         self.micro_batches = 0  # with data: a rank that ran out of data (data.drop_last=false) has fewer
@@ -47,19 +50,39 @@ class Window:
         self.tokens += targets.numel()  # predictions: one per sample, or one per token of a window
         self.micro_batches += 1
 
+    def add_grad_norm(self, norm: torch.Tensor, step: int) -> None:
+        """A step's gradient norm (a 0-dim tensor, not read until the row)."""
+        self._grad_norms.append(norm)
+        self._norm_steps.append(step)
+
     def totals(self) -> tuple[float, int, int]:
-        """(sum of the micro-batches' losses, correct predictions, first step whose loss was not
-        finite or -1): one host sync, a handful of kernels per row."""
-        if not self._losses:
-            return 0.0, 0, -1
-        losses = torch.stack(self._losses).float()
-        correct = (torch.cat(self._predictions) == torch.cat(self._targets)).sum()
-        loss_sum, count = torch.stack([losses.sum().double(), correct.double()]).tolist()
-        first_bad = -1
-        if not math.isfinite(loss_sum):  # rare: only now look for the step (a finite sum can't hide one)
-            finite = torch.isfinite(losses).tolist()
-            first_bad = next((step for step, ok in zip(self._loss_steps, finite, strict=True) if not ok), -1)
-        return loss_sum, int(count), first_bad
+        """(sum of the micro-batches' losses, correct predictions, first step whose loss or gradient
+        norm was not finite or -1): one host sync, a handful of kernels per row. Sets grad_norm."""
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        losses = torch.stack(self._losses).float() if self._losses else None
+        norms = torch.stack(self._grad_norms).double() if self._grad_norms else None
+        correct = (torch.cat(self._predictions) == torch.cat(self._targets)).sum() if self._losses else zero
+        loss_sum, count, norm_sum, last_norm = torch.stack(
+            [
+                losses.sum().double() if losses is not None else zero,
+                correct.double(),
+                norms.sum() if norms is not None else zero,
+                norms[-1] if norms is not None else zero,
+            ]
+        ).tolist()
+        self.grad_norm = last_norm if norms is not None else None
+        bad = []  # rare: only now look for the step (a finite sum can't hide one)
+        if losses is not None and not math.isfinite(loss_sum):
+            bad.append(first_nonfinite(losses, self._loss_steps))
+        if norms is not None and not math.isfinite(norm_sum):
+            bad.append(first_nonfinite(norms, self._norm_steps))
+        return loss_sum, int(count), min(bad) if bad else -1
+
+
+def first_nonfinite(values: torch.Tensor, steps: list[int]) -> int:
+    """The step of the first value that is not finite (-1: none)."""
+    finite = torch.isfinite(values).tolist()
+    return next((step for step, ok in zip(steps, finite, strict=True) if not ok), -1)
 
 
 @torch.no_grad()

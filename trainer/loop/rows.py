@@ -61,12 +61,20 @@ class TrainRows:
             # Omitted by a rank that trained on nothing since the last row (it only ran micro-batches without data).
             **({"train/loss": loss, "train/accuracy": correct / window.tokens} if trained else {}),
             "train/lr": steps.lr,
+            # The logged step's global norm of the averaged gradient, before clipping.
+            **({"train/grad_norm": window.grad_norm} if window.grad_norm is not None else {}),
             **{f"time/{phase}_s": seconds for phase, seconds in phases.items()},
             "throughput/samples_per_s": window.samples / elapsed,
             **(self.rates.row(window.tokens, elapsed) if self.rates else {}),
             "memory/rss_mb": self._process.memory_info().rss / 2**20,
             "memory/optimizer_state_mb": optimizer_state_mb(steps.optimizer),
             **({"train/skipped_steps": steps.skipped_steps} if steps.skipped_steps else {}),
+            # fp16: the loss scale in use, and the steps its overflows skipped so far.
+            **(
+                {"train/grad_scale": steps.scaler.get_scale(), "train/overflow_steps": steps.overflow_steps}
+                if steps.scaler is not None
+                else {}
+            ),
             **comm,
             **self.sync.row_metrics(),
             # trainer.profile=true: these steps ran under the profiler (slower than the others).

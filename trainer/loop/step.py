@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
@@ -28,13 +29,26 @@ log = logging.getLogger(__name__)
 
 
 def autocast_for(precision: str, device: torch.device) -> Callable[[], AbstractContextManager[Any]]:
-    """The context each forward runs in: bf16 autocast, or for fp32 nothing at all.
+    """The context each forward runs in: bf16 or fp16 autocast, or for fp32 nothing at all.
 
     fp32 skips autocast entirely: even disabled, entering it costs a few µs per micro-batch.
     """
-    if precision != "bf16":
+    if precision == "fp32":
         return nullcontext
-    return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return lambda: torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def grad_scaler_for(precision: str, device: torch.device, sharded: bool) -> torch.amp.GradScaler | None:
+    """fp16's loss scaler (None otherwise). Its scale must stay the same on every rank, so the
+    overflow it finds must be every rank's: with replicated gradients each rank finds the same;
+    with sharded ones (zero, fsdp) each rank sees only its shard, and torch's ShardedGradScaler
+    all-reduces what unscale_ found before the scale is updated."""
+    if precision != "fp16":
+        return None
+    if sharded:
+        return ShardedGradScaler(device=device.type)
+    return torch.amp.GradScaler(device.type)
 
 
 class StepRunner:
@@ -58,12 +72,16 @@ class StepRunner:
         self.empty_inputs = empty_inputs  # a batch of 0 samples, for backward_without_data()
         self.optimizer, self.scheduler, self.timer, self.window = optimizer, scheduler, timer, window
         self.autocast = autocast_for(settings.precision, ctx.device)
+        self.scaler = grad_scaler_for(settings.precision, ctx.device, sync.grads_sharded)
+        self.overflow_steps = 0  # fp16: steps skipped because the scaled gradients overflowed
         self.lr = optimizer.param_groups[0]["lr"]  # the rate the last step used
         self.skipped_steps = 0  # on_nonfinite=skip
 
-    def run(self, batches: Iterator[Any], step: int) -> None:
+    def run(self, batches: Iterator[Any], step: int, logged: bool = False) -> None:
         """Optimizer step number `step` (1-based) on the next grad_accum_steps batches: the
-        tutorial's step (forward, backward, the sync, the optimizer), each phase timed."""
+        tutorial's step (forward, backward, the sync, the clip, the optimizer), each phase timed.
+        `logged`: a row follows this step and reports its gradient norm (computed only then,
+        unless trainer.max_grad_norm clips every step)."""
         k, timer, window = self.settings.grad_accum_steps, self.timer, self.window
         timer.start()
         for i in range(k):
@@ -81,23 +99,44 @@ class StepRunner:
                 loss, logits = self.forward(inputs, targets, step)
                 window.add(loss, logits, targets, step)
                 timer.mark("forward")
-                loss.backward()
+                (loss if self.scaler is None else self.scaler.scale(loss)).backward()
                 timer.mark("backward")
         self.sync.after_backward(self.train_model)
         timer.mark("sync")
         self.lr = self.optimizer.param_groups[0]["lr"]
-        if self.settings.on_nonfinite == "skip" and not self.sync.grads_finite(self.model, self.optimizer):
-            # Gradients are averaged by now, so every rank sees the same non-finite values and
-            # skips this same step: the replicas stay equal.
+        max_norm, scaler = self.settings.max_grad_norm, self.scaler
+        if scaler is not None:  # fp16: the true gradients first, and every step's norm says whether they overflowed
+            scaler.unscale_(self.optimizer)
+        norm = self.sync.grad_norm(self.optimizer) if max_norm is not None or logged or scaler else None
+        overflowed = scaler is not None and not self._finite(norm)
+        if norm is not None and not overflowed:
+            window.add_grad_norm(norm, step)
+        if overflowed:  # the scaler lowers its scale below; every rank skips this same step
+            self.overflow_steps += 1
+        elif self.settings.on_nonfinite == "skip" and not self._finite(norm):
+            # Gradients are averaged by now (and a norm is global), so every rank skips this same
+            # step: the replicas stay equal.
             self.skipped_steps += 1
             log.warning("step %d: non-finite gradients, optimizer step skipped (trainer.on_nonfinite=skip)", step)
         else:
+            if max_norm is not None:  # clip the averaged gradient by its global norm, as one process would
+                assert norm is not None
+                self.sync.scale_grads(self.optimizer, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
             self.sync.optimizer_step(self.optimizer)
+        if scaler is not None:
+            scaler.update()  # from what unscale_ found: the same on every rank
         self.scheduler.step()
         self.sync.zero_grad(self.optimizer)
         timer.mark("optimizer")
         window.steps += 1
         timer.stop()
+
+    def _finite(self, norm: torch.Tensor | None) -> bool:
+        """on_nonfinite=skip: whether this step's gradients are finite, the same answer on every rank.
+        A norm computed this step already is that answer (one host read); else the strategy checks."""
+        if norm is not None:
+            return bool(torch.isfinite(norm))
+        return self.sync.grads_finite(self.model, self.optimizer)
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss, logits) of a micro-batch: its loss divided by grad_accum_steps (the step's is their sum)."""

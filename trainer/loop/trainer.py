@@ -90,7 +90,10 @@ class Trainer:
         pin = ctx.device.type == "cuda"
         with from_leaves():  # e.g. a batch too large for the world size
             self.train_loader = data.train_loader(ctx.rank, ctx.world_size, settings.seed, pin_memory=pin)
-            self.val_loader = data.val_loader(ctx.rank, ctx.world_size, pin_memory=pin)
+            # trainer.eval_max_samples: the split's first n samples, cut before sharding, so every
+            # world size evaluates the same windows.
+            subset = settings.eval_max_samples
+            self.val_loader = data.val_loader(ctx.rank, ctx.world_size, pin_memory=pin, max_samples=subset)
         assert isinstance(self.train_loader.sampler, ResumableSampler)
         self._sampler = self.train_loader.sampler  # shuffles per epoch; skips ahead on resume
         # Every rank runs as many steps as the rank with the most batches (data.drop_last=false may
@@ -98,7 +101,13 @@ class Trainer:
         self._uneven = not data.drop_last
         most = max(data.train_batches(ctx.world_size))
         self.steps_per_epoch = steps_per_epoch(most, settings.grad_accum_steps, keep_partial=self._uneven)
-        self._val_batches = max(data.val_batches(ctx.world_size))
+        self._val_batches = max(data.val_batches(ctx.world_size, settings.eval_max_samples))
+        if settings.eval_max_samples is not None and settings.eval_max_samples > data.val_size():
+            log.info(
+                "trainer.eval_max_samples=%d is more than the validation split's %d samples: evaluating them all",
+                settings.eval_max_samples,
+                data.val_size(),
+            )
         self.total_steps = total_steps(settings.max_steps, settings.num_epochs, self.steps_per_epoch)
         self.scheduler = LambdaLR(self.optimizer, schedule_factory(total_steps=self.total_steps))
         self.global_batch_size = global_batch_size(data.batch_size, settings.grad_accum_steps, ctx.world_size)
@@ -150,6 +159,7 @@ class Trainer:
             self.epoch,
             into_epoch,
             vocab=self.data.vocabulary(),
+            grad_scaler=self._steps.scaler,
         )
 
     def fit(self) -> dict[str, Any]:
@@ -230,7 +240,8 @@ class Trainer:
             if self._uneven:  # None once this rank's batches run out: StepRunner pairs the others' collectives
                 self._batches = itertools.chain(self._batches, itertools.repeat(None))
         try:
-            self._steps.run(self._batches, self.step + 1)
+            logged = is_due(self.step + 1, self.settings.log_every_n_steps, self.total_steps)
+            self._steps.run(self._batches, self.step + 1, logged)
         except Exception as err:  # say where: the step, and this rank
             raise StepFailed(f"step {self.step + 1} on rank {self.ctx.rank}: {type(err).__name__}: {err}") from err
         self.step += 1
@@ -290,7 +301,8 @@ class Trainer:
         return True
 
     def evaluate(self) -> dict[str, float]:
-        """Loss and accuracy on the validation split, exact over the whole split on every rank."""
+        """Loss and accuracy on the validation split (its first trainer.eval_max_samples), exact over
+        those samples on every rank."""
         steps = self._steps
         metrics = evaluate(
             self.model, self.val_loader, self.ctx.device, steps.autocast, self._val_batches, steps.empty_inputs

@@ -36,6 +36,8 @@ NOT_TRAINING = (
     "run_name",
     "trainer.log_every_n_steps",
     "trainer.eval_every_n_steps",
+    "trainer.eval_max_samples",  # what evaluation reads, not what is trained
+    "model.activation_checkpointing",  # the same gradients, recomputed
     "trainer.progress_bar",
     "trainer.profile",
     "trainer.collective_timeout_s",

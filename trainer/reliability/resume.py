@@ -15,6 +15,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
@@ -59,6 +60,7 @@ class TrainState:
     epoch: int  # the epoch the next step belongs to
     batches_into_epoch: int  # micro-batches of that epoch already trained on
     vocab: dict[str, object] | None = None  # token data: what decodes ids (a sample needs no corpus)
+    grad_scaler: torch.amp.GradScaler | None = None  # trainer.precision=fp16: its scale and growth count
 
 
 def save(ctx: DistContext, directory: Path, keep: int, state: TrainState, config: dict[str, Any]) -> None:
@@ -79,6 +81,7 @@ def save(ctx: DistContext, directory: Path, keep: int, state: TrainState, config
             "fingerprint": fingerprint(config),
             "config": config,
             **({"vocab": state.vocab} if state.vocab is not None else {}),
+            **({"grad_scaler": state.grad_scaler.state_dict()} if state.grad_scaler is not None else {}),
         }
         save_checkpoint(directory, checkpoint, keep)
     dist.barrier()  # nobody reads (or resumes from) a checkpoint before rank 0 has finished it
@@ -181,6 +184,8 @@ def restore(ctx: DistContext, path: Path, saved: dict[str, Any], state: TrainSta
         )
     state.full_state.load_state_dicts(state.model, state.optimizer, saved["model"], saved["optimizer"])
     state.scheduler.load_state_dict(saved["scheduler"])
+    if state.grad_scaler is not None and "grad_scaler" in saved:  # the same on every rank: it was rank 0's
+        state.grad_scaler.load_state_dict(saved["grad_scaler"])
     state.step, state.epoch, state.batches_into_epoch = saved["step"], saved["epoch"], saved["batches_into_epoch"]
     set_rng_state(saved["rng"][ctx.rank], ctx.device)
     log.info(

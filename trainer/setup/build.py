@@ -27,7 +27,7 @@ from trainer.loop.lm import compiler_missing
 from trainer.loop.trainer import Trainer
 from trainer.setup.dist import DistContext, hostname
 from trainer.setup.settings import TrainSettings
-from trainer.sync.base import SyncStrategy
+from trainer.sync.base import DecayGroups, SyncStrategy
 
 
 def instantiate(node: DictConfig, **runtime: Any) -> Any:
@@ -132,7 +132,7 @@ def build_parts(cfg: DictConfig, settings: TrainSettings) -> Parts:
         sync_batchnorm=sync_batchnorm,
         compile=settings.compile,
         sync=instantiate(cfg.sync),
-        optimizer_factory=instantiate(cfg.optim),
+        optimizer_factory=optimizer_factory(cfg.optim),
         schedule_factory=hydra.utils.instantiate(cfg.schedule, _partial_=True, _convert_="all"),
     )
 
@@ -148,6 +148,18 @@ def check_pairing(cfg: DictConfig) -> None:
             if takes_tokens
             else f"data {source} gives token windows but model {model} does not read tokens: use model=gpt"
         )
+
+
+def optimizer_factory(node: DictConfig) -> DecayGroups:
+    """torch's optimizer, bound to the config's keywords, in the groups optim.weight_decay_on names.
+
+    weight_decay_on is the builder's key, not the optimizer's: it is taken out before the rest is
+    instantiated (a plain node without it, `~optim +optim._target_=...`, decays everything).
+    """
+    keywords = OmegaConf.to_container(node, resolve=True)
+    assert isinstance(keywords, dict)
+    weight_decay_on = keywords.pop("weight_decay_on", "all")
+    return DecayGroups(instantiate(OmegaConf.create(keywords)), weight_decay_on)
 
 
 def split_sync_batchnorm(node: DictConfig) -> tuple[DictConfig, bool]:

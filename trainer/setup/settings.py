@@ -12,7 +12,7 @@ from typing import Literal
 from trainer.reliability.fault import Fault
 
 Device = Literal["auto", "cpu", "cuda"]
-Precision = Literal["fp32", "bf16"]  # autocast
+Precision = Literal["fp32", "bf16", "fp16"]  # autocast; fp16 with a gradient scaler
 OnNonfinite = Literal["raise", "skip"]
 
 
@@ -25,7 +25,9 @@ class TrainSettings:
     seed: int = 0
     log_every_n_steps: int = 10
     eval_every_n_steps: int = 100  # 0: evaluate only at the end
+    eval_max_samples: int | None = None  # the val split's first n samples (all if fewer); None: the whole split
     grad_accum_steps: int = 1  # micro-batches of data.batch_size per optimizer step
+    max_grad_norm: float | None = None  # clip the averaged gradient's global L2 norm to this; None: off
     device: Device = "auto"
     precision: Precision = "fp32"
     collective_timeout_s: float = 300.0

@@ -138,7 +138,8 @@ def check_target(node: DictConfig, group: str, keywords: bool) -> None:  # group
     params = inspect.signature(built).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return
-    for name in (str(k) for k in node if not str(k).startswith("_")):
+    # weight_decay_on is the builder's (trainer/setup/build.py's optimizer_factory), not the optimizer's.
+    for name in (str(k) for k in node if not str(k).startswith("_") and k != "weight_decay_on"):
         check(
             name in params,
             f"{group}.{name}",

@@ -16,9 +16,9 @@ unsharded model's terms: a checkpoint looks the same whichever strategy wrote it
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -27,6 +27,40 @@ from torch.optim import Optimizer
 from trainer.sync.collectives import Collectives, CommCounters
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
+WeightDecayOn = Literal["all", "matrices"]
+
+
+class DecayGroups:
+    """An optimizer factory that puts weight decay where optim.weight_decay_on says.
+
+    `all`: one group, torch's default. `matrices` (nanoGPT's rule): parameters with two or more
+    dimensions (weights, embeddings) decay; biases and normalisation scales do not (a second
+    group with weight_decay 0). A strategy that hands the optimizer something else than the
+    model's parameters (zero's flat shard) asks for the groups and builds one piece per group.
+    """
+
+    def __init__(self, build: Callable[..., Optimizer], weight_decay_on: WeightDecayOn = "all") -> None:
+        self.build, self.weight_decay_on = build, weight_decay_on
+
+    def groups(self, params: Iterable[nn.Parameter]) -> list[tuple[list[nn.Parameter], bool]]:
+        """(parameters, whether they decay), in order, empty groups left out."""
+        params = list(params)
+        if self.weight_decay_on == "all":
+            return [(params, True)]
+        split = [([p for p in params if p.dim() >= 2], True), ([p for p in params if p.dim() < 2], False)]
+        return [(group, decays) for group, decays in split if group]
+
+    def build_groups(self, groups: Sequence[tuple[Sequence[torch.Tensor], bool]]) -> Optimizer:
+        """The optimizer over these groups (one group: torch's plain parameter list, as without groups)."""
+        if self.weight_decay_on == "all":
+            ((params, _),) = groups
+            return self.build(list(params))
+        return self.build(
+            [{"params": list(ps)} if decays else {"params": list(ps), "weight_decay": 0.0} for ps, decays in groups]
+        )
+
+    def __call__(self, params: Iterable[nn.Parameter]) -> Optimizer:
+        return self.build_groups(self.groups(params))
 
 
 class SyncStrategy(ABC):
@@ -38,10 +72,13 @@ class SyncStrategy(ABC):
     that phase is its communication time.
     `keeps_replicas_equal` says every rank holds the same full parameters after each step (the
     trainer's replica check compares them; a strategy whose ranks hold shards sets it False).
+    `grads_sharded` says the gradients its optimizer reads are this rank's shard of the averaged
+    gradient (zero, fsdp), so their global norm needs a reduction across ranks.
     """
 
     comm_in_sync_phase: bool = False
     keeps_replicas_equal: bool = True  # the trainer's replica check applies
+    grads_sharded: bool = False  # each rank's optimizer reads its own disjoint shard of the gradient
 
     def __init__(self) -> None:
         self.net = Collectives()
@@ -84,6 +121,29 @@ class SyncStrategy(ABC):
         flags = [torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None]
         return bool(torch.stack(flags).all()) if flags else True
 
+    def grad_norm(self, optimizer: Optimizer) -> torch.Tensor:
+        """The global L2 norm of the averaged gradient optimizer_step is about to use: the same on every rank.
+
+        Computed on what the optimizer reads. Replicated, that is the whole averaged gradient on
+        every rank, and each rank answers alone. Sharded, each rank holds a disjoint piece: the
+        sum of the pieces' squares is reduced once (a plain clip_grad_norm_ there would see only
+        this rank's shard, or under zero stage 1 the unaveraged sums in the parameters' .grad).
+        """
+        grads = optimizer_grads(optimizer)
+        device = optimizer.param_groups[0]["params"][0].device
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=device)
+        if not self.grads_sharded:
+            return norm
+        squares = norm.to(torch.float32) ** 2
+        self.net.all_reduce(squares, grad_bytes=0).wait()  # counted and named like any collective; no gradient bytes
+        return squares.sqrt()
+
+    def scale_grads(self, optimizer: Optimizer, factor: torch.Tensor) -> None:
+        """Multiply the gradients optimizer_step is about to use by `factor` (a 0-dim tensor: no host sync)."""
+        grads = optimizer_grads(optimizer)
+        if grads:
+            torch._foreach_mul_(grads, factor.to(grads[0].device))  # what clip_grad_norm_ itself does
+
     def state_dicts(self, model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
         """(model state, optimizer state) of the full unsharded model, for a checkpoint.
 
@@ -118,3 +178,9 @@ class SyncStrategy(ABC):
     def describe(self) -> dict[str, Any]:
         """What the strategy does, for logs and summaries."""
         return {}
+
+
+def optimizer_grads(optimizer: Optimizer) -> list[torch.Tensor]:
+    """The gradients the optimizer reads, as plain tensors (a DTensor's local shard)."""
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    return [g.to_local() if hasattr(g, "to_local") else g for g in grads]

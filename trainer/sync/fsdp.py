@@ -76,6 +76,7 @@ class FSDPSync(SyncStrategy):
     # Ranks hold different shards, not replicas: there are no full local parameters for the
     # trainer's replica check to compare (state_dicts() gathers them when a checkpoint needs them).
     keeps_replicas_equal = False
+    grads_sharded = True  # each parameter's .grad is a DTensor: this rank's shard of the average
 
     def __init__(
         self,

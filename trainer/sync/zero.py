@@ -1,11 +1,11 @@
 """ZeRO by hand, stages 1 and 2: every rank keeps the full parameters, but only 1/N of the optimizer
 state and (stage 2) of the gradient.
 
-wrap() groups the trainable parameters into buckets of about `bucket_cap_mb` (bucketed's rule:
-group_by_size in reverse registration order) and lays them into one flat parameter buffer, bucket after
-bucket, each padded to a multiple of the world size (zero_state.Layout; each parameter a view of
-it). This rank's shard is its 1/N slice of every bucket, side by side in a tensor of its own: the
-optimizer's one parameter. A step:
+build_optimizer() groups the trainable parameters into buckets of about `bucket_cap_mb` (bucketed's
+rule, reverse registration order; a bucket never mixes optim.weight_decay_on's groups) and lays
+them into one flat buffer, each bucket padded to a multiple of the world size (zero_state.Layout;
+each parameter a view of it). This rank's shard is its 1/N slice of every bucket, side by side in
+a tensor of its own; the optimizer gets one piece of it per group. A step:
 
     backward:        bucketed's hooks (bucket_launch.py) start each bucket's collective as soon as
                      backward has produced its gradients, in order: stage 1 all_reduces the full
@@ -25,7 +25,7 @@ optimizer steps on the whole shard, so its slice of the shard's parameters and o
 put back as it was (zero_state.py). With find_unused_parameters=true no bucket starts during
 backward (one could wait for a gradient that never comes): they all start after it, in order. The
 gradient buckets are cleared right after the step, so a caller's plain optimizer.zero_grad() (which
-drops the shard's .grad, re-bound here at the next step) is enough.
+drops the pieces' .grad, re-bound after the next backward) is enough.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from trainer.sync.base import OptimizerFactory, SyncStrategy
+from trainer.sync.base import DecayGroups, OptimizerFactory, SyncStrategy
 from trainer.sync.bucket_launch import BucketLauncher
 from trainer.sync.collectives import CommCounters, broadcast_from_rank0
 from trainer.sync.flat import group_by_size, names_of
@@ -65,6 +65,7 @@ class ZeroSync(SyncStrategy):
     # is not this strategy's communication time; its own per-collective clocks are (pop_comm_counts).
     comm_in_sync_phase = False
     keeps_replicas_equal = True  # the all_gather leaves every rank the same full parameters
+    grads_sharded = True  # the optimizer reads this rank's shard of the averaged gradient
 
     def __init__(
         self,
@@ -79,7 +80,9 @@ class ZeroSync(SyncStrategy):
         self.time_every_n_steps = time_every_n_steps
         self._used: UsedParams | None = None
         self._unused: list[tuple[int, int]] = []  # this step: shard slices [lo, hi) of parameters no rank used
-        self._shard: nn.Parameter | None = None  # the optimizer's one parameter
+        self._pieces: list[nn.Parameter] = []  # the optimizer's parameters: one piece of the shard per group
+        self._spans: list[tuple[int, int]] = []  # each piece's [lo, hi) in the shard
+        self._full_groups: list[list[int]] = []  # each group's positions in model.parameters(), for checkpoints
         self._cleared = False  # the gradient buckets were cleared after this step's optimizer step
         self._step_open = False  # the launcher's step has not ended yet
         self._grads: ShardedGrads | None = None
@@ -93,27 +96,39 @@ class ZeroSync(SyncStrategy):
         self._in_flight: list[tuple[Any, list[dist.Work]]] = []  # the step's gathers: (launch mark, works)
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        params = [p for p in model.parameters() if p.requires_grad]
-        check_one_kind(params)  # before any collective: every rank refuses alike
+        check_one_kind([p for p in model.parameters() if p.requires_grad])  # before any collective: on every rank
         broadcast_from_rank0(model)
-        world_size, self._rank = dist.get_world_size(), dist.get_rank()
+        self._rank = dist.get_rank()
+        # Every forward (training, evaluation) reads the parameters: the gathers land first.
+        model.register_forward_pre_hook(self._before_forward)
+        return model  # the buffer is laid out in build_optimizer(), by the optimizer's groups
+
+    def _lay_out(self, model: nn.Module, groups: list[tuple[list[nn.Parameter], bool]]) -> None:
+        """The flat buffer, bucket after bucket, each group's buckets together (a bucket never mixes
+        groups), so this rank's shard holds each group's elements side by side: one piece each."""
+        trainable = [[p for p in group if p.requires_grad] for group, _ in groups]
         # Reverse registration order: the last layers' gradients are ready first in backward.
-        groups = list(group_by_size(reversed(params), int(self.bucket_cap_mb * 2**20)))
-        self._layout = layout = Layout.of(model, groups, world_size)
+        cap = int(self.bucket_cap_mb * 2**20)
+        per_group = [list(group_by_size(reversed(params), cap)) for params in trainable]
+        buckets = [bucket for group in per_group for bucket in group]
+        self._layout = layout = Layout.of(model, buckets, dist.get_world_size())
+        params = [p for p in model.parameters() if p.requires_grad]  # in layout order
         flat = torch.zeros(layout.padded_numel, dtype=params[0].dtype, device=params[0].device)
-        trainable = [p for p in model.parameters() if p.requires_grad]  # in layout order
         with torch.no_grad():
-            for param, view in zip(trainable, layout.split(flat), strict=True):
+            for param, view in zip(params, layout.split(flat), strict=True):
                 view.copy_(param)
                 param.data = view  # the parameter now lives in the buffer: all_gather updates it
         self._params = flat
         self._param_shard = layout.shard_of(flat, self._rank)
         # The last bucket holds the first layers: gathered first, as the next forward needs them first.
-        pieces = zip(layout.buckets, layout.pieces(0), strict=True)
         self._gather_order = [
-            (flat[lo : lo + padded], self._param_shard[at : at + n]) for (lo, padded), (_, at, n) in pieces
+            (flat[lo : lo + padded], self._param_shard[at : at + n])
+            for (lo, padded), (_, at, n) in zip(layout.buckets, layout.pieces(0), strict=True)
         ][::-1]
-        self._grads = ShardedGrads(self.stage, groups, layout, self._rank, self.net)
+        self._spans = layout.group_spans([len(group) for group in per_group])
+        position = {id(p): i for i, p in enumerate(model.parameters())}
+        self._full_groups = [[position[id(p)] for p in group] for group, _ in groups]
+        self._grads = ShardedGrads(self.stage, buckets, layout, self._rank, self.net)
         names = names_of(model, params)
         self._launcher = BucketLauncher(
             "zero",
@@ -124,11 +139,8 @@ class ZeroSync(SyncStrategy):
             in_backward=not self.find_unused_parameters,
             ends_at_next_forward=True,  # its step ends when the gathers are waited for, before the next forward
         )
-        self._launcher.build(groups, self._grads.on_grad, self._grads.start)
+        self._launcher.build(buckets, self._grads.on_grad, self._grads.start)
         self._used = UsedParams(params, names, self.find_unused_parameters, "zero")
-        # Every forward (training, evaluation) reads the parameters: the gathers land first.
-        model.register_forward_pre_hook(self._before_forward)
-        return model
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         if self._in_flight:
@@ -149,15 +161,26 @@ class ZeroSync(SyncStrategy):
         self._end_step()
 
     def build_optimizer(self, model: nn.Module, factory: OptimizerFactory) -> Optimizer:
-        """The optimizer over one parameter: this rank's shard of the parameter buffer, whose .grad is
-        this rank's shard of the averaged gradient."""
-        assert self._param_shard is not None and self._grads is not None, "wrap() first"
-        shard = nn.Parameter(self._param_shard)  # shares the shard's memory: no copy
-        shard.grad = self._grads.shard
-        self._shard = shard
-        optimizer = factory([shard])
-        check_optimizer(optimizer, shard)
+        """The optimizer over this rank's shard of the parameter buffer, one piece per group of
+        optim.weight_decay_on (a piece's .grad: this rank's shard of the averaged gradient)."""
+        rule = factory if isinstance(factory, DecayGroups) else DecayGroups(factory)
+        groups = rule.groups(model.parameters())
+        if self._layout is None:
+            self._lay_out(model, groups)
+        assert self._param_shard is not None and self._grads is not None
+        self._pieces = [nn.Parameter(self._param_shard[lo:hi]) for lo, hi in self._spans]  # views: no copy
+        self._bind_grads()
+        pieces = [([piece], decays) for piece, (_, decays) in zip(self._pieces, groups, strict=True)]
+        optimizer = rule.build_groups(pieces)
+        check_optimizer(optimizer, self._pieces)
         return optimizer
+
+    def _bind_grads(self) -> None:
+        """Each piece's .grad: its slice of the gradient shard (again, if a plain optimizer.zero_grad() dropped it)."""
+        assert self._grads is not None
+        for piece, (lo, hi) in zip(self._pieces, self._spans, strict=True):
+            if piece.grad is None or piece.grad.data_ptr() != self._grads.shard[lo:hi].data_ptr():
+                piece.grad = self._grads.shard[lo:hi]
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
         assert self._launcher is not None, "wrap() first"
@@ -174,16 +197,15 @@ class ZeroSync(SyncStrategy):
             self._grads.finish(index, work)
         self._held_after_backward = self._grads.held_bytes
         self._step_open = True
+        self._bind_grads()  # clipping reads them next
 
     def optimizer_step(self, optimizer: Optimizer) -> None:
-        assert self._params is not None and self._param_shard is not None and self._shard is not None, "wrap() first"
+        assert self._params is not None and self._param_shard is not None, "build_optimizer() first"
         assert self._grads is not None and self._layout is not None and self._launcher is not None
         self.wait_for_parameters()  # a step whose forward did not wait for the last gathers (none in the trainer)
-        if self._shard.grad is not self._grads.shard:  # a plain optimizer.zero_grad() dropped it
-            self._shard.grad = self._grads.shard
-        kept = save_unused(self._param_shard, optimizer, self._unused)
+        kept = save_unused(self._param_shard, optimizer, self._unused, self._spans)
         optimizer.step()  # updates this rank's shard
-        restore_unused(self._param_shard, optimizer, kept)
+        restore_unused(self._param_shard, optimizer, kept, self._spans)
         # Every rank must reach these (a skipped step, on_nonfinite=skip, skips them on every rank
         # alike), in _gather_order. They are waited for in wait_for_parameters(), before the next forward.
         timer = self._launcher.timer
@@ -240,7 +262,9 @@ class ZeroSync(SyncStrategy):
         """The model's state is full on every rank already; the optimizer's is gathered (a collective)."""
         assert self._layout is not None, "wrap() first"
         self.wait_for_parameters()
-        return model.state_dict(), gather_full_state(optimizer.state_dict(), self._layout)
+        return model.state_dict(), gather_full_state(
+            optimizer.state_dict(), self._layout, self._spans, self._full_groups
+        )
 
     def load_state_dicts(
         self, model: nn.Module, optimizer: Optimizer, model_state: dict[str, Any], optimizer_state: dict[str, Any]
@@ -250,7 +274,8 @@ class ZeroSync(SyncStrategy):
         model.load_state_dict(model_state)  # copies into the parameters: into the flat buffer
         with torch.no_grad():
             self._param_shard.copy_(self._layout.shard_of(self._params, self._rank))
-        optimizer.load_state_dict(shard_of_full_state(optimizer_state, self._layout, self._rank))
+        shard_state = shard_of_full_state(optimizer_state, self._layout, self._rank, self._spans, self._full_groups)
+        optimizer.load_state_dict(shard_state)
 
     def describe(self) -> dict[str, Any]:
         info: dict[str, Any] = {

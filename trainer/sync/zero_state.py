@@ -84,6 +84,15 @@ class Layout:
             shard_at += size
         return out
 
+    def group_spans(self, buckets_per_group: Sequence[int]) -> list[tuple[int, int]]:
+        """Each group's [lo, hi) in a rank's shard: its buckets are consecutive, so their slices are."""
+        spans, first, at = [], 0, 0
+        for count in buckets_per_group:
+            size = sum(n for _, _, n in self.pieces(0)[first : first + count])
+            spans.append((at, at + size))
+            first, at = first + count, at + size
+        return spans
+
     def shard_of(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank's shard of a flat buffer of this layout (a copy: its pieces are not contiguous)."""
         return torch.cat([flat[lo : lo + n] for lo, _, n in self.pieces(rank)])
@@ -113,56 +122,109 @@ class Layout:
         ]
 
 
-def gather_full_state(shard_state: dict[str, Any], layout: Layout) -> dict[str, Any]:
+def gather_full_state(
+    shard_state: dict[str, Any], layout: Layout, spans: Sequence[tuple[int, int]], full_groups: Sequence[list[int]]
+) -> dict[str, Any]:
     """The full optimizer state dict from the shard optimizer's state_dict(); a collective.
 
-    A shard-sized 1-D tensor (exp_avg, momentum_buffer, ...) is per element: all_gathered, the
-    padding stripped, split per parameter. Anything else (Adam's 0-d "step", a float) is the same
-    for every element, so every parameter gets a copy. Not counted in the comm metrics: those are
-    per-step training traffic, and this runs only at checkpoints.
+    The shard optimizer has one parameter per group, each a piece of the shard (`spans`). A
+    per-element entry (exp_avg, momentum_buffer, ...) is put back together from the pieces into a
+    shard-sized tensor, all_gathered, the padding stripped, split per parameter. Anything else
+    (Adam's 0-d "step", a float) is the same for every element of a group, so each parameter gets
+    its group's. The groups list the model's parameters as a plain optimizer built on
+    model.parameters() would (`full_groups`). Not counted in the comm metrics: those are per-step
+    training traffic, and this runs only at checkpoints.
     """
-    (group,) = shard_state["param_groups"]
-    mine: dict[str, Any] = shard_state["state"].get(0, {})  # empty before the first step, on every rank alike
+    groups = shard_state["param_groups"]
+    states = [shard_state["state"].get(g, {}) for g in range(len(groups))]  # empty before the first step
+    group_of = _group_of(layout, spans)
     per_param: list[dict[str, Any]] = [{} for _ in layout.indices]
-    for key, value in mine.items():  # the same keys in the same order on every rank: same optimizer, same steps
-        if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == layout.shard_numel:
-            full = value.new_empty(layout.padded_numel)
-            layout.gather(full, value.contiguous())  # every rank must reach this
-            pieces = layout.split(full)
+    # The same keys in the same order on every rank: same optimizer, same steps.
+    for key in next((state for state in states if state), {}):
+        values = [state.get(key) for state in states]
+        if all(_is_piece(v, lo, hi) for v, (lo, hi) in zip(values, spans, strict=True)):
+            shard = torch.cat([v for v in values if v is not None]) if len(values) > 1 else values[0]
+            assert isinstance(shard, torch.Tensor)
+            full = shard.new_empty(layout.padded_numel)
+            layout.gather(full, shard.contiguous())  # every rank must reach this
+            pieces: list[Any] = layout.split(full)
         else:
-            pieces = [value.clone() if isinstance(value, torch.Tensor) else value for _ in layout.indices]
+            pieces = [_copy(values[g]) for g in group_of]
         for state, piece in zip(per_param, pieces, strict=True):
             state[key] = piece
+    ids = _ids(full_groups)
     return {
-        "state": {index: state for index, state in zip(layout.indices, per_param, strict=True) if state},
-        "param_groups": [{**group, "params": list(range(layout.num_params))}],
+        "state": {ids[index]: state for index, state in zip(layout.indices, per_param, strict=True) if state},
+        "param_groups": [
+            {**group, "params": [ids[i] for i in params]} for group, params in zip(groups, full_groups, strict=True)
+        ],
     }
 
 
-def shard_of_full_state(full_state: dict[str, Any], layout: Layout, rank: int) -> dict[str, Any]:
-    """The reverse, locally: this rank's slice of the full state, as the shard optimizer's state_dict."""
+def _ids(full_groups: Sequence[list[int]]) -> dict[int, int]:
+    """Each parameter's id in a plain optimizer's state_dict (torch numbers them in order of
+    appearance, group after group) by its position in model.parameters()."""
+    return {position: i for i, position in enumerate(p for group in full_groups for p in group)}
+
+
+def shard_of_full_state(
+    full_state: dict[str, Any],
+    layout: Layout,
+    rank: int,
+    spans: Sequence[tuple[int, int]],
+    full_groups: Sequence[list[int]],
+) -> dict[str, Any]:
+    """The reverse, locally: this rank's pieces of the full state, as the shard optimizer's state_dict."""
     groups = full_state["param_groups"]
-    if len(groups) != 1:
-        raise ValueError(f"sync=zero loads optimizer state with one param group; this one has {len(groups)}")
-    states = [full_state["state"].get(index) for index in layout.indices]
-    shard_groups = [{**groups[0], "params": [0]}]
+    if len(groups) != len(spans):
+        raise ValueError(
+            f"sync=zero loads optimizer state with {len(spans)} param group(s) (optim.weight_decay_on); "
+            f"this one has {len(groups)}"
+        )
+    shard_groups = [{**group, "params": [g]} for g, group in enumerate(groups)]
+    ids = _ids(full_groups)
+    states = [full_state["state"].get(ids[index]) for index in layout.indices]
     if not any(states):  # saved before the first optimizer step
         return {"state": {}, "param_groups": shard_groups}
     if not all(states):
-        missing = [index for index, state in zip(layout.indices, states, strict=True) if not state]
+        missing = [ids[index] for index, state in zip(layout.indices, states, strict=True) if not state]
         raise ValueError(f"optimizer state has no entry for trainable parameter(s) {missing}: cannot shard it")
     present: list[dict[str, Any]] = [state for state in states if state]
-    mine: dict[str, Any] = {}
+    group_of = _group_of(layout, spans)
+    mine: list[dict[str, Any]] = [{} for _ in spans]
     for key in present[0]:
         values = [state[key] for state in present]
         if _per_element(values, layout.shapes):
             flat = values[0].new_zeros(layout.padded_numel)  # the padding stays zero
             for view, value in zip(layout.split(flat), values, strict=True):
                 view.copy_(value)
-            mine[key] = layout.shard_of(flat, rank)  # its own memory: the checkpoint's tensors are not kept alive
+            shard = layout.shard_of(flat, rank)  # its own memory: the checkpoint's tensors are not kept alive
+            for g, (lo, hi) in enumerate(spans):
+                mine[g][key] = shard[lo:hi].clone() if len(spans) > 1 else shard
         else:
-            mine[key] = values[0].clone() if isinstance(values[0], torch.Tensor) else values[0]
-    return {"state": {0: mine}, "param_groups": shard_groups}
+            for g in range(len(spans)):
+                first = next((v for v, of in zip(values, group_of, strict=True) if of == g), values[0])
+                mine[g][key] = _copy(first)
+    return {"state": dict(enumerate(mine)), "param_groups": shard_groups}
+
+
+def _group_of(layout: Layout, spans: Sequence[tuple[int, int]]) -> list[int]:
+    """Each trainable parameter's group (in layout order): the span its bucket's shard slice falls in."""
+    pieces = layout.pieces(0)
+    out = []
+    for offset in layout.offsets:
+        bucket = next(b for b, (start, padded) in enumerate(layout.buckets) if start <= offset < start + padded)
+        at = pieces[bucket][1]
+        out.append(next(g for g, (lo, hi) in enumerate(spans) if lo <= at < hi))
+    return out
+
+
+def _is_piece(value: Any, lo: int, hi: int) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == hi - lo
+
+
+def _copy(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 def _per_element(values: Sequence[Any], shapes: Sequence[torch.Size]) -> bool:
@@ -196,8 +258,8 @@ ELEMENTWISE = (
 )
 
 
-def check_optimizer(optimizer: Optimizer, shard: nn.Parameter) -> None:
-    """The shard optimizer must be element-wise and hold the shard as its one parameter."""
+def check_optimizer(optimizer: Optimizer, pieces: Sequence[nn.Parameter]) -> None:
+    """The shard optimizer must be element-wise and hold each piece of the shard as one group's one parameter."""
     cls = type(optimizer)
     # The name a config would use: torch.optim.LBFGS rather than torch.optim.lbfgs.LBFGS.
     exported = getattr(torch.optim, cls.__name__, None) is cls
@@ -211,10 +273,11 @@ def check_optimizer(optimizer: Optimizer, shard: nn.Parameter) -> None:
             + "; or use sync=ddp"
         )
     groups = optimizer.param_groups
-    if len(groups) != 1 or len(groups[0]["params"]) != 1 or groups[0]["params"][0] is not shard:
+    held = [group["params"] for group in groups]
+    if len(held) != len(pieces) or any(len(ps) != 1 or ps[0] is not p for ps, p in zip(held, pieces, strict=False)):
         raise ConfigError(
-            f"optim._target_={name} built {len(groups)} param groups: sync=zero gives "
-            "the optimizer one flat parameter, so per-group hyperparameters cannot apply; use one group"
+            f"optim._target_={name} built {len(groups)} param groups: sync=zero gives the optimizer one flat "
+            f"parameter per group of optim.weight_decay_on ({len(pieces)} here), so other groups cannot apply"
         )
 
 
@@ -233,23 +296,44 @@ def check_one_kind(params: list[nn.Parameter]) -> None:
 Kept = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def _per_element_state(shard: torch.Tensor, optimizer: Optimizer) -> dict[str, torch.Tensor]:
-    state = optimizer.state.get(optimizer.param_groups[0]["params"][0], {})
-    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == shard.shape}
+def _per_element_state(optimizer: Optimizer, spans: Sequence[tuple[int, int]]) -> list[tuple[int, torch.Tensor]]:
+    """(where in the shard it starts, tensor) of each per-element state entry of every piece."""
+    out = []
+    for group, (lo, _) in zip(optimizer.param_groups, spans, strict=True):
+        (piece,) = group["params"]
+        for value in optimizer.state.get(piece, {}).values():
+            if isinstance(value, torch.Tensor) and value.shape == piece.shape:
+                out.append((lo, value))
+    return out
+
+
+def _within(value: torch.Tensor, start: int, lo: int, hi: int) -> torch.Tensor | None:
+    """value's part for the shard's [lo, hi), if that lies in the piece starting at `start`."""
+    return value[lo - start : hi - start] if start <= lo and hi <= start + value.numel() else None
 
 
 def save_unused(
-    shard: torch.Tensor, optimizer: Optimizer, slices: list[tuple[int, int]]
+    shard: torch.Tensor, optimizer: Optimizer, slices: list[tuple[int, int]], spans: Sequence[tuple[int, int]]
 ) -> tuple[list[tuple[int, int]], Kept]:
     """Copies of the shard's parameters and per-element optimizer state in `slices`, to put back after
     the step: one process's optimizer skips a parameter without a gradient."""
     if not slices:  # the usual step: nothing to keep, nothing looked up
         return slices, []
-    tensors = [shard, *_per_element_state(shard, optimizer).values()]
-    return slices, [(t[lo:hi], t[lo:hi].clone()) for t in tensors for lo, hi in slices]
+    kept = [(shard[lo:hi], shard[lo:hi].clone()) for lo, hi in slices]
+    for start, value in _per_element_state(optimizer, spans):
+        for lo, hi in slices:
+            view = _within(value, start, lo, hi)
+            if view is not None:
+                kept.append((view, view.clone()))
+    return slices, kept
 
 
-def restore_unused(shard: torch.Tensor, optimizer: Optimizer, kept: tuple[list[tuple[int, int]], Kept]) -> None:
+def restore_unused(
+    shard: torch.Tensor,
+    optimizer: Optimizer,
+    kept: tuple[list[tuple[int, int]], Kept],
+    spans: Sequence[tuple[int, int]],
+) -> None:
     """Put back what save_unused copied; state this step created (e.g. Adam's moments) starts at zero there."""
     slices, saved = kept
     if not slices:
@@ -258,7 +342,8 @@ def restore_unused(shard: torch.Tensor, optimizer: Optimizer, kept: tuple[list[t
         for view, copy in saved:
             view.copy_(copy)
         restored = {view.data_ptr() for view, _ in saved}
-        for value in _per_element_state(shard, optimizer).values():
+        for start, value in _per_element_state(optimizer, spans):
             for lo, hi in slices:
-                if value[lo:hi].data_ptr() not in restored:
-                    value[lo:hi].zero_()
+                part = _within(value, start, lo, hi)
+                if part is not None and part.data_ptr() not in restored:
+                    part.zero_()

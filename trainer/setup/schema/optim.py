@@ -11,6 +11,7 @@ from omegaconf import MISSING
 from pydantic import Field
 
 from trainer.setup.schema.declare import NonEmpty, Schema
+from trainer.sync.base import WeightDecayOn
 
 
 @dataclass
@@ -19,6 +20,9 @@ class OptimConfig(Schema):
     _partial_: Annotated[Literal[True], Field(description="the trainer binds the model's parameters")] = True
     lr: Annotated[float, Field(gt=0)] = MISSING
     weight_decay: Annotated[float, Field(ge=0)] = MISSING
+    weight_decay_on: Annotated[
+        WeightDecayOn, Field(description="matrices: only parameters with >= 2 dimensions decay (nanoGPT's rule)")
+    ] = MISSING
 
 
 @dataclass

@@ -41,7 +41,13 @@ class TrainerConfig(Schema):
     seed: Annotated[int, Field(ge=0, lt=SEED_BOUND)] = MISSING
     log_every_n_steps: Annotated[int, Field(ge=1)] = MISSING
     eval_every_n_steps: Annotated[int, Field(ge=0, description="0: only at the end")] = MISSING
+    eval_max_samples: Annotated[
+        int | None, Field(ge=1, description="the validation split's first n samples; null: the whole split")
+    ] = MISSING
     grad_accum_steps: Annotated[int, Field(ge=1)] = MISSING
+    max_grad_norm: Annotated[
+        float | None, Field(gt=0, description="the averaged gradient's global L2 norm is clipped to it; null: off")
+    ] = MISSING
     device: Device = MISSING
     precision: Precision = MISSING
     collective_timeout_s: Annotated[float, Field(gt=0)] = MISSING
