@@ -93,3 +93,19 @@ def test_activation_memory_benchmark_quick_run(tmp_path: Path) -> None:
     low, high = row["time_ratio_iqr"]
     assert row["ms"] > 0 and row["ms_checkpointed"] > 0 and low <= row["time_ratio"] <= high
     assert row["peak_mib"] is None  # CPU: no CUDA allocator to read
+
+
+def test_clip_cost_and_nanogpt_recipe_benchmarks_run(tmp_path: Path) -> None:
+    """The recipe's two benchmarks still run end to end: their tables are for docs/, not for tests."""
+    clip = [TORCHRUN, "--standalone", "--nproc_per_node=2", str(REPO / "benchmarks" / "clip_cost.py")]
+    clip += ["--models", "mlp-tiny", "--strategies", "ddp,zero", "--rounds", "2", "--steps", "3"]
+    proc = subprocess.run(clip, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| mlp-tiny | ddp |" in proc.stdout and "| mlp-tiny | zero |" in proc.stdout
+    recipe = [TORCHRUN, "--standalone", "--nproc_per_node=2", str(REPO / "benchmarks" / "nanogpt_recipe.py")]
+    recipe += ["--steps", "4", "--chunk", "2", "--val-windows", "8"]
+    proc = subprocess.run(recipe, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (line,) = [row for row in proc.stdout.splitlines() if row.startswith("| val loss at step 4 |")]
+    ours, theirs = (float(cell) for cell in line.split("|")[2:4])
+    assert 0 < ours < 10 and 0 < theirs < 10  # both trained the same model shape on the same tokens
