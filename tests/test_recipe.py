@@ -46,12 +46,15 @@ def train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dic
     trainer.fit()
     _, optimizer_state = trainer.sync.state_dicts(trainer.model, trainer.optimizer)  # a collective when sharded
     saved = torch.load(Path(run_dir) / "checkpoints" / "last.pt", weights_only=False) if scaler else {}
+    # trainer.resume=auto: a new trainer in the same run dir starts from the checkpoint's scale.
+    resumed = build(rank, world_size, [*COMMON, *overrides], run_dir)._steps.scaler if scaler else None
     return {
         "params": params_of(trainer),
         "norms": [row.get("train/grad_norm") for row in trainer._rows.rows],
         "scales": [row.get("train/grad_scale") for row in trainer._rows.rows],
         "overflows": [row.get("train/overflow_steps") for row in trainer._rows.rows],
         "saved_scale": saved.get("grad_scaler", {}).get("scale"),
+        "resumed_scale": resumed.get_scale() if resumed is not None else None,
         "optimizer": optimizer_state,
     }
 
@@ -145,6 +148,7 @@ def test_fp16_scales_back_alike_on_every_rank_and_keeps_the_scale(pairs: list[di
     assert rank0["overflows"][0] == 1 and rank0["scales"][0] == HUGE_SCALE / 2, "an overflow halves the scale"
     assert rank0["overflows"][-1] < len(rank0["overflows"]), "the scale came down far enough to train"
     assert rank0["saved_scale"] == rank0["scales"][-1], "the checkpoint holds the scale in use"
+    assert rank0["resumed_scale"] == rank1["resumed_scale"] == rank0["saved_scale"] != 65536.0, "resume restores it"
     assert max_abs_diff(rank0["params"], rank1["params"]) == 0.0, "every rank stepped alike"
     assert all(torch.isfinite(t).all() for t in rank0["params"].values())
     assert all(n is None or n > 0 for n in rank0["norms"])  # an overflowed step logs no norm
