@@ -11,6 +11,7 @@ import pytest
 
 from tests.cli import TORCHRUN, env
 from tests.compose import REPO
+from tests.text_helpers import write_corpus
 
 pytestmark = pytest.mark.slow
 # The quick run names its strategies rather than taking the benchmark's default list, which grows
@@ -103,7 +104,8 @@ def test_clip_cost_and_nanogpt_recipe_benchmarks_run(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "| mlp-tiny | ddp |" in proc.stdout and "| mlp-tiny | zero |" in proc.stdout
     recipe = [TORCHRUN, "--standalone", "--nproc_per_node=2", str(REPO / "benchmarks" / "nanogpt_recipe.py")]
-    recipe += ["--steps", "4", "--chunk", "2", "--val-windows", "8"]
+    corpus = write_corpus(tmp_path / "corpus.txt", 20_000)  # not the stdlib default: its tokens take seconds
+    recipe += ["--steps", "4", "--chunk", "2", "--val-windows", "8", "--path", str(corpus)]
     proc = subprocess.run(recipe, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (line,) = [row for row in proc.stdout.splitlines() if row.startswith("| val loss at step 4 |")]
