@@ -224,6 +224,11 @@ MORE = {
     "unclosed-list": (["trainer.num_epochs=[1,2"], ["trainer.num_epochs=[1,2 cannot be parsed", "integer >= 1"]),
     "stray-equals": (["trainer.seed==3"], ["trainer.seed", "integer"]),
     "unknown-option": (["sync=bogus"], ["sync=bogus is not an option of sync", "bucketed, ddp, fsdp"]),
+    "misspelt-option": (["sync=ddpp"], ["sync=ddpp is not an option of sync (did you mean sync=ddp?)", "fsdp"]),
+    "group-without-a-default": (  # strategy is in no default: Hydra's "No match in the defaults list"
+        ["strategy=ddp_fp16"],
+        ["strategy=ddp_fp16 cannot override strategy", "add one instead: +strategy=ddp_fp16"],
+    ),
     "misspelt-key": (["trainer.max_step=5"], ["'trainer.max_step' is not a config key", "Did you mean"]),
     "added-key": (["+model.depth=3"], ["model.depth is not a key of model", "hidden_sizes"]),
     "run-name": (["run_name=[1,2]"], ["run_name=", "accepted"]),

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import difflib
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -98,7 +100,17 @@ def explain_compose_error(err: BaseException, overrides: list[str]) -> ConfigErr
         group, _, option = str(err.missing_cfg_file).rpartition("/")
         options = sorted(p.stem for p in (conf.CONF_DIR / group).glob("*.yaml"))
         if options:
-            return ConfigError(f"{group}={option} is not an option of {group}: accepted: {', '.join(options)}")
+            close = difflib.get_close_matches(option, options, n=1)
+            near = f" (did you mean {group}={close[0]}?)" if close else ""
+            return ConfigError(f"{group}={option} is not an option of {group}{near}: accepted: {', '.join(options)}")
+    not_listed = re.match(r"Could not override '([\w/]+)'\. No match in the defaults list", _first_line(err))
+    if not_listed and (conf.CONF_DIR / not_listed[1]).is_dir():  # e.g. strategy: in no default, so it is added
+        group = not_listed[1]
+        line = next((o for o in overrides if _key(o) == group), f"{group}=<option>")
+        return ConfigError(
+            f"{line} cannot override {group}: the primary config (conf/config.yaml) picks no {group}, so "
+            f"add one instead: +{line}"
+        )
     cause: BaseException | None = err
     while cause is not None and not (isinstance(cause, OmegaConfBaseException) and cause.full_key):
         cause = cause.__cause__ or cause.__context__
