@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
+from benchmarks.overhead import iqr  # noqa: E402  (one definition of the spread)
 from models.gpt import GPT  # noqa: E402
 
 VOCAB = 166  # the default corpus's char vocabulary (docs/gpt.md)
@@ -134,13 +135,6 @@ def timed(model: GPT, optimizer: torch.optim.Optimizer, batch: tuple[torch.Tenso
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return (time.perf_counter() - started) / steps
-
-
-def iqr(values: list[float]) -> tuple[float, float]:
-    if len(values) < 2:
-        return (values[0], values[0])
-    q = statistics.quantiles(values, n=4)
-    return (q[0], q[2])
 
 
 def bench(name: str, shape: Shape, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:

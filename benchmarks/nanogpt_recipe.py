@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from benchmarks.overhead import timed  # noqa: E402
+from benchmarks.overhead import iqr, timed  # noqa: E402
 from benchmarks.overhead_loops import Framework  # noqa: E402
 from data.text import Windows  # noqa: E402
 from trainer.setup import dist as ddist  # noqa: E402
@@ -141,13 +141,13 @@ def main() -> None:
             )
         if ctx.is_main_process:
             ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
-            q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+            low, high = iqr(ratios)
             print(f"{ctx.world_size} ranks, {args.steps} steps in chunks of {args.chunk}, nanoGPT's CPU recipe")
             print("| | ddplab | nanoGPT-style loop | ddplab / loop [IQR] |")
             print("|---|---|---|---|")
             print(
                 f"| ms/step | {statistics.median(ours) * 1e3:.1f} | {statistics.median(theirs) * 1e3:.1f} "
-                f"| {statistics.median(ratios):.3f} [{q[0]:.2f}–{q[2]:.2f}] |"
+                f"| {statistics.median(ratios):.3f} [{low:.2f}–{high:.2f}] |"
             )
             gap = losses[0] - losses[1]
             print(f"| val loss at step {args.steps} | {losses[0]:.4f} | {losses[1]:.4f} | {gap:+.4f} nats |")

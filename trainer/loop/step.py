@@ -15,7 +15,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
@@ -47,6 +46,8 @@ def grad_scaler_for(precision: str, device: torch.device, sharded: bool) -> torc
     if precision != "fp16":
         return None
     if sharded:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # fp16 only: not on every run
+
         return ShardedGradScaler(device=device.type)
     return torch.amp.GradScaler(device.type)
 
@@ -108,12 +109,13 @@ class StepRunner:
         if scaler is not None:  # fp16: the true gradients first, and every step's norm says whether they overflowed
             scaler.unscale_(self.optimizer)
         norm = self.sync.grad_norm(self.optimizer) if max_norm is not None or logged or scaler else None
-        overflowed = scaler is not None and not self._finite(norm)
-        if norm is not None and not overflowed:
+        checked = scaler is not None or self.settings.on_nonfinite == "skip"
+        finite = self._finite(norm) if checked else True  # one host read, the same answer on every rank
+        if norm is not None and (finite or scaler is None):
             window.add_grad_norm(norm, step)
-        if overflowed:  # the scaler lowers its scale below; every rank skips this same step
+        if not finite and scaler is not None:  # an overflow: the scaler lowers its scale below
             self.overflow_steps += 1
-        elif self.settings.on_nonfinite == "skip" and not self._finite(norm):
+        elif not finite:  # trainer.on_nonfinite=skip
             # Gradients are averaged by now (and a norm is global), so every rank skips this same
             # step: the replicas stay equal.
             self.skipped_steps += 1
