@@ -17,9 +17,10 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -e '.[dev]'
 	touch $@
 
-# One thread per rank: NPROC ranks share the machine's cores.
+# One thread per rank: NPROC ranks share the machine's cores. The launcher is torchrun that checks
+# train.py's command line once before any worker starts (bad input: one line, exit 2; docs/running.md).
 train: setup
-	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) train.py $(ARGS)
+	@OMP_NUM_THREADS=1 $(BIN)/python -m trainer.tools.launch --standalone --nproc_per_node=$(NPROC) train.py $(ARGS)
 
 # The whole suite, slow end-to-end tests included, after the linters: this is what CI runs (.ci/run).
 # Two workers (pytest-xdist), a test file to one worker so its module-scoped runs start once; the 20

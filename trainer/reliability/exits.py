@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from types import FrameType
@@ -82,6 +83,14 @@ class StepBoundary:
             raise Terminated(128 + signum)
 
 
+def _to_log_files(level: int, message: str) -> None:
+    """A record for the rank's log files only (train_rank*.log), not its console."""
+    record = log.makeRecord(log.name, level, __file__, 0, message, (), None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler) and record.levelno >= handler.level:
+            handler.handle(record)
+
+
 @contextmanager
 def exit_cleanly(loggers: Sequence[MetricLogger], speaks: Callable[[], bool] | None = None) -> Iterator[None]:
     """Run a job; on the way out close every logger with the job's exit code.
@@ -99,7 +108,9 @@ def exit_cleanly(loggers: Sequence[MetricLogger], speaks: Callable[[], bool] | N
         code = CONFIG_ERROR_EXIT
         # Every rank finds the same bad input: one of them says it on the console, all in their files.
         loud = speaks is None or speaks()
-        log.log(logging.ERROR if loud else logging.INFO, "configuration error: %s", err)
+        if loud:  # the line the command line's own check prints, to stderr: the same on every path
+            print(f"configuration error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
+        _to_log_files(logging.ERROR if loud else logging.INFO, f"configuration error: {err}")
         raise SystemExit(code) from None
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1

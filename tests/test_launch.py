@@ -1,0 +1,66 @@
+"""The launcher the README tells people to use (`make train`, python -m trainer.tools.launch): torchrun
+with the command line checked once before any worker starts, and a failed worker as one line.
+
+How long a refusal takes is measured side by side in benchmarks/bad_command.py, not asserted here.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.cli import CPU, TRAIN, env, output
+from tests.compose import REPO
+
+pytestmark = pytest.mark.slow
+
+TYPO_LINE = "configuration error: 'trainer.max_step' is not a config key. Did you mean trainer.max_steps?"
+
+
+def launch(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "trainer.tools.launch", "--standalone", "--nproc_per_node=2", TRAIN, *args]
+    run_env = {**env(), "PYTHONPATH": str(REPO)}
+    return subprocess.run(cmd, cwd=cwd, env=run_env, capture_output=True, text=True, timeout=240)
+
+
+def test_make_train_refuses_a_typo_in_one_line_with_exit_2_before_any_worker() -> None:
+    # What a newcomer types, from the repo root as the README says; a sub-make would print its directory.
+    make_env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    before = sorted((REPO / "outputs").glob("*")) if (REPO / "outputs").exists() else []
+    proc = subprocess.run(
+        ["make", "train", "ARGS=trainer.max_step=10"], cwd=REPO, env=make_env, capture_output=True, text=True
+    )
+    assert proc.returncode == 2, output(proc)
+    ours, makes = proc.stderr.splitlines()[0], proc.stderr.splitlines()[1:]
+    assert ours.startswith(TYPO_LINE) and proc.stdout == "", output(proc)
+    assert len(makes) == 1 and makes[0].startswith("make: ***") and makes[0].endswith("Error 2"), output(proc)
+    after = sorted((REPO / "outputs").glob("*")) if (REPO / "outputs").exists() else []
+    assert after == before  # no run dir: no worker started, Hydra's app never ran
+
+
+def test_a_bad_input_found_inside_the_app_is_one_line_and_the_rank_exit_code(tmp_path: Path) -> None:
+    # The command line is fine; the data root is not: only the workers can find that out.
+    proc = launch(["data=mnist", f"data.root={tmp_path / 'none'}", "logger=none", CPU], cwd=tmp_path)
+    text = output(proc)
+    assert proc.returncode == 2, text
+    assert [line for line in text.splitlines() if "configuration error:" in line] == [
+        next(line for line in text.splitlines() if line.startswith("configuration error: data.root="))
+    ], text
+    assert text.splitlines()[-1].startswith("launch: rank 0 exited with code 2: bad input"), text
+    for torchrun_noise in ("ChildFailedError", "Traceback", "Sending process", "failed (exitcode"):
+        assert torchrun_noise not in text, text
+
+
+def test_a_crash_in_training_exits_1_naming_the_rank(tmp_path: Path) -> None:
+    args = ["logger=none", CPU, "trainer.max_steps=20", "trainer.fault.rank=1", "trainer.fault.at_step=3"]
+    proc = launch(args, cwd=tmp_path)
+    text = output(proc)
+    assert proc.returncode == 1, text
+    assert "training failed: StepFailed: step 3 on rank 1" in text, text
+    last = text.splitlines()[-1]
+    assert last.startswith("launch: rank ") and "exited with code 1: a failure in training" in last, text
+    assert "ChildFailedError" not in text and "Root Cause" not in text, text

@@ -1,0 +1,99 @@
+"""torchrun with the command line checked first: `python -m trainer.tools.launch [torchrun options] train.py ...`.
+
+It takes torchrun's own arguments (torch.distributed.run's parser) and runs torchrun's own launch in
+this process (torch.distributed.run.run), as `accelerate launch` does, so multi-node rendezvous,
+--max-restarts and elastic --nnodes=1:2 are torchrun's. Two things are added:
+
+- Before any worker starts, train.py's overrides are composed and validated once, here (the same
+  check every rank of a plain `torchrun train.py` makes): bad input is one line and exit 2 in about
+  two seconds, instead of every rank starting, importing torch and composing, then torchrun's
+  traceback and exit 1.
+- When a worker fails anyway (a data root that is missing, a crash in training), torchrun's
+  ChildFailedError block becomes one line naming the first rank that failed, and the launcher exits
+  with that rank's code (2 bad input, 1 a failure in training, 130 Ctrl-C, 143 SIGTERM), not 1.
+
+Plain `torchrun train.py ...` keeps working as before; `make train` uses this.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+TRAIN_PY = Path(__file__).resolve().parents[2] / "train.py"
+BAD_INPUT = 2
+
+
+def _is_train_py(script: str, is_module: bool) -> bool:
+    return not is_module and Path(script).resolve() == TRAIN_PY
+
+
+def _check(overrides: list[str]) -> None:
+    """train.py's command line, composed and validated once: one line and exit 2 if it is bad."""
+    from trainer.setup import precheck  # imported here: --help answers without torch
+
+    precheck.check_command_line(overrides, rank=0)
+
+
+def _exit_code(code: int) -> int:
+    """A worker's exit code as a shell reports it: a signal -N becomes 128 + N."""
+    return 128 - code if code < 0 else code
+
+
+def _meaning(code: int) -> str:
+    if code == BAD_INPUT:
+        return "bad input (its configuration error is above)"
+    if code == 1:
+        return "a failure in training (its message is above, and in the run dir's train_rank*.log)"
+    if code < 0:
+        return f"stopped by {signal.Signals(-code).name}"
+    return "see the lines above"
+
+
+def _quiet_torchrun() -> None:
+    """torchrun's warnings after a failure ("Sending process ... closing signal SIGTERM") and its
+    "failed (exitcode: ...)" line say what the one line below says; its other errors still print."""
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(
+        lambda record: not record.getMessage().startswith("failed (exitcode")
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    parser = torchrun.get_args_parser()
+    parser.prog = "python -m trainer.tools.launch"
+    parser.description = (
+        "torchrun, with train.py's command line checked once before any worker starts (bad input: "
+        "one line, exit 2), and a failed worker reported in one line with its own exit code. "
+        "Same arguments as torchrun, e.g. --standalone --nproc_per_node=2 train.py sync=manual."
+    )
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if _is_train_py(args.training_script, args.module):
+        _check(list(args.training_script_args))
+    # torchrun sets this to 1 itself for more than one rank, with a 4-line warning: set it quietly.
+    if "OMP_NUM_THREADS" not in os.environ and str(args.nproc_per_node) not in ("1", "auto", "cpu", "gpu", "xpu"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+    _quiet_torchrun()
+    try:
+        torchrun.run(args)
+    except ChildFailedError as failed:
+        rank, failure = failed.get_first_failure()
+        print(
+            f"launch: rank {rank} exited with code {failure.exitcode}: {_meaning(failure.exitcode)}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return _exit_code(failure.exitcode)
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
