@@ -11,11 +11,14 @@ setup: $(VENV)/.installed
 
 # Re-installs when pyproject.toml changes. torch comes from whatever index/constraints pip is
 # configured with (on the project's build machines, wheels on local disk).
+# pip's install log goes to a file: one line on screen, its last lines and the path if it fails.
 $(VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install -e '.[dev]'
-	touch $@
+	@echo "setting up $(VENV): pip install -e '.[dev]' (log: $(VENV)/pip.log)"
+	@$(PYTHON) -m venv $(VENV)
+	@$(BIN)/pip install --quiet --upgrade pip
+	@$(BIN)/pip install -e '.[dev]' > $(VENV)/pip.log 2>&1 || \
+		{ tail -n 20 $(VENV)/pip.log; echo "pip install failed: the whole log is $(VENV)/pip.log"; exit 1; }
+	@touch $@
 
 # One thread per rank: NPROC ranks share the machine's cores. The launcher is torchrun that checks
 # train.py's command line once before any worker starts (bad input: one line, exit 2; docs/running.md).

@@ -34,6 +34,13 @@ def torchrun(args: list[str], cwd: Path, nproc: int = 2, timeout_s: float = 240)
     )
 
 
+def launch(args: list[str], cwd: Path, nproc: int = 2, timeout_s: float = 240) -> subprocess.CompletedProcess[str]:
+    """The launcher `make train` uses (python -m trainer.tools.launch): torchrun's arguments, then train.py's."""
+    cmd = [sys.executable, "-m", "trainer.tools.launch", "--standalone", f"--nproc_per_node={nproc}", TRAIN, *args]
+    run_env = {**env(), "PYTHONPATH": str(REPO)}
+    return subprocess.run(cmd, cwd=cwd, env=run_env, capture_output=True, text=True, timeout=timeout_s)
+
+
 def python_train(args: list[str], cwd: Path, timeout_s: float = 240) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, TRAIN, *args], cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout_s

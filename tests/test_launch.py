@@ -8,23 +8,16 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.cli import CPU, TRAIN, env, output
+from tests.cli import CPU, launch, output
 from tests.compose import REPO
 
 pytestmark = pytest.mark.slow
 
 TYPO_LINE = "configuration error: 'trainer.max_step' is not a config key. Did you mean trainer.max_steps?"
-
-
-def launch(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "trainer.tools.launch", "--standalone", "--nproc_per_node=2", TRAIN, *args]
-    run_env = {**env(), "PYTHONPATH": str(REPO)}
-    return subprocess.run(cmd, cwd=cwd, env=run_env, capture_output=True, text=True, timeout=240)
 
 
 def test_make_train_refuses_a_typo_in_one_line_with_exit_2_before_any_worker() -> None:

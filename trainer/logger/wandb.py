@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+import shutil
 from pathlib import Path
 from typing import Any, Literal
 
@@ -164,7 +165,10 @@ class WandbLogger:
     def log_timeline(self, image: Path, trace: Path, step: int) -> None:
         """trainer.profile=true (rank 0): the timeline picture in the step's row, the merged trace as a file."""
         self._run.log({"profiler/timeline": self._wandb.Image(str(image))}, step=step)
-        self._run.save(str(trace), base_path=str(trace.parent), policy="now")
+        # Saved from inside the run's files dir: wandb.save of a file outside it symlinks it and warns so.
+        inside = Path(self._run.dir) / trace.name
+        shutil.copyfile(trace, inside)
+        self._run.save(str(inside), base_path=self._run.dir, policy="now")
 
     def close(self, exit_code: int = 0) -> None:
         # Offline runs reach the disk only here: this must run on every exit path, SIGTERM included.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -33,6 +34,9 @@ log = logging.getLogger(__name__)
 
 WAIT, WARMUP = 1, 1  # steps before the profiler records
 CLOCK_ROUNDS = 8  # barriers whose exits give each rank's clock offset to rank 0's
+# Above kineto's highest level (USDT, 5): it then prints none of "profiler_start", "profiler_stop" or,
+# without a GPU, "gpuGetDeviceCount failed with code 35". Read when the first profiler starts.
+KINETO_SILENT = "6"
 
 
 class ProfiledStepTimer(StepTimer):
@@ -110,6 +114,8 @@ class StepProfiler(AbstractContextManager["StepProfiler"]):
         self._wait_for_parameters = wait_for_parameters
         self.trace_path: Path | None = None
         if enabled:
+            if device.type == "cpu":  # kineto's lines on CPU are about the GPU it lacks: silent (docs/performance.md)
+                os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_SILENT)
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
             self._profile = profile(
                 activities=activities,

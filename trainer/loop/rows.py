@@ -27,6 +27,29 @@ from trainer.sync.base import SyncStrategy
 log = logging.getLogger(__name__)
 
 
+PAIRS_PER_LINE = 4  # the sync: line's key=value pairs per screen line (a count, not a width: the same layout every run)
+LIST_SHOWN = 6  # items of a list value shown on screen; summary.json keeps them all
+
+
+def _word(value: Any) -> str:
+    """A value as one word of a key=value line: text with spaces quoted, lists without spaces, cut short."""
+    if isinstance(value, (list, tuple)):
+        shown = [_word(v) for v in value[:LIST_SHOWN]]
+        more = [f"+{len(value) - LIST_SHOWN}_more"] if len(value) > LIST_SHOWN else []
+        return "[" + ",".join(shown + more) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{_word(v)}" for k, v in value.items()) + "}"
+    text = str(value)
+    return f'"{text}"' if " " in text else text
+
+
+def sync_lines(info: dict[str, Any]) -> str:
+    """The strategy's describe() on screen: `sync: key=value ...`, a few pairs a line, continued indented."""
+    pairs = [f"{key}={_word(value)}" for key, value in info.items()]
+    lines = [" ".join(pairs[i : i + PAIRS_PER_LINE]) for i in range(0, len(pairs), PAIRS_PER_LINE)]
+    return "sync: " + f"\n{' ' * len('[rank0] sync: ')}".join(lines)  # continued under the first key
+
+
 class TrainRows:
     """Writes each logged row to every logger and keeps the rows for this rank's summary."""
 
@@ -37,6 +60,7 @@ class TrainRows:
         self.rates = rates  # token data: tokens/s and MFU rows
         self.rows: list[dict[str, Any]] = []
         self._samples = 0  # trained on, over every window (evaluation and checkpoints excluded)
+        self._tokens = 0  # the same windows' tokens (token data: the whole-run tokens/s and MFU)
         self._seconds = 0.0
         self._process = psutil.Process()
 
@@ -52,6 +76,7 @@ class TrainRows:
         phases = timer.collect() or {}  # mean of every step since the previous row
         elapsed = time.perf_counter() - window.started
         self._samples += window.samples
+        self._tokens += window.tokens
         self._seconds += elapsed
         in_sync, world_size = self.sync.comm_in_sync_phase, self.ctx.world_size
         comm = comm_metrics(self.sync.pop_comm_counts(), window.steps, phases.get("sync", 0.0), in_sync, world_size)
@@ -83,7 +108,7 @@ class TrainRows:
         timer.profiled = 0
         if not self.rows and self.ctx.is_main_process:
             # Once per job, after the first logged step: DDP has rebuilt its buckets by then.
-            log.info("sync: %s", " ".join(f"{key}={value}" for key, value in self.sync.describe().items()))
+            log.info("%s", sync_lines(self.sync.describe()))
         if self.ctx.device.type == "cuda":
             row["memory/cuda_max_allocated_mb"] = torch.cuda.max_memory_allocated(self.ctx.device) / 2**20
         for logger in self.loggers:
@@ -101,6 +126,12 @@ class TrainRows:
             "train/loss": last.get("train/loss"),
             "train/accuracy": last.get("train/accuracy"),
             "samples_per_s": self._samples / self._seconds if self._seconds else 0.0,
+            # Token data: the same whole-run mean in tokens (and MFU), so the end-of-run line shows one statistic.
+            **(
+                {k.partition("/")[2]: v for k, v in self.rates.row(self._tokens, self._seconds).items()}
+                if self.rates
+                else {}
+            ),
             "samples": self._samples,  # trained on by this rank: summed over ranks, epochs × the train set
             "outputs": [logger.location for logger in self.loggers if logger.location],
             **rank_timing(self.rows),

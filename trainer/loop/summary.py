@@ -43,6 +43,16 @@ def _mean(values: Sequence[float | None]) -> float | None:
     return sum(present) / len(present) if present else None
 
 
+def _token_throughput(ranks: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Token data: the job's whole-run tokens/s (the sum over ranks) and MFU (their mean), where measured."""
+    found: dict[str, float] = {}
+    if all("tokens_per_s" in r for r in ranks):
+        found["throughput/global_tokens_per_s"] = job_throughput([r["tokens_per_s"] for r in ranks])
+    if all("mfu" in r for r in ranks):
+        found["perf/mfu"] = sum(r["mfu"] for r in ranks) / len(ranks)
+    return found
+
+
 def job_summary(ranks: Sequence[dict[str, Any]], **facts: Any) -> dict[str, Any]:
     """summary.json: the job's facts, the ranks' final numbers combined, and every rank's own."""
     return {
@@ -50,6 +60,7 @@ def job_summary(ranks: Sequence[dict[str, Any]], **facts: Any) -> dict[str, Any]
         "train/loss": _mean([r["train/loss"] for r in ranks]),  # mean of the ranks' last windows
         "train/accuracy": _mean([r["train/accuracy"] for r in ranks]),
         "throughput/global_samples_per_s": job_throughput([r["samples_per_s"] for r in ranks]),
+        **_token_throughput(ranks),
         "ranks": list(ranks),
     }
 
@@ -94,7 +105,8 @@ def format_report(summary: dict[str, Any]) -> str:
         f"   eval/loss {_fmt(summary.get('eval/loss'), '.4f')}"
         f"   eval/accuracy {_fmt(summary.get('eval/accuracy'), '.3f')}",
         # A mean over the whole run (the report's column is a median of logged rows: it can differ)
-        f"  throughput {summary['throughput/global_samples_per_s']:.0f} samples/s (all ranks, whole-run mean)",
+        f"  throughput {summary['throughput/global_samples_per_s']:.0f} samples/s{_tokens(summary)}"
+        " (all ranks, whole-run mean)",
         *_language_model_lines(summary),
         f"  run dir  {summary['run_dir']}   (summary.json, checkpoints/, metrics/rank*.jsonl, train_rank*.log)",
     ]
@@ -106,15 +118,17 @@ def format_report(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _tokens(summary: dict[str, Any]) -> str:
+    """Token data: the throughput line's tokens/s and MFU, the same whole-run mean as its samples/s."""
+    if "throughput/global_tokens_per_s" not in summary:
+        return ""
+    mfu = f", MFU {100 * summary['perf/mfu']:.1f} %" if "perf/mfu" in summary else ""
+    return f", {summary['throughput/global_tokens_per_s']:.0f} tokens/s{mfu}"
+
+
 def _language_model_lines(summary: dict[str, Any]) -> list[str]:
-    """A language model's extras: tokens/s, MFU and perplexity where measured, and the sample."""
-    ranks = summary["ranks"]
-    tokens = [r["median_throughput/tokens_per_s"] for r in ranks if "median_throughput/tokens_per_s" in r]
+    """A language model's extras: perplexity where measured, and the sample."""
     lines = []
-    if tokens:
-        mfu = [r["median_perf/mfu"] for r in ranks if "median_perf/mfu" in r]
-        shown = f"   MFU {100 * sum(mfu) / len(mfu):.1f} %" if mfu else ""
-        lines.append(f"  throughput {sum(tokens):.0f} tokens/s (all ranks, median logged row){shown}")
     if "eval/perplexity" in summary:
         lines.append(f"  eval/perplexity {summary['eval/perplexity']:.2f} (eval/loss in nats per token)")
     if "sample" in summary:
