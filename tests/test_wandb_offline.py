@@ -53,6 +53,7 @@ run.summary["tmp"] = 1
 del run.summary["tmp"]
 run.summary["nest"] = {"a": 1}
 run.summary["nest"]["b"] = 2
+run.summary["layout"] = {"tensors": [{"name": f"t{i}", "bytes": i} for i in range(52)], "_inner": 1}
 run.finish()
 big_run = wandb.init(mode="offline", dir=root, project="p", group="g", name="rank-1",
                      config={"blob": big, "n": 1})
@@ -186,8 +187,19 @@ def test_cli_prints_runs_as_aligned_key_value_lines(root: Path) -> None:
     rank0 = out.stdout[first:second]
     assert "group=g" in rank0 and "history_rows=5" in rank0
     assert re.search(rf"^    train/loss  {LOSSES[-1]:.6g}$", rank0, re.M), rank0
-    assert re.search(r"^    best        0.2$", rank0, re.M), rank0  # padded to the longest key (nest, best)
+    # Nested summary values are dotted keys, one a line; best is padded to the longest (train/loss.last).
+    assert re.search(r"^    best {13}0.2$", rank0, re.M) and re.search(r"^    nest.b {11}2$", rank0, re.M), rank0
     assert "_step" not in rank0 and "_runtime" not in rank0 and "metric definitions" not in rank0
+    # A 52-record list is its length and fields, not one line of thousands of characters; no `_` keys.
+    assert re.search(r"^    layout.tensors +\[52 items, each \{bytes, name\}\]$", rank0, re.M), rank0
+    assert "_inner" not in rank0 and max(len(line) for line in rank0.splitlines()[1:]) < 150, rank0
+
+
+def test_cli_full_prints_long_values_whole(root: Path, capsys) -> None:
+    assert wandb_offline.main([str(root), "--full"]) == 0
+    text = capsys.readouterr().out
+    (line,) = [line for line in text.splitlines() if line.strip().startswith("layout.tensors")]
+    assert json.loads(line.split(None, 1)[1]) == [{"bytes": i, "name": f"t{i}"} for i in range(52)]
 
 
 def test_cli_all_shows_internal_keys_and_a_sweep_dir_lists_each_job(root: Path, tmp_path: Path, capsys) -> None:
