@@ -1,4 +1,5 @@
-"""The timeline of a trainer.profile=true run: merging, figures, every strategy end to end, bad input.
+"""The timeline of a trainer.profile=true run: merging, figures, every strategy end to end, the picture's
+legend and labels, bad input.
 
 One spawn of 2 gloo ranks trains every strategy with the profiler on (train_each); the command
 then runs on each run dir in this process.
@@ -15,16 +16,18 @@ import pytest
 from PIL import Image
 
 from tests.dist_helpers import run_on_ranks
+from tests.timeline_figure import assert_labels_fit, drawn_colours, is_comm, legend_entries, rgba
 from tests.train_helpers import build, case_results, train_each
 from trainer.logger import timeline_figures as fig
 from trainer.logger.jsonl import JsonlLogger
-from trainer.logger.timeline import write_timeline
+from trainer.logger.timeline import load, write_timeline
+from trainer.logger.timeline_plot import COLLECTIVE, figure
 from trainer.logger.timeline_trace import TimelineError, read_rank
 from trainer.logger.wandb import WandbLogger
 from trainer.logger.wandb_files import read_run
 from trainer.loop.profiling import add_lab_events
 from trainer.sync import collectives
-from trainer.tools import report, timeline
+from trainer.tools import report, report_timelines, timeline
 
 COMMON = [
     "logger=none",
@@ -167,6 +170,34 @@ def test_report_timelines(runs: tuple[Path, list[dict[str, Any]]], tmp_path: Pat
     (sweep / "2").symlink_to(root / "off")
     assert report.main([str(sweep), "--timelines", "--out", str(tmp_path / "out")]) == 2
     assert "job 2: " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case", ["manual", "bucketed", "ddp", "zero", "fsdp"])
+def test_the_picture_says_what_it_draws(runs: tuple[Path, list[dict[str, Any]]], case: str) -> None:
+    """One colour per meaning, every colour drawn named once in the legend, every collective in the
+    collectives' colour, and each label kept inside its own bar."""
+    root, _ = runs
+    timelines, _ = load(root / case, None, None)
+    fig, _ = figure(timelines, ["caption"] * len(timelines), "title")
+    ax = fig.axes[0]
+    entries = legend_entries(ax)
+    assert len(set(entries.values())) == len(entries) and set(entries.values()) == drawn_colours(ax)
+    comm = [c for c in ax.collections if is_comm(c)]
+    assert len(comm) == sum(len(t.comm) for t in timelines) > 0
+    assert {rgba(c.get_facecolor()[0]) for c in comm} == {entries[COLLECTIVE]}
+    assert_labels_fit(fig)
+
+
+def test_the_sweep_picture_has_one_legend_for_every_job(runs: tuple[Path, list[dict[str, Any]]]) -> None:
+    root, _ = runs
+    jobs = [(f"job {n}", root / case) for n, case in enumerate(("manual", "ddp", "fsdp"))]
+    fig, _, _ = report_timelines.figure(jobs)
+    (legend,) = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
+    assert legend is fig.axes[0].get_legend()
+    entries = legend_entries(fig.axes[0])
+    assert len(set(entries.values())) == len(entries)
+    assert set(entries.values()) == set.union(*(drawn_colours(ax) for ax in fig.axes))
+    assert_labels_fit(fig)
 
 
 def test_the_command_takes_a_sweep_dir_job_by_job(

@@ -1,17 +1,25 @@
-"""timeline.png: per rank a lane of compute phases and a lane of collectives, on one time axis."""
+"""timeline.png: per rank a lane of compute phases and a lane of collectives, on one time axis.
+
+One colour per meaning, and the legend lists every colour the figure drew (and nothing else):
+collectives are all one red, told apart by their black edges, not by a second colour that could
+be read as another phase. A collective's label is kept only where, at the size it is saved, it
+fits inside its bar: a cluster of tiny bars goes unlabelled rather than under a pile of text.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import matplotlib
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+from matplotlib.text import Text
+from matplotlib.transforms import Bbox
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (after choosing the file-only backend)
-from matplotlib.axes import Axes  # noqa: E402
-
-from trainer.logger.timeline_trace import Interval, RankTimeline  # noqa: E402
+from trainer.logger.timeline_trace import Interval, RankTimeline
 
 PHASE_COLOURS = {
     "data": "#bbbbbb",
@@ -20,7 +28,36 @@ PHASE_COLOURS = {
     "sync": "#f2c14e",
     "optimizer": "#6aa84f",
 }
-COMM_COLOURS = ("#d1495b", "#edae49")
+KERNEL_COLOUR = "#7b5ea7"  # on CUDA the compute lane holds kernels, not phases
+COMM_COLOUR = "#d1495b"
+SHADE_ALPHA = 0.12  # backward's span, shaded across both lanes in backward's colour
+KERNELS = "compute kernel (CUDA)"
+COLLECTIVE = "collective, launch to completion"
+SHADED = "backward's span (shaded)"
+LABEL_PAD_PX = 2.0  # a label keeps this much of its bar free on either side
+
+
+@dataclass(frozen=True)
+class Bar:
+    """A collective's bar: its axes, its sub-lane's bottom (data units) and its extent in ms."""
+
+    ax: Axes
+    bottom: float
+    start: float
+    end: float
+
+
+@dataclass
+class Drawn:
+    """What draw_rank put on one axes: the meanings, for the legend, and the collectives' labels."""
+
+    meanings: list[str] = field(default_factory=list)  # in the order first drawn
+    bars: list[Bar] = field(default_factory=list)  # every collective's bar
+    labels: list[tuple[Text, Bar]] = field(default_factory=list)  # a label and the bar it names
+
+    def add(self, meaning: str) -> None:
+        if meaning not in self.meanings:
+            self.meanings.append(meaning)
 
 
 def short(name: str) -> str:
@@ -31,62 +68,105 @@ def short(name: str) -> str:
     return words[0] if words else name
 
 
-def draw_rank(ax: Axes, y: float, timeline: RankTimeline, origin: float, caption: str) -> None:
+def lane_names(timeline: RankTimeline) -> list[str]:
+    """The y tick labels of a rank's two lanes."""
+    return [f"rank {timeline.rank} {'kernels' if timeline.on_gpu else 'compute'}", f"rank {timeline.rank} comm"]
+
+
+def draw_rank(ax: Axes, y: float, timeline: RankTimeline, origin: float, caption: str, drawn: Drawn) -> None:
     """Two lanes at y (compute, above) and y - 1 (communication); backward shaded across both."""
     ms = 1e-3
     for phase in timeline.phases:
         if phase.name == "backward":
-            ax.fill_between(
-                [(phase.start - origin) * ms, (phase.end - origin) * ms],
-                y - 1.45,
-                y + 0.45,
-                color="#3a6ea5",
-                alpha=0.12,
-            )
+            start, end = (phase.start - origin) * ms, (phase.end - origin) * ms
+            ax.fill_between([start, end], y - 1.45, y + 0.45, color=PHASE_COLOURS["backward"], alpha=SHADE_ALPHA)
+            drawn.add(SHADED)
     lane: Sequence[Interval] = timeline.compute if timeline.on_gpu else timeline.phases
     for item in lane:
-        colour = PHASE_COLOURS.get(item.name, "#3a6ea5")
+        meaning = KERNELS if timeline.on_gpu else item.name
+        colour = KERNEL_COLOUR if timeline.on_gpu else PHASE_COLOURS[item.name]
         ax.broken_barh([((item.start - origin) * ms, (item.end - item.start) * ms)], (y - 0.35, 0.7), color=colour)
-    span = max((c.end for c in timeline.comm), default=origin) - min((c.start for c in timeline.comm), default=origin)
+        drawn.add(meaning)
     ends: list[float] = []  # per sub-lane, where its last bar ends: concurrent collectives stack up
-    labelled: dict[int, float] = {}  # per sub-lane, where its last label ends (labels never overlap)
-    for i, c in enumerate(sorted(timeline.comm, key=lambda c: c.start)):
+    for c in sorted(timeline.comm, key=lambda c: c.start):
         sub = next((k for k, end in enumerate(ends) if end <= c.start), len(ends))
         if sub == len(ends):
             ends.append(c.end)
         ends[sub] = c.end
-        level = min(sub, 2)
-        bottom = y - 1.4 + 0.3 * level
-        width = (c.end - c.start) * ms
-        colour = COMM_COLOURS[i % 2]
-        ax.broken_barh(
-            [((c.start - origin) * ms, width)], (bottom, 0.3), color=colour, edgecolor="black", linewidth=0.3
-        )
-        room = 0.06 * span * ms
-        if span and width > room and c.start * ms > labelled.get(level, float("-inf")):
-            ax.text(
-                (c.start - origin) * ms + width / 2, bottom + 0.15, short(c.name), ha="center", va="center", fontsize=6
-            )
-            labelled[level] = c.end * ms
+        bottom = y - 1.4 + 0.3 * min(sub, 2)
+        start, width = (c.start - origin) * ms, (c.end - c.start) * ms
+        ax.broken_barh([(start, width)], (bottom, 0.3), color=COMM_COLOUR, edgecolor="black", linewidth=0.4)
+        drawn.add(COLLECTIVE)
+        bar = Bar(ax, bottom, start, start + width)
+        drawn.bars.append(bar)
+        label = ax.text(start + width / 2, bottom + 0.15, short(c.name), ha="center", va="center", fontsize=6)
+        drawn.labels.append((label, bar))
     ax.text(1.01, y - 0.5, caption, transform=ax.get_yaxis_transform(), fontsize=7, va="center")
 
 
-def plot(timelines: Sequence[RankTimeline], captions: Sequence[str], title: str, out: Path) -> None:
+def legend_handles(meanings: Sequence[str]) -> list[Patch]:
+    """One patch per meaning, in the figure's own colours (phases first, in their step order)."""
+    colours = {**PHASE_COLOURS, KERNELS: KERNEL_COLOUR, COLLECTIVE: COMM_COLOUR}
+    order = [*PHASE_COLOURS, KERNELS, COLLECTIVE, SHADED]
+    handles = []
+    for meaning in sorted(meanings, key=order.index):
+        if meaning == SHADED:
+            handles.append(Patch(color=PHASE_COLOURS["backward"], alpha=SHADE_ALPHA, label=meaning))
+        else:
+            handles.append(Patch(color=colours[meaning], label=meaning))
+    return handles
+
+
+def keep_fitting_labels(fig: Figure, drawn: Drawn) -> None:
+    """Remove each label that does not fit inside its bar at the figure's final layout: wider than
+    the bar, over another bar (more than three concurrent collectives share the top sub-lane), or
+    closer than the padding to a label already kept."""
+    renderer = fig.canvas.get_renderer()  # type: ignore[attr-defined]
+    kept: list[tuple[Text, Bar]] = []
+    boxes: list[Bbox] = []
+    for text, bar in drawn.labels:
+        box = text.get_window_extent(renderer).padded(LABEL_PAD_PX)
+        to_ms = bar.ax.transData.inverted()
+        left, right = to_ms.transform([(box.x0, 0.0), (box.x1, 0.0)])[:, 0]
+        inside = bar.start <= left and right <= bar.end
+        covered = any(
+            b is not bar and b.ax is bar.ax and b.bottom == bar.bottom and b.start < right and left < b.end
+            for b in drawn.bars
+        )
+        if inside and not covered and not any(box.overlaps(other) for other in boxes):
+            kept.append((text, bar))
+            boxes.append(box)
+        else:
+            text.remove()
+    drawn.labels = kept
+
+
+def new_figure(width: float, height: float) -> Figure:
+    fig = Figure(figsize=(width, height))
+    FigureCanvasAgg(fig)  # Agg renders to files only, and without pyplot no figure stays alive globally
+    return fig
+
+
+def figure(timelines: Sequence[RankTimeline], captions: Sequence[str], title: str) -> tuple[Figure, Drawn]:
     height = 1.4 + 1.2 * len(timelines)
-    fig, ax = plt.subplots(figsize=(14, height))
+    fig = new_figure(14, height)
+    ax = fig.subplots()
     origin = min(p.start for t in timelines for p in [*t.phases, *t.comm])
-    ticks, labels = [], []
+    ticks, labels, drawn = [], [], Drawn()
     for row, (timeline, caption) in enumerate(zip(timelines, captions, strict=True)):
         y = -2.2 * row
-        draw_rank(ax, y, timeline, origin, caption)
+        draw_rank(ax, y, timeline, origin, caption, drawn)
         ticks += [y, y - 1]
-        labels += [f"rank {timeline.rank} {'kernels' if timeline.on_gpu else 'compute'}", f"rank {timeline.rank} comm"]
+        labels += lane_names(timeline)
     ax.set_yticks(ticks, labels, fontsize=8)
     ax.set_xlabel("ms (rank 0's clock)")
-    ax.set_title(title, fontsize=9, loc="right")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in (*PHASE_COLOURS.values(), COMM_COLOURS[0])]
-    names = [*PHASE_COLOURS, "collective, launch to completion (shaded: backward)"]
-    ax.legend(handles, names, fontsize=7, ncol=6, loc="lower left", bbox_to_anchor=(0, 1.0), frameon=False)
-    fig.subplots_adjust(left=0.09, right=0.87, top=1 - 0.6 / height, bottom=0.55 / height)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    ax.set_title(title, fontsize=9, loc="right", pad=18)
+    handles = legend_handles(drawn.meanings)
+    ax.legend(handles=handles, fontsize=7, ncol=len(handles), loc="lower left", bbox_to_anchor=(0, 1.0), frameon=False)
+    fig.subplots_adjust(left=0.09, right=0.87, top=1 - 0.75 / height, bottom=0.55 / height)
+    keep_fitting_labels(fig, drawn)
+    return fig, drawn
+
+
+def plot(timelines: Sequence[RankTimeline], captions: Sequence[str], title: str, out: Path) -> None:
+    figure(timelines, captions, title)[0].savefig(out, dpi=110)

@@ -10,15 +10,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
 
 from trainer.logger import timeline
-from trainer.logger.timeline_plot import COMM_COLOURS, PHASE_COLOURS, draw_rank
+from trainer.logger.timeline_plot import Drawn, draw_rank, keep_fitting_labels, lane_names, legend_handles, new_figure
 from trainer.logger.timeline_trace import TimelineError
 
 
-def plot_timelines(jobs: Sequence[tuple[str, Path]], out: Path) -> list[str]:
-    """timelines.png in `out` from every job's traces; returns one line per job (its figures)."""
+def figure(jobs: Sequence[tuple[str, Path]]) -> tuple[Figure, Drawn, list[str]]:
+    """The figure of every job's traces, what it drew, and one line per job (its figures)."""
     loaded = []
     for label, path in jobs:
         try:
@@ -28,25 +28,32 @@ def plot_timelines(jobs: Sequence[tuple[str, Path]], out: Path) -> list[str]:
         summary = timeline.figures(timelines, steps)
         loaded.append((label, timelines, summary))
     lanes = sum(len(t) for _, t, _ in loaded)
-    fig, axes = plt.subplots(len(loaded), 1, figsize=(14, 1.0 + 1.3 * lanes), sharex=True, squeeze=False)
-    lines = []
+    fig = new_figure(14, 1.0 + 1.3 * lanes)
+    axes = fig.subplots(len(loaded), 1, sharex=True, squeeze=False)
+    lines, drawn = [], Drawn()
     for ax, (label, timelines, summary) in zip(axes[:, 0], loaded, strict=True):
         origin = min(p.start for t in timelines for p in [*t.phases, *t.comm])
         ticks, names = [], []
         for row, t in enumerate(timelines):
             y = -2.2 * row
-            draw_rank(ax, y, t, origin, timeline.caption(summary["ranks"][str(t.rank)], []))
+            draw_rank(ax, y, t, origin, timeline.caption(summary["ranks"][str(t.rank)], []), drawn)
             ticks += [y, y - 1]
-            names += [f"rank {t.rank} compute", f"rank {t.rank} comm"]
+            names += lane_names(t)
         ax.set_yticks(ticks, names, fontsize=7)
         ax.set_title(label, fontsize=8, loc="left")
         overlaps = ", ".join(f"rank {r} {timeline.percent(v['overlap'])}" for r, v in summary["ranks"].items())
         lines.append(f"{label}: overlap {overlaps}")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in (*PHASE_COLOURS.values(), COMM_COLOURS[0])]
-    names = [*PHASE_COLOURS, "collective, launch to completion"]
-    axes[0, 0].legend(handles, names, fontsize=7, ncol=6, loc="lower right", bbox_to_anchor=(1, 1.0), frameon=False)
-    axes[-1, 0].set_xlabel("ms from each job's first profiled step (shaded: backward)")
+    handles = legend_handles(drawn.meanings)
+    legend = {"fontsize": 7, "ncol": len(handles), "loc": "lower right", "bbox_to_anchor": (1, 1.0), "frameon": False}
+    axes[0, 0].legend(handles=handles, **legend)
+    axes[-1, 0].set_xlabel("ms from each job's first profiled step")
     fig.tight_layout()
+    keep_fitting_labels(fig, drawn)
+    return fig, drawn, lines
+
+
+def plot_timelines(jobs: Sequence[tuple[str, Path]], out: Path) -> list[str]:
+    """timelines.png in `out` from every job's traces; returns one line per job (its figures)."""
+    fig, _, lines = figure(jobs)
     fig.savefig(out / "timelines.png", dpi=110)
-    plt.close(fig)
     return lines
