@@ -1,6 +1,6 @@
 """The sweep report's honesty: the buckets each job built, identical layouts marked and warned about,
-repeats gathered into points with their spread, the overlap sentence, and the per-job time split.
-Every expected number below is worked by hand from the hand-written rows."""
+repeats gathered into points with their spread, and the overlap sentence (the per-job time split:
+test_report_time_split.py). Every expected number below is worked by hand from the hand-written rows."""
 
 from __future__ import annotations
 
@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.report_helpers import DDP, MANUAL, NONE, comm_keys, markdown_header, markdown_rows, train_row, write_job
+from tests.report_helpers import DDP, MANUAL, markdown_header, markdown_rows, train_row, write_job
 from trainer.tools.report import find_jobs, main
 from trainer.tools.report_layout import axis_warning, bucket_layout, format_layout
 from trainer.tools.report_plot import plot
-from trainer.tools.report_plot_time import stack
 from trainer.tools.report_points import gather_points, spread_sentences
 from trainer.tools.report_rows import build_rows
 
@@ -131,30 +130,6 @@ def test_spreads_that_do_not_overlap_and_a_sweep_without_repeats(repeated: Path,
     assert sentence.startswith("Every point ran once: this sweep has no spread")
     assert main([str(root)]) == 0
     assert "## Points" not in (root / "report.md").read_text() and "no spread" in (root / "report.md").read_text()
-
-
-def test_time_split_stacks_compute_hidden_and_exposed(tmp_path: Path) -> None:
-    # ddp: step 100 ms, comm 30 ms of which 10 exposed -> compute 90, hidden 20, exposed 10 (stack 120).
-    # manual: step 80 ms, comm 25 ms all exposed -> compute 55, hidden 0, exposed 25. none: all compute.
-    root = tmp_path / "sweep"
-    ddp_rows = [train_row(10, 0.100, 0.0, 100, 1.0, comm_keys(1e6, 0.030, 0.010))]
-    write_job(root / "0", [ddp_rows, ddp_rows], DDP, ["sync=ddp"], 25, bucket_sizes=[1000])
-    manual_rows = [train_row(10, 0.080, 0.025, 100, 1.0, comm_keys(1e6, 0.025, 0.025))]
-    write_job(root / "1", [manual_rows, manual_rows], MANUAL, ["sync=manual"])
-    none_rows = [train_row(10, 0.050, 0.0, 100, 1.0)]
-    write_job(root / "2", [none_rows, none_rows], NONE, ["sync=none"])
-    rows = build_rows(find_jobs(root))
-    assert [[v for _, v in stack(r)] for r in rows] == [
-        pytest.approx([90.0, 20.0, 10.0]),
-        pytest.approx([55.0, 0.0, 25.0]),
-        pytest.approx([50.0, 0.0, 0.0]),
-    ]
-    time_ax = plot(rows, "title").axes[2]
-    heights = [round(p.get_height(), 6) for p in time_ax.patches]
-    # Three step bars, then each job's three stacked pieces.
-    assert heights == [100.0, 80.0, 50.0, 90.0, 20.0, 10.0, 55.0, 0.0, 25.0, 50.0, 0.0, 0.0]
-    bottoms = [round(p.get_y(), 6) for p in time_ax.patches[3:6]]
-    assert bottoms == [0.0, 90.0, 110.0]
 
 
 # Layouts at and past format_layout's limit (4): up to 4 buckets every size is listed, in the order

@@ -33,10 +33,11 @@ LEGEND = """\
   sizes in MB (past 4 buckets the smallest-largest and the total). `same as`: an earlier cap of
   the sweep built exactly these buckets, for jobs that differ in nothing else; such jobs are the
   same configuration, and their difference is noise.
-- compute / hidden / exposed ms (the plot's stacked bars): exposed = exposed ms; hidden =
+- compute / hidden / exposed ms (the plot's right-hand bars): exposed = exposed ms; hidden =
   median `time/comm_s` (per rank over its rows, then over ranks) minus exposed, communication
-  that ran under backward; compute = step ms minus exposed. compute + exposed is the step; the
-  stack is taller than the step by what overlap hid.
+  that ran under backward; compute = step ms minus exposed. A job's bar is compute with exposed
+  on top: together the step. Hidden ran during compute, so it is drawn inside the compute piece
+  (a narrower bar, no taller than compute), not added to the step.
 - points (when jobs repeat, `+repeat=...`): the jobs that differ only in `repeat`; step ms is the
   median of their job medians, spread the min-max of those medians. Spreads that overlap mean the
   sweep cannot tell those points apart.
