@@ -16,6 +16,7 @@ DDP = "trainer.sync.ddp.DDPSync"
 MANUAL = "trainer.sync.manual.ManualSync"
 NONE = "trainer.sync.none.NoSync"
 BUCKETED = "trainer.sync.bucketed.BucketedSync"
+FSDP = "trainer.sync.fsdp.FSDPSync"
 
 
 def train_row(
@@ -73,8 +74,10 @@ def write_job(
     tail: str = "",
     sync_knobs: dict[str, Any] | None = None,
     bucket_sizes: list[int] | None = None,
+    sync_facts: dict[str, Any] | None = None,
 ) -> Path:
-    """One job dir; `bucket_sizes` go to summary.json as the strategy's `sync.bucket_sizes_bytes`."""
+    """One job dir; `bucket_sizes` go to summary.json as the strategy's `sync.bucket_sizes_bytes`,
+    `sync_facts` as the rest of what its describe() says (manual's buffers, fsdp's units)."""
     (path / "metrics").mkdir(parents=True)
     for rank, rows in enumerate(ranks):
         lines = "".join(json.dumps(row) + "\n" for row in rows)
@@ -92,6 +95,7 @@ def write_job(
         summary: dict[str, Any] = {"steps": 30, "sync": {"strategy": target}}
         if bucket_sizes is not None:
             summary["sync"]["bucket_sizes_bytes"] = bucket_sizes
+        summary["sync"] |= sync_facts or {}
         (path / "summary.json").write_text(json.dumps(summary))
     return path
 

@@ -1,6 +1,7 @@
 """The sweep report on a strategy sweep: MB/step, exposed ms, peak RSS, peak CUDA and optimizer-state
 columns, each checked against arithmetic on rows written by the test (the CUDA column appears
-because one job ran on CUDA), and the bar plot's job labels."""
+because one job ran on CUDA), and the bar plot's job labels; the buckets column of strategies
+without buckets, and the dagger's line under the printed table."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 from tests.report_helpers import (
     BUCKETED,
     DDP,
+    FSDP,
     MANUAL,
     NONE,
     comm_keys,
@@ -25,6 +27,7 @@ from tests.report_helpers import (
 from trainer.tools.report import find_jobs, main
 from trainer.tools.report_plot import plot
 from trainer.tools.report_rows import build_rows
+from trainer.tools.report_table import DAGGER_NOTE
 
 
 def strategy_ranks() -> dict[str, list[list[dict[str, Any]]]]:
@@ -180,3 +183,56 @@ def test_strategy_sweep_bytes_exposed_time_and_peak_memory(
     assert fig.axes[0].get_xscale() == "linear"
     ticks = [t.get_text() for t in fig.axes[0].get_xticklabels()]
     assert ticks[2] == "sync=ddp sync.comm_hook=fp16 (job 2)" and len(ticks) == 5  # five: one slanted line each
+
+
+def test_buckets_column_names_what_each_strategy_has(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """manual has flat buffers (and gradients reduced alone), fsdp units, none nothing: each says so,
+    with the word for what it counts, where a strategy with buckets shows its buckets."""
+    root = tmp_path / "sweep"
+    rows = [[train_row(10, 0.05, 0.01, 100, 1.0, comm_keys(4e6, 0.02, 0.01))]] * 2
+    buffers = {"num_buffers": 2, "buffer_sizes_bytes": [390_000, 200_000], "num_reduced_in_place": 3}
+    write_job(root / "0", rows, MANUAL, ["sync=manual"], sync_facts=buffers)
+    alone = {"num_buffers": 0, "buffer_sizes_bytes": [], "num_reduced_in_place": 10}
+    write_job(root / "1", rows, MANUAL, ["sync=manual", "sync.coalesce_mb=0"], sync_facts=alone)
+    units = {"num_units": 5, "unit_bytes": [135_168, 4_198_400, 4_198_400, 4_198_400, 41_000]}
+    write_job(root / "2", rows, FSDP, ["sync=fsdp"], sync_facts=units)
+    write_job(root / "3", [[train_row(10, 0.02, 0.0, 100, 1.0)]] * 2, NONE, ["sync=none"])
+    write_job(root / "4", rows, BUCKETED, ["sync=bucketed"], 25, bucket_sizes=[4_000_000])
+    assert main([str(root)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    buckets = markdown_header((root / "report.md").read_text()).index("buckets")
+    cells = {job: c[buckets] for job, c in markdown_rows((root / "report.md").read_text()).items()}
+    assert cells == {
+        "0": "2 buffers: 0.39 0.20 MB + 3 grads in place",
+        "1": "no buffer: 10 grads in place",
+        "2": "5 units: 0.04-4.20 MB, 12.77 in all",
+        "3": "- (sends nothing)",
+        "4": "1: 4.00 MB",
+    }
+    table = printed[1:7]
+    assert all(cell in line for cell, line in zip(cells.values(), table[1:], strict=True))
+    # The per-job bars name the count the same way (five points: one slanted line each).
+    ticks = [t.get_text() for t in plot(build_rows(find_jobs(root)), "title").axes[0].get_xticklabels()]
+    assert ticks == [
+        "sync=manual (job 0, 2 buffers)",
+        "sync=manual sync.coalesce_mb=0 (job 1, 0 buffers)",
+        "sync=fsdp (job 2, 5 units)",
+        "sync=none (job 3)",
+        "sync=bucketed (job 4, 1 bucket)",
+    ]
+    # No ddp job, no dagger: nothing to explain under the table.
+    assert not any("†" in line for line in printed)
+
+
+def test_the_dagger_is_explained_under_the_printed_table(
+    strategy_sweep: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([str(strategy_sweep)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    jobs = printed[2:7]
+    assert [line.split()[0] for line in jobs] == ["0", "1", "2", "3", "4"]
+    assert sum("†" in line for line in jobs) == 2  # the two ddp jobs' sync %
+    assert printed[7] == DAGGER_NOTE and DAGGER_NOTE.startswith("† ")
+    markdown = (strategy_sweep / "report.md").read_text()
+    jobs_table = markdown.split("## Jobs")[1].split("## Legend")[0].strip().splitlines()
+    assert jobs_table[-1] == DAGGER_NOTE

@@ -16,6 +16,7 @@ import pytest
 from PIL import Image
 
 from tests.dist_helpers import run_on_ranks
+from tests.report_helpers import markdown_header, markdown_rows
 from tests.timeline_figure import assert_labels_fit, drawn_colours, is_comm, legend_entries, rgba
 from tests.train_helpers import build, case_results, train_each
 from trainer.logger import timeline_figures as fig
@@ -198,6 +199,30 @@ def test_the_sweep_picture_has_one_legend_for_every_job(runs: tuple[Path, list[d
     assert len(set(entries.values())) == len(entries)
     assert set(entries.values()) == set.union(*(drawn_colours(ax) for ax in fig.axes))
     assert_labels_fit(fig)
+
+
+def test_the_report_names_manuals_buffers_and_fsdps_units(
+    runs: tuple[Path, list[dict[str, Any]]], tmp_path: Path, capsys: Any
+) -> None:
+    """The buckets column from real summary.json files: manual's buffers, fsdp's units, ddp's buckets."""
+    root, ranks = runs
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    cases = ("manual", "fsdp", "ddp")
+    for number, case in enumerate(cases):
+        (sweep / str(number)).symlink_to(root / case)
+    assert report.main([str(sweep), "--out", str(tmp_path / "out")]) == 0
+    capsys.readouterr()
+    markdown = (tmp_path / "out" / "report.md").read_text()
+    at = markdown_header(markdown).index("buckets")
+    rows = {job: cells[at] for job, cells in markdown_rows(markdown).items()}
+    manual, fsdp, ddp = (case_results(ranks, case)[0]["sync"] for case in cases)
+    buffers = manual["num_buffers"]
+    assert rows["0"].startswith(f"{buffers} buffer{'s' * (buffers != 1)}: ") and buffers > 1
+    if manual["num_reduced_in_place"]:
+        assert rows["0"].endswith(f" + {manual['num_reduced_in_place']} grads in place")
+    assert rows["1"].startswith(f"{fsdp['num_units']} units: ")
+    assert rows["2"].startswith(f"{ddp['num_buckets']}: ")
 
 
 def test_the_command_takes_a_sweep_dir_job_by_job(

@@ -26,7 +26,7 @@ from trainer.tools.report_layout import axis_warning
 from trainer.tools.report_plot import plot
 from trainer.tools.report_points import Point, gather_points, spread_sentences
 from trainer.tools.report_rows import Job, JobRow, build_rows
-from trainer.tools.report_table import format_markdown, format_points, format_table, write_csv
+from trainer.tools.report_table import format_markdown, format_points, format_table, notes_under_table, write_csv
 from trainer.tools.report_timelines import plot_timelines
 from trainer.tools.report_wandb import MODES, log_report  # wandb itself is imported only by log_report
 
@@ -147,6 +147,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     repeated = [p for p in points if len(p.jobs) > 1]
     said = notes(rows, points)
     print(f"{title}\n{format_table(rows)}")
+    for line in notes_under_table(rows):
+        print(line)
     if repeated:
         print(f"\nPoints (median over repeats, spread = min-max of the jobs' medians):\n{format_points(points)}")
     for line in said:

@@ -9,6 +9,7 @@ cap changed nothing, so that noise between identical configurations is not read 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 
@@ -40,14 +41,55 @@ def bucket_layout(summary: dict[str, Any] | None) -> tuple[int, ...] | None:
     return None
 
 
-def format_layout(sizes: tuple[int, ...] | None, limit: int = 4) -> str:
-    """`3: 36.13 36.01 0.39 MB`; past `limit` buckets the range and total instead of every size."""
+def format_layout(sizes: tuple[int, ...] | None, limit: int = 4, word: str = "") -> str:
+    """`3: 36.13 36.01 0.39 MB`; past `limit` buckets the range and total instead of every size.
+
+    `word` names what the count counts when it is not the column's buckets (`1 buffer: 12.77 MB`).
+    """
     if sizes is None:
         return ""
+    count = f"{len(sizes)} {word}{'s' * (len(sizes) != 1)}" if word else str(len(sizes))
     mb = [s / 1e6 for s in sizes]
     if len(sizes) <= limit:
-        return f"{len(sizes)}: " + " ".join(f"{m:.2f}" for m in mb) + " MB"
-    return f"{len(sizes)}: {min(mb):.2f}-{max(mb):.2f} MB, {sum(mb):.2f} in all"
+        return f"{count}: " + " ".join(f"{m:.2f}" for m in mb) + " MB"
+    return f"{count}: {min(mb):.2f}-{max(mb):.2f} MB, {sum(mb):.2f} in all"
+
+
+@dataclass(frozen=True)
+class Units:
+    """What a strategy without gradient buckets sends its gradients in, from summary.json's `sync`.
+
+    manual: its flat buffers (`buffer_sizes_bytes`), and the gradients it all-reduces alone, where
+    autograd put them (`num_reduced_in_place`); fsdp: its wrapped units (`unit_bytes`, each unit's
+    parameters as gathered). Not buckets: no cap makes them, so the report never compares them
+    across caps.
+    """
+
+    word: str
+    sizes: tuple[int, ...]
+    in_place: int = 0
+
+    def cell(self) -> str:
+        """`1 buffer: 12.77 MB`, `2 buffers: 0.39 0.20 MB + 3 grads in place`, `5 units: 0.14-4.20 MB, ...`."""
+        if not self.sizes:
+            return f"no {self.word}: {self.in_place} grads in place"
+        alone = f" + {self.in_place} grads in place" if self.in_place else ""
+        return format_layout(self.sizes, word=self.word) + alone
+
+    def count(self) -> str:
+        """`1 buffer`, `5 units` (for the plot's tick labels)."""
+        return f"{len(self.sizes)} {self.word}{'s' * (len(self.sizes) != 1)}"
+
+
+def other_units(summary: dict[str, Any] | None) -> Units | None:
+    """manual's buffers or fsdp's units (Units); None for a strategy with buckets, or without either."""
+    facts = (summary or {}).get("sync") or {}
+    if isinstance(facts.get("buffer_sizes_bytes"), list):
+        sizes = tuple(int(s) for s in facts["buffer_sizes_bytes"])
+        return Units("buffer", sizes, int(facts.get("num_reduced_in_place") or 0))
+    if isinstance(facts.get("unit_bytes"), list):
+        return Units("unit", tuple(int(s) for s in facts["unit_bytes"]))
+    return None
 
 
 def cap_label(setting: str) -> str:

@@ -33,8 +33,10 @@ def _other_overrides(row: JobRow) -> list[str]:
 
 
 def _layout_line(row: JobRow) -> str:
+    """A tick label's second line: `4 buckets` (then `= cap 1` when an earlier cap built the same),
+    `1 buffer` (manual), `5 units` (fsdp), or nothing."""
     if row.bucket_sizes is None:
-        return ""
+        return f"\n{row.units.count()}" if row.units is not None else ""
     same = f"\n= {row.same_buckets_as}" if row.same_buckets_as else ""
     return f"\n{len(row.bucket_sizes)} bucket{'s' * (len(row.bucket_sizes) != 1)}{same}"
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.tools.report_layout import bucket_layout, mark_same_layouts
+from trainer.tools.report_layout import Units, bucket_layout, mark_same_layouts, other_units
 
 LEGEND = """\
 - step ms: per rank the median of `time/step_s` over its training rows; the job's value is the
@@ -30,9 +30,13 @@ LEGEND = """\
   the median over ranks; `-` when no row has it.
 - buckets: the gradient buckets the strategy really built (summary.json's `sync.bucket_sizes_bytes`;
   DDP's as rebuilt after its first iteration; zero's one flat buffer): their number, then their
-  sizes in MB (past 4 buckets the smallest-largest and the total). `same as`: an earlier cap of
-  the sweep built exactly these buckets, for jobs that differ in nothing else; such jobs are the
-  same configuration, and their difference is noise.
+  sizes in MB (past 4 buckets the smallest-largest and the total). Strategies without buckets
+  name what they have instead: manual its flat gradient buffers (`1 buffer: 12.77 MB`, from
+  `sync.buffer_sizes_bytes`; `+ 3 grads in place`: gradients all-reduced alone, in no buffer,
+  `sync.num_reduced_in_place`), fsdp its wrapped units (`5 units: ...`, `sync.unit_bytes`: each
+  unit's parameters as gathered); `- (sends nothing)` for a job without communication (none).
+  `same as`: an earlier cap of the sweep built exactly these buckets, for jobs that differ in
+  nothing else; such jobs are the same configuration, and their difference is noise.
 - compute / hidden / exposed ms (the plot's right-hand bars): exposed = exposed ms; hidden =
   median `time/comm_s` (per rank over its rows, then over ranks) minus exposed, communication
   that ran under backward; compute = step ms minus exposed. A job's bar is compute with exposed
@@ -104,6 +108,7 @@ class JobRow:
     opt_state_mb: float | None = None
     comm_ms: float | None = None
     bucket_sizes: tuple[int, ...] | None = None  # what the strategy built, in bytes; None: no buckets
+    units: Units | None = None  # no buckets, but manual's flat buffers or fsdp's units
     same_buckets_as: str = ""  # "cap 5": an earlier cap of the sweep built the same buckets
     repeat: str = ""  # the `repeat` override's value, "" when the sweep has none
     context: str = ""  # the differing overrides besides the cap and the repeat
@@ -211,6 +216,7 @@ def job_row(job: Job, overrides: Sequence[str]) -> JobRow:
         opt_state_mb=_max([r.opt_state_mb for r in ranks]),
         comm_ms=_median([r.comm_ms for r in ranks]),
         bucket_sizes=bucket_layout(job.summary),
+        units=other_units(job.summary),
         repeat=_value_of(job.overrides, REPEAT_KEY),
         context=" ".join(o for o in overrides if override_key(o) not in (REPEAT_KEY, CAP_KEY)),
     )

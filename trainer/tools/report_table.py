@@ -54,13 +54,36 @@ def headers(rows: Sequence[JobRow]) -> list[str]:
     return [*HEADERS[:at], CUDA_HEADER, *HEADERS[at:]]
 
 
+DAGGER_NOTE = "† ddp communicates inside backward, not in the sync phase: sync % is ~0, its comm is in time/backward_s"
+
+
+def notes_under_table(rows: Sequence[JobRow]) -> list[str]:
+    """What the table's marks mean, said right under it (report.md's legend has the whole story)."""
+    return [DAGGER_NOTE] if any(_dagger(row) for row in rows) else []
+
+
+def _dagger(row: JobRow) -> str:
+    return "†" if row.sync == "ddp" and row.sync_share_pct is not None else ""
+
+
+def layout_cell(row: JobRow) -> str:
+    """The buckets column: the buckets built, else what the strategy has instead, else why none."""
+    if row.bucket_sizes is not None:
+        return format_layout(row.bucket_sizes)
+    if row.units is not None:
+        return row.units.cell()
+    if row.sync == "none":  # the one strategy without communication (its MB/step is `-` too)
+        return "- (sends nothing)"
+    return ""
+
+
 def table_cells(row: JobRow, cuda: bool = False) -> list[str]:
     """Display strings; an incomplete job's numbers are wrapped in parentheses.
 
     `-` marks communication a job did not do (sync=none) or did not time, or a metric its rows do not
     carry (optimizer state in runs logged before it existed), as opposed to a blank.
     """
-    dagger = "†" if row.sync == "ddp" and row.sync_share_pct is not None else ""
+    dagger = _dagger(row)
     memory = [_num(row.peak_rss_mb, ".0f")] + ([_num(row.peak_cuda_mb, ".0f") or "-"] if cuda else [])
     numbers = [
         _num(row.step_ms, ".2f"),
@@ -77,7 +100,7 @@ def table_cells(row: JobRow, cuda: bool = False) -> list[str]:
     ]
     if row.status != "ok":
         numbers = [f"({n})" if n not in ("", "-") else n for n in numbers]
-    layout = [format_layout(row.bucket_sizes), row.same_buckets_as]
+    layout = [layout_cell(row), row.same_buckets_as]
     return [row.job, row.status, row.overrides, row.sync, row.bucket_setting, *layout, *numbers]
 
 
@@ -121,7 +144,7 @@ def point_cells(point: Point) -> list[str]:
     return [
         point.label,
         ",".join(j.job for j in point.jobs),
-        format_layout(first.bucket_sizes) + same,
+        layout_cell(first) + same,
         _num(point.step_ms, ".2f"),
         "-" if spread is None else f"{spread[0]:.2f}-{spread[1]:.2f}",
         _num(point.samples_per_s, ".0f"),
@@ -153,6 +176,7 @@ def format_markdown(
     if points:
         lines += ["## Points", "", *_markdown_table(POINT_HEADERS, [point_cells(p) for p in points]), ""]
     lines += [*(f"- {note}" for note in notes), *([""] if notes else []), "## Jobs", "", *_markdown_table(names, cells)]
+    lines += [line for note in notes_under_table(rows) for line in ("", note)]
     return "\n".join([*lines, "", "## Legend", "", LEGEND, "", f"![{title}]({image})", ""])
 
 
