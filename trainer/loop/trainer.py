@@ -158,6 +158,7 @@ class Trainer:
             self.step,
             self.epoch,
             into_epoch,
+            self.total_steps,
             vocab=self.data.vocabulary(),
             grad_scaler=self._steps.scaler,
         )

@@ -15,7 +15,7 @@ import os
 import pickle
 import random
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -80,15 +80,22 @@ def fingerprint(config: dict[str, Any]) -> str:
 
 
 def config_differences(
-    saved: dict[str, Any], current: dict[str, Any], default_of: Callable[[str], Any] | None = None
+    saved: dict[str, Any],
+    current: dict[str, Any],
+    default_of: Callable[[str], Any] | None = None,
+    ignore: Sequence[str] = (),
 ) -> list[str]:
-    """Dotted keys whose training-relevant values differ, with both values.
+    """Dotted keys whose training-relevant values differ, with both values (`ignore`: keys checked elsewhere).
 
     A key the checkpoint does not have was added to the lab after it was written: the run it
     continues used that key's default behaviour, so the key differs only if its value now is not
     its default (`default_of(key)`; without it such a key always differs).
     """
-    return _differences(training_config(saved), training_config(current), "", default_of)
+    then, now = training_config(saved), training_config(current)
+    for key in ignore:
+        _strip(then, key)
+        _strip(now, key)
+    return _differences(then, now, "", default_of)
 
 
 def _differences(

@@ -21,6 +21,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from trainer.reliability import world_change
 from trainer.reliability.checkpoint import (
     CheckpointError,
     config_differences,
@@ -41,6 +42,8 @@ log = logging.getLogger(__name__)
 class FullState(Protocol):
     """How the model and optimizer state become one full, unsharded pair and back (a SyncStrategy)."""
 
+    one_model: bool  # False (sync=none): each rank's model is its own, not mappable to another N
+
     def state_dicts(self, model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any], dict[str, Any]]: ...
 
     def load_state_dicts(
@@ -59,6 +62,7 @@ class TrainState:
     step: int  # optimizer steps done
     epoch: int  # the epoch the next step belongs to
     batches_into_epoch: int  # micro-batches of that epoch already trained on
+    total_steps: int  # where this run ends (a resumed run may end later than the checkpoint's)
     vocab: dict[str, object] | None = None  # token data: what decodes ids (a sample needs no corpus)
     grad_scaler: torch.amp.GradScaler | None = None  # trainer.precision=fp16: its scale and growth count
 
@@ -167,27 +171,47 @@ def resume_if_any(ctx: DistContext, run_dir: Path, resume: str, state: TrainStat
 
 
 def restore(ctx: DistContext, path: Path, saved: dict[str, Any], state: TrainState, config: dict[str, Any]) -> None:
-    """Refuse a checkpoint from another world size or training config; otherwise load it all into state."""
-    if saved["world_size"] != ctx.world_size:
-        raise CheckpointError(
-            f"checkpoint {path} was written by {saved['world_size']} ranks, this job has "
-            f"{ctx.world_size}: the data shards and batches would differ; resume with "
-            "the same world size, or start fresh with trainer.resume=never"
-        )
+    """Refuse a checkpoint this job cannot continue exactly; otherwise load it all into state.
+
+    Another world size is mapped when the global batch is the checkpoint's, a longer run continues
+    (trainer/reliability/world_change.py); any other change of the training config is refused.
+    """
+    world_change.check_global_batch(path, saved, config, ctx.world_size)
+    world_change.check_world_change(path, saved, ctx.world_size, state.model, state.full_state.one_model)
+    mapped = (*world_change.BATCH_SHAPE, *world_change.LENGTH)
     if saved["fingerprint"] != fingerprint(config) and (
-        diffs := "; ".join(config_differences(saved["config"], config, option_defaults(CONF_DIR, config)))
+        diffs := "; ".join(config_differences(saved["config"], config, option_defaults(CONF_DIR, config), mapped))
     ):
         raise CheckpointError(
             f"checkpoint {path} was written with a different training config ({diffs}); "
             "resume with the same config, or start fresh with trainer.resume=never "
             "or another hydra.run.dir"
         )
+    if saved["step"] > state.total_steps:
+        raise CheckpointError(
+            f"checkpoint {path} is at step {saved['step']}, past this run's end at step {state.total_steps}: "
+            "raise trainer.max_steps (or num_epochs) to train on from it, or start fresh with trainer.resume=never"
+        )
     state.full_state.load_state_dicts(state.model, state.optimizer, saved["model"], saved["optimizer"])
-    state.scheduler.load_state_dict(saved["scheduler"])
+    horizons = [getattr(f, "total_steps", None) for f in getattr(state.scheduler, "lr_lambdas", [])]
+    state.scheduler.load_state_dict(saved["scheduler"])  # its multipliers' attributes: the saved run's horizon
+    longer = world_change.continue_schedule(state.scheduler, horizons, saved["step"], state.total_steps)
     if state.grad_scaler is not None and "grad_scaler" in saved:  # the same on every rank: it was rank 0's
         state.grad_scaler.load_state_dict(saved["grad_scaler"])
-    state.step, state.epoch, state.batches_into_epoch = saved["step"], saved["epoch"], saved["batches_into_epoch"]
-    set_rng_state(saved["rng"][ctx.rank], ctx.device)
+    state.step, state.epoch = saved["step"], saved["epoch"]
+    state.batches_into_epoch = world_change.batches_into_epoch(saved, config, ctx.world_size)
+    set_rng_state(world_change.rng_of(saved, ctx.rank), ctx.device)
+    if ctx.is_main_process:
+        if saved["world_size"] != ctx.world_size:
+            log.info(
+                "resuming at world size %d a checkpoint of %d ranks: the same global batch, the epoch's "
+                "position translated (%d micro-batches per rank into it)",
+                ctx.world_size,
+                saved["world_size"],
+                state.batches_into_epoch,
+            )
+        if longer:
+            log.info("%s", longer)
     log.info(
         "resumed from %s at step %d (epoch %d, %d micro-batches into it)",
         path,

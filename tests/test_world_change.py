@@ -1,0 +1,201 @@
+"""Resuming at another world size, and for longer (trainer/reliability/world_change.py), on real ranks.
+
+A checkpoint written by N ranks continues on M with the same global batch and trains what the
+uninterrupted run trains (to 1e-5: the reductions add in another order); a run continued past its
+end moves the schedule's horizon. Three spawns in one fixture: 1 rank, 2 ranks, 1 rank again.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from tests.cli import train_rows
+from tests.dist_helpers import run_on_ranks
+from tests.test_reliability import fit
+from tests.train_helpers import case_results
+from trainer.reliability.checkpoint import CheckpointError
+from trainer.reliability.world_change import check_world_change
+
+pytestmark = pytest.mark.slow
+
+# BASE: 512 samples, 2 ranks x 32 = 8 steps an epoch; checkpoints every 4, the run cut back to step 4.
+CUT = ["trainer.max_steps=12", "trainer.checkpoint_every_n_steps=4", "trainer.keep_checkpoints=5"]
+TWO, ONE = ["data.batch_size=32"], ["data.batch_size=64"]  # global batch 64 either way
+ONE_ACCUMULATING = ["data.batch_size=32", "trainer.grad_accum_steps=2"]
+
+
+def full(rank: int, world_size: int, overrides: list[str], run_dir: Path) -> dict[str, Any]:
+    """fit(), with a sharded strategy's parameters gathered whole (every rank), to compare across world sizes."""
+    result = fit(rank, world_size, overrides, str(run_dir))
+    if "model" in result:
+        result["model"] = {k: getattr(v, "full_tensor", lambda v=v: v)().clone() for k, v in result["model"].items()}
+    return result
+
+
+def cut_back_to_step_4(rank: int, run_dir: Path) -> None:
+    """As if the job had died after step 4's checkpoint (rank 0 edits; the others wait at the next fit)."""
+    if rank != 0:
+        return
+    ckpt = run_dir / "checkpoints"
+    for name in ("step-12.pt", "step-8.pt", "last.pt"):
+        (ckpt / name).unlink()
+    os.link(ckpt / "step-4.pt", ckpt / "last.pt")
+
+
+def first_run(rank: int, world_size: int, sync: str, root: Path, batch: list[str]) -> dict[str, Any]:
+    straight = full(rank, world_size, [sync, *batch, "trainer.max_steps=12"], root / "straight")
+    checkpointed = full(rank, world_size, [sync, *batch, *CUT], root / "resumed")
+    torch.distributed.barrier()
+    cut_back_to_step_4(rank, root / "resumed")
+    return {"straight": straight, "checkpointed": checkpointed}
+
+
+def guarded(cases: dict[str, Callable[[Path], Any]], root: Path) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for name, case in cases.items():
+        try:
+            results[name] = case(root / name)
+        except Exception:  # reported by that case's own test
+            results[name] = traceback.format_exc()
+    return results
+
+
+def on_one_rank(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    return guarded({"fsdp": lambda at: first_run(rank, world_size, "sync=fsdp", at, ONE)}, Path(root))
+
+
+def on_two_ranks(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    at = Path(root)
+    return guarded(
+        {
+            "ddp": lambda at: first_run(rank, world_size, "sync=ddp", at, TWO),
+            "zero": lambda at: first_run(rank, world_size, "sync=zero", at, TWO),
+            # fsdp's checkpoint from 1 rank, continued on 2
+            "fsdp-resumed": lambda _: full(rank, world_size, ["sync=fsdp", *TWO, *CUT], at / "fsdp" / "resumed"),
+            "longer": lambda run: longer(rank, world_size, run),
+            "refused": lambda _: full(rank, world_size, ["sync=ddp", *TWO, *CUT], at / "fsdp" / "resumed"),
+        },
+        at,
+    )
+
+
+def on_one_rank_again(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    at = Path(root)
+    # First the refusal, while ddp's checkpoint is still the 2-rank one; then each continues on 1 rank.
+    cases: dict[str, Callable[[Path], Any]] = {
+        "other-batch": lambda _: full(rank, world_size, ["sync=ddp", *TWO, *CUT], at / "ddp" / "resumed")
+    }
+    # zero keeps the global batch with 2 micro-batches of 32: the epoch's position is then 8 micro-batches, not 4
+    for sync, batch in (("ddp", ONE), ("zero", ONE_ACCUMULATING)):
+        cases[f"{sync}-resumed"] = lambda _, s=sync, b=batch: full(
+            rank, world_size, [f"sync={s}", *b, *CUT], at / s / "resumed"
+        )
+    return guarded(cases, at)
+
+
+def longer(rank: int, world_size: int, run: Path) -> dict[str, Any]:
+    """12 steps, then the same run continued to 20 (and 20 straight); a 20-step checkpoint with max_steps=8."""
+    first = full(rank, world_size, ["sync=ddp", *TWO, *CUT], run / "continued")
+    more = full(rank, world_size, ["sync=ddp", *TWO, *CUT[1:], "trainer.max_steps=20"], run / "continued")
+    fewer = full(rank, world_size, ["sync=ddp", *TWO, *CUT[1:], "trainer.max_steps=8"], run / "continued")
+    straight = full(rank, world_size, ["sync=ddp", *TWO, "trainer.max_steps=20"], run / "straight")
+    return {"first": first, "more": more, "fewer": fewer, "straight": straight}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list[dict[str, Any]]]]:
+    root = tmp_path_factory.mktemp("world_change")
+    runs = root / "runs"
+    one = run_on_ranks(on_one_rank, 1, root / "r1", str(runs), timeout_s=600)
+    two = run_on_ranks(on_two_ranks, 2, root / "r2", str(runs), timeout_s=600)
+    again = run_on_ranks(on_one_rank_again, 1, root / "r3", str(runs), timeout_s=600)
+    return runs, {"one": one, "two": two, "again": again}
+
+
+SIZES = {"one": 1, "two": 2, "again": 1}
+
+
+def global_rows(run_dir: Path, world_size: int) -> tuple[dict[int, float], dict[int, float]]:
+    """Each logged step's loss as the ranks' mean (equal batches: the global batch's mean), and its lr."""
+    ranks = [
+        {row["step"]: row for row in train_rows(run_dir / "metrics" / f"rank{r}.jsonl")} for r in range(world_size)
+    ]
+    steps = set.intersection(*(set(rows) for rows in ranks))  # a rank that joined on resume has only later rows
+    loss = {step: sum(rows[step]["train/loss"] for rows in ranks) / world_size for step in steps}
+    return loss, {step: ranks[0][step]["train/lr"] for step in steps}
+
+
+def close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize(
+    ("sync", "first", "then"), [("ddp", "two", "again"), ("zero", "two", "again"), ("fsdp", "one", "two")]
+)
+def test_a_checkpoint_continues_at_another_world_size_as_the_uninterrupted_run(
+    runs: tuple[Path, dict[str, list[dict[str, Any]]]], sync: str, first: str, then: str
+) -> None:
+    root, ranks = runs
+    (before, *_) = case_results(ranks[first], sync)
+    resumed = case_results(ranks[then], f"{sync}-resumed")
+    straight = before["straight"]
+    assert close(before["checkpointed"]["model"], straight["model"]) == 0.0  # checkpointing changes nothing
+    for rank_result in resumed:
+        assert "error" not in rank_result, rank_result["error"]
+        assert rank_result["step"] == 12
+        assert close(rank_result["model"], straight["model"]) <= 1e-5, sync
+    # Each step's loss (the ranks' mean: each logs its own batch's) continues the uninterrupted run's.
+    straight_loss, straight_lr = global_rows(root / sync / "straight", SIZES[first])
+    loss, lr = global_rows(root / sync / "resumed", SIZES[then])
+    assert set(range(6, 13, 2)) <= set(loss)
+    for step in range(6, 13, 2):  # the rows of the resumed world size (2 and 4 are the first run's, rank 0's own)
+        assert lr[step] == pytest.approx(straight_lr[step], rel=1e-12)
+        assert loss[step] == pytest.approx(straight_loss[step], abs=1e-5), step
+
+
+def test_another_global_batch_is_refused_naming_the_value_that_keeps_it(
+    runs: tuple[Path, dict[str, list[dict[str, Any]]]],
+) -> None:
+    _, ranks = runs
+    (one,) = case_results(ranks["again"], "other-batch")
+    assert "written by 2 ranks, this job has 1" in one["error"], one
+    assert "global batch 64" in one["error"] and "would become 32" in one["error"], one
+    assert "resume with data.batch_size=64 or trainer.grad_accum_steps=2 to keep it" in one["error"], one
+    # fsdp's 1-rank checkpoint (global batch 64) on 2 ranks × 32 under ddp: same batch, other strategy
+    two = case_results(ranks["two"], "refused")
+    assert all("different training config" in r["error"] and "sync._target_" in r["error"] for r in two), two
+
+
+def test_training_longer_moves_the_schedule_horizon_and_fewer_steps_are_refused(
+    runs: tuple[Path, dict[str, list[dict[str, Any]]]],
+) -> None:
+    root, ranks = runs
+    r0, _ = case_results(ranks["two"], "longer")
+    assert r0["first"]["step"] == 12 and r0["more"]["step"] == 20
+    rows = {r["step"]: r["train/lr"] for r in train_rows(root / "longer" / "continued" / "metrics" / "rank0.jsonl")}
+    first = {r["step"]: r["train/lr"] for r in train_rows(root / "ddp" / "straight" / "metrics" / "rank0.jsonl")}
+    twenty = {r["step"]: r["train/lr"] for r in train_rows(root / "longer" / "straight" / "metrics" / "rank0.jsonl")}
+    assert sorted(rows) == list(range(2, 21, 2))
+    # Up to the checkpoint: the 12-step cosine; after it, the 20-step run's lr at every step (the horizon moved).
+    assert all(rows[s] == first[s] for s in range(2, 13, 2)) and first[12] != twenty[12]
+    assert all(rows[s] == pytest.approx(twenty[s], rel=1e-12) for s in range(14, 21, 2))
+    assert "error" in r0["fewer"] and "is at step 20, past this run's end at step 8" in r0["fewer"]["error"]
+
+
+def test_what_cannot_be_mapped_to_another_world_size_is_refused(tmp_path: Path) -> None:
+    saved = {"world_size": 2}
+    with pytest.raises(CheckpointError, match="sync=none trains one model per rank"):
+        check_world_change(tmp_path / "c.pt", saved, 1, nn.Linear(2, 2), one_model=False)
+    with pytest.raises(CheckpointError, match=r"draws randomness \(Dropout with p > 0\)"):
+        check_world_change(tmp_path / "c.pt", saved, 1, nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1)), True)
+    check_world_change(tmp_path / "c.pt", saved, 1, nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.0)), True)
+    check_world_change(tmp_path / "c.pt", saved, 2, nn.Dropout(0.5), one_model=False)  # same world size: fine
