@@ -13,6 +13,7 @@ from tests.cli import CPU, jsonl, output, python_train, torchrun, train_rows
 from tests.compose import REPO, compose_config
 from trainer.logger.wandb_files import find_runs
 from trainer.setup.build import build_parts, instantiate
+from trainer.tools import export
 
 pytestmark = pytest.mark.slow
 
@@ -96,11 +97,22 @@ def test_torchrun_ddp_leaves_the_documented_files_and_wandb_runs(tmp_path: Path)
     cfg = compose_config(["sync=ddp"])
     expected = build_parts(cfg, instantiate(cfg.trainer)).model.state_dict().keys()
     assert state["model"].keys() == expected and state["step"] == 20
+    # The export tool writes that model as one plain file, the same tensors.
+    assert export.main([str(run_dir), "--out", str(tmp_path / "model.pt")]) == 0
+    exported = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert list(exported) == ["model"] and all(torch.equal(exported["model"][k], state["model"][k]) for k in expected)
 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 20 and summary["backend"] == "gloo"
     assert summary["sync"]["strategy"] == "ddp" and summary["sync"]["bucket_cap_mb"] == 5.0
     assert summary["sync"]["num_buckets"] >= 1 and [r["rank"] for r in summary["ranks"]] == [0, 1]
+    # The final checkpoint's cost: its own row at step 20 on every rank, and in each rank's record.
+    for rank, record in enumerate(summary["ranks"]):
+        (saved,) = [r for r in jsonl(run_dir / "metrics" / f"rank{rank}.jsonl") if "checkpoint/blocked_s" in r]
+        last_row = train_rows(run_dir / "metrics" / f"rank{rank}.jsonl")[-1]
+        assert saved["step"] == 20 and saved["checkpoint/peak_rss_mb"] >= 0.9 * last_row["memory/rss_mb"]
+        assert record["checkpoints_written"] == 1
+        assert record["max_checkpoint/blocked_s"] == saved["checkpoint/blocked_s"] > 0
 
     # Both ranks' W&B runs, read back from the .wandb files themselves.
     runs = {run.name: run for run in find_runs(run_dir)}

@@ -17,7 +17,7 @@ from tests.cli import CPU, TORCHRUN, TRAIN, env, jsonl, output, torchrun
 from tests.report_helpers import eval_row, run_cli, train_row, write_job
 from tests.test_reliability import BASE
 from trainer.logger.base import ResumableLogger, resumed_at
-from trainer.logger.jsonl import JsonlLogger, truncate_after
+from trainer.logger.jsonl import JsonlLogger, row_kind, truncate_after
 from trainer.logger.none import NullLogger
 from trainer.tools.report import load_job
 
@@ -33,7 +33,7 @@ def write(path: Path, rows: list[dict[str, Any]], tail: str = "") -> Path:
 
 
 def steps_and_kinds(path: Path) -> list[tuple[int, str]]:
-    return [(r["step"], "eval" if "eval/loss" in r else "train") for r in jsonl(path)]
+    return [(r["step"], row_kind(r)) for r in jsonl(path)]
 
 
 def test_resume_drops_the_rows_after_the_checkpoint_and_appends_after_the_kept_ones(tmp_path: Path) -> None:
@@ -151,6 +151,7 @@ def test_crash_restart_and_rerun_leave_each_step_once_in_every_ranks_jsonl(tmp_p
     assert again.returncode == 0, output(again)
     assert "at step 12" in output(again)
     expected = [(s, "train") for s in range(2, 13, 2)] + [(4, "eval"), (8, "eval"), (12, "eval")]
+    expected += [(4, "checkpoint"), (8, "checkpoint"), (12, "checkpoint")]  # each save's own row, once too
     for rank in (0, 1):
         found = steps_and_kinds(run_dir / "metrics" / f"rank{rank}.jsonl")
         assert Counter(found) == Counter(expected), (rank, found)

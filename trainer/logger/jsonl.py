@@ -5,7 +5,7 @@ and it survives a killed process because each row is flushed as it is written.
 
 A resumed run (elastic restart, trainer.resume=auto) appends to the same file, so on resume the
 rows of the interrupted attempt after the checkpoint's step are dropped first: the resumed run logs
-those steps again, with the same values, and the file holds each step's train row and eval row once.
+those steps again, with the same values, and the file holds each step's train, eval and checkpoint row once.
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ from typing import Any
 
 
 def row_kind(row: dict[str, Any]) -> str:
-    """A step has at most one row of each kind: its training row and its evaluation row."""
-    return "eval" if "eval/loss" in row else "train"
+    """A step has at most one row of each kind: its training row, its evaluation row, its checkpoint's row."""
+    if "eval/loss" in row:
+        return "eval"
+    return "checkpoint" if "checkpoint/blocked_s" in row else "train"
 
 
 def rows_up_to(lines: Iterable[str], step: int) -> tuple[list[str], set[str]]:

@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import psutil
-import torch
 
 from trainer.logger.base import MetricLogger
 from trainer.loop.comm_metrics import comm_metrics
@@ -21,6 +20,7 @@ from trainer.loop.metrics import Window, optimizer_state_mb
 from trainer.loop.step import StepRunner
 from trainer.loop.summary import rank_timing
 from trainer.loop.timing import StepTimer
+from trainer.reliability.save_cost import cuda_peak_mb
 from trainer.setup.dist import DistContext, hostname
 from trainer.sync.base import SyncStrategy
 
@@ -63,6 +63,7 @@ class TrainRows:
         self._tokens = 0  # the same windows' tokens (token data: the whole-run tokens/s and MFU)
         self._seconds = 0.0
         self._process = psutil.Process()
+        self._saves: list[dict[str, float]] = []  # each checkpoint's cost to this rank
 
     def log(
         self, step: int, epoch: int, window: Window, totals: tuple[float, int, int], timer: StepTimer, steps: StepRunner
@@ -110,12 +111,27 @@ class TrainRows:
             # Once per job, after the first logged step: DDP has rebuilt its buckets by then.
             log.info("%s", sync_lines(self.sync.describe()))
         if self.ctx.device.type == "cuda":
-            row["memory/cuda_max_allocated_mb"] = torch.cuda.max_memory_allocated(self.ctx.device) / 2**20
+            row["memory/cuda_max_allocated_mb"] = cuda_peak_mb(self.ctx.device)
         for logger in self.loggers:
             logger.log(row)
         self.rows.append(row)
         window.reset()
         return loss
+
+    def log_checkpoint(self, step: int, epoch: int, cost: dict[str, float]) -> None:
+        """A checkpoint's own row at its step (its blocking time, this rank's peak memory while saving)."""
+        for logger in self.loggers:
+            logger.log({"step": step, "epoch": epoch, **cost})
+        self._saves.append(cost)
+
+    def _save_costs(self) -> dict[str, float]:
+        """For summary.json: the checkpoints written, the longest wait for one, the highest peak during one."""
+        if not self._saves:
+            return {}
+        keys = set().union(*self._saves)
+        return {"checkpoints_written": len(self._saves)} | {
+            f"max_{key}": max(cost[key] for cost in self._saves if key in cost) for key in sorted(keys)
+        }
 
     def rank_record(self) -> dict[str, Any]:
         """What this rank contributes to summary.json: its last row's results and its timing medians."""
@@ -134,5 +150,6 @@ class TrainRows:
             ),
             "samples": self._samples,  # trained on by this rank: summed over ranks, epochs × the train set
             "outputs": [logger.location for logger in self.loggers if logger.location],
+            **self._save_costs(),
             **rank_timing(self.rows),
         }

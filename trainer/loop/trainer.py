@@ -51,6 +51,7 @@ from trainer.loop.timing import StepTimer
 from trainer.reliability import resume
 from trainer.reliability.exits import StepBoundary, Terminated
 from trainer.reliability.guards import NonFiniteCheck, check_replicas
+from trainer.reliability.save_cost import SaveCost
 from trainer.setup.dist import DistContext
 from trainer.setup.settings import TrainSettings
 from trainer.sync.base import SyncStrategy
@@ -291,8 +292,12 @@ class Trainer:
         self._write_checkpoint()
 
     def _write_checkpoint(self) -> None:
-        resume.save(self.ctx, self.run_dir / "checkpoints", self.settings.keep_checkpoints, self._state(), self.config)
+        with SaveCost(self.ctx.device) as cost:  # the step's wait for the save, and this rank's peak memory in it
+            resume.save(
+                self.ctx, self.run_dir / "checkpoints", self.settings.keep_checkpoints, self._state(), self.config
+            )
         self._checkpoint_step = self.step
+        self._rows.log_checkpoint(self.step, epoch_of(self.step, self.steps_per_epoch), cost.metrics())
 
     def _one_more_step(self) -> bool:
         """For a SIGTERM that found the ranks a step apart: one more step, unless training is over."""
@@ -314,6 +319,7 @@ class Trainer:
         return metrics
 
     def _finish(self, final_eval: dict[str, float], wall_s: float) -> dict[str, Any]:
+        self.save_checkpoint()  # before the summary, which reports what the saves cost each rank
         mine = self._rows.rank_record()
         facts = {"sync": self.sync.describe(), "model": parameter_layout(self.model), "steps": self.step}
         facts["epochs"] = self.step / self.steps_per_epoch
@@ -324,7 +330,6 @@ class Trainer:
         summary = gather_summary(mine, self.ctx, str(self.run_dir), facts)
         for logger in self.loggers:
             logger.log_summary(summary | {"rank": mine})  # W&B: rank 0's run makes "ranks" a table
-        self.save_checkpoint()
         if self.ctx.is_main_process:
             write_json(self.run_dir / "summary.json", summary)
         dist.barrier()  # nobody reads rank 0's files (or tears down) before they are complete

@@ -1,0 +1,71 @@
+"""What a checkpoint costs each rank: how long the step was blocked, and the peak memory while saving.
+
+A full checkpoint gathers the whole model and optimizer state (zero and fsdp undo their 1/N
+saving for its duration), so its peak is the number to watch as models grow. RSS is sampled by a
+thread every SAMPLE_S while the save runs (a peak shorter than that can be missed; a save that
+matters lasts far longer); on CUDA the allocator's peak is reset at the start of the save and read
+at its end, and the peak it held before is carried, so `memory/cuda_max_allocated_mb` in the rows
+stays the peak since the start of the run.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import TracebackType
+
+import psutil
+import torch
+
+SAMPLE_S = 0.002
+_cuda_peak_before: dict[int, int] = {}  # device index -> the allocator's peak before its last reset
+
+
+def cuda_peak_mb(device: torch.device) -> float:
+    """The CUDA allocator's peak since the start of the run, in MiB, across the resets of saves."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return max(torch.cuda.max_memory_allocated(device), _cuda_peak_before.get(index, 0)) / 2**20
+
+
+class SaveCost:
+    """`with SaveCost(device) as cost:` around a save; then cost.metrics() for its row."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._process = psutil.Process()
+        self._stop = threading.Event()
+        self._peak_rss = 0
+        self._seconds = 0.0
+        self._cuda_peak: int | None = None
+
+    def _sample(self) -> None:
+        while not self._stop.wait(SAMPLE_S):
+            self._peak_rss = max(self._peak_rss, self._process.memory_info().rss)
+
+    def __enter__(self) -> SaveCost:
+        self._peak_rss = self._process.memory_info().rss
+        if self._device.type == "cuda":
+            index = self._device.index if self._device.index is not None else torch.cuda.current_device()
+            _cuda_peak_before[index] = max(
+                _cuda_peak_before.get(index, 0), torch.cuda.max_memory_allocated(self._device)
+            )
+            torch.cuda.reset_peak_memory_stats(self._device)
+        self._thread = threading.Thread(target=self._sample, name="ddplab-save-rss", daemon=True)
+        self._thread.start()
+        self._started = time.perf_counter()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        self._seconds = time.perf_counter() - self._started
+        self._stop.set()
+        self._thread.join()
+        self._peak_rss = max(self._peak_rss, self._process.memory_info().rss)
+        if self._device.type == "cuda":
+            self._cuda_peak = torch.cuda.max_memory_allocated(self._device)
+
+    def metrics(self) -> dict[str, float]:
+        """The save's row: the time the step waited for it, this rank's peak RSS (and CUDA) during it."""
+        row = {"checkpoint/blocked_s": self._seconds, "checkpoint/peak_rss_mb": self._peak_rss / 2**20}
+        if self._cuda_peak is not None:
+            row["checkpoint/peak_cuda_mb"] = self._cuda_peak / 2**20
+        return row

@@ -1,0 +1,86 @@
+"""Export a run's trained model as one plain file: `{"model": state_dict}`.
+
+    python -m trainer.tools.export outputs/<run name> --out model.pt              # its last checkpoint
+    python -m trainer.tools.export outputs/<run name> --step 200 --out model.pt   # checkpoints/step-200.pt
+    python -m trainer.tools.export multirun/<run name> --out exported/            # a sweep: exported/<job>.pt
+
+The file holds the unwrapped model's state_dict (the keys of the model as models/ builds it, no
+optimizer, schedule or RNG) and loads with torch.load(path, weights_only=True). The checkpoint is
+read with weights_only=True too, so nothing in it runs. The file is written to a temporary name
+and renamed: an export that fails half-way leaves no partial file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from trainer.reliability.checkpoint import CheckpointError, load_checkpoint
+from trainer.tools.jobs import job_dirs
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m trainer.tools.export", description=__doc__.splitlines()[0])
+    parser.add_argument("path", type=Path, help="a run dir (holding checkpoints/) or a sweep dir (its jobs' run dirs)")
+    parser.add_argument("--step", type=int, default=None, help="export checkpoints/step-<N>.pt (default: last.pt)")
+    parser.add_argument("--out", type=Path, required=True, help="the file to write (a directory for a sweep dir)")
+    return parser.parse_args(argv)
+
+
+def checkpoint_of(run_dir: Path, step: int | None) -> Path:
+    directory = run_dir / "checkpoints"
+    path = directory / ("last.pt" if step is None else f"step-{step}.pt")
+    if not path.is_file():
+        kept = sorted(p.name for p in directory.glob("step-*.pt")) if directory.is_dir() else []
+        raise CheckpointError(f"{path} does not exist (checkpoints kept there: {', '.join(kept) or 'none'})")
+    return path
+
+
+def export(checkpoint: Path, out: Path) -> int:
+    """Write checkpoint's model state to out; returns the number of tensors written."""
+    model = load_checkpoint(checkpoint)["model"]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    torch.save({"model": model}, tmp)
+    os.replace(tmp, out)
+    return len(model)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not args.path.exists():
+        print(f"error: {args.path} does not exist", file=sys.stderr)
+        return 2
+    runs = job_dirs(args.path, "checkpoints")
+    if not runs:
+        print(
+            f"error: no checkpoints/ under {args.path} or its jobs: train with it as hydra.run.dir first",
+            file=sys.stderr,
+        )
+        return 1
+    sweep = runs != [args.path]
+    if sweep and args.out.suffix:
+        print(
+            f"error: {args.path} is a sweep dir of {len(runs)} jobs: give --out a directory, not {args.out}",
+            file=sys.stderr,
+        )
+        return 2
+    for run in runs:
+        out = args.out / f"{run.name}.pt" if sweep else args.out
+        try:
+            checkpoint = checkpoint_of(run, args.step)
+            tensors = export(checkpoint, out)
+        except CheckpointError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 1
+        print(f"exported {checkpoint} -> {out} ({tensors} tensors; torch.load(..., weights_only=True)['model'])")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
