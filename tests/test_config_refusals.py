@@ -145,6 +145,7 @@ TABLE: list[Row] = [
     Row("trainer=default", "trainer.max_grad_norm=0", "low", "trainer.max_grad_norm=0"),
     Row("trainer=default", "trainer.device=mps", "choice", "trainer.device='mps'"),
     Row("trainer=default", "trainer.precision=fp8", "choice", "trainer.precision='fp8'"),
+    Row("trainer=default", "trainer.checkpoint_format=dcp", "choice", "trainer.checkpoint_format='dcp'"),
     Row("trainer=default", "trainer.collective_timeout_s=0", "low", "trainer.collective_timeout_s=0.0"),
     Row("trainer=default", "trainer.checkpoint_every_n_steps=-1", "low", "trainer.checkpoint_every_n_steps=-1"),
     Row("trainer=default", "trainer.keep_checkpoints=0", "low", "trainer.keep_checkpoints=0"),

@@ -245,6 +245,10 @@ MORE = {
         ["'sync.comm_hook' is not a config key", "bucket_cap_mb"],  # bucketed has no comm_hook
     ),
     "both-lengths-null": (["trainer.max_steps=null", "trainer.num_epochs=null"], ["both null"]),
+    "async-save-of-a-full-checkpoint": (
+        ["trainer.checkpoint_async=true"],
+        ["trainer.checkpoint_async=True is invalid", "needs trainer.checkpoint_format=sharded", "format=full"],
+    ),
     "ddp-hook-and-bucket-timing": (
         ["sync.comm_hook=fp16", "sync.time_buckets=true"],  # the constructor's own rule, run before any file
         ["sync.comm_hook='fp16' is invalid", "time_buckets"],

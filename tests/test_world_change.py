@@ -8,6 +8,7 @@ end moves the schedule's horizon. Three spawns in one fixture: 1 rank, 2 ranks, 
 from __future__ import annotations
 
 import os
+import shutil
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -15,14 +16,19 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from tests.cli import train_rows
+from tests.cli import jsonl, train_rows
 from tests.dist_helpers import run_on_ranks
 from tests.test_reliability import fit
 from tests.train_helpers import case_results
+from trainer.reliability import sharded
 from trainer.reliability.checkpoint import CheckpointError
+from trainer.reliability.resume import find_checkpoint
 from trainer.reliability.world_change import check_world_change
+from trainer.sync import zero_checkpoint
+from trainer.tools import export
 
 pytestmark = pytest.mark.slow
 
@@ -41,20 +47,34 @@ def full(rank: int, world_size: int, overrides: list[str], run_dir: Path) -> dic
 
 
 def cut_back_to_step_4(rank: int, run_dir: Path) -> None:
-    """As if the job had died after step 4's checkpoint (rank 0 edits; the others wait at the next fit)."""
+    """As if the job had died after step 4's checkpoint (rank 0 edits; the others wait at the next fit).
+
+    Either format: the step files and last.pt, or the step dirs and `last`."""
     if rank != 0:
         return
     ckpt = run_dir / "checkpoints"
-    for name in ("step-12.pt", "step-8.pt", "last.pt"):
-        (ckpt / name).unlink()
-    os.link(ckpt / "step-4.pt", ckpt / "last.pt")
+    if (ckpt / "step-4.pt").exists():
+        for name in ("step-12.pt", "step-8.pt", "last.pt"):
+            (ckpt / name).unlink()
+        os.link(ckpt / "step-4.pt", ckpt / "last.pt")
+        return
+    for name in ("step-12", "step-8"):
+        shutil.rmtree(ckpt / name)
+    (ckpt / "last").unlink()
+    os.symlink("step-4", ckpt / "last")
 
 
-def first_run(rank: int, world_size: int, sync: str, root: Path, batch: list[str]) -> dict[str, Any]:
-    straight = full(rank, world_size, [sync, *batch, "trainer.max_steps=12"], root / "straight")
-    checkpointed = full(rank, world_size, [sync, *batch, *CUT], root / "resumed")
+def first_run(
+    rank: int, world_size: int, sync: str, root: Path, batch: list[str], extra: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """12 steps straight; 12 with checkpoints, cut back to step 4 (a copy of it in resumed-here/ too)."""
+    straight = full(rank, world_size, [sync, *batch, *extra, "trainer.max_steps=12"], root / "straight")
+    checkpointed = full(rank, world_size, [sync, *batch, *extra, *CUT], root / "resumed")
     torch.distributed.barrier()
     cut_back_to_step_4(rank, root / "resumed")
+    if rank == 0:
+        shutil.copytree(root / "resumed", root / "resumed-here", symlinks=True)
+    torch.distributed.barrier()
     return {"straight": straight, "checkpointed": checkpointed}
 
 
@@ -68,8 +88,32 @@ def guarded(cases: dict[str, Callable[[Path], Any]], root: Path) -> dict[str, An
     return results
 
 
+SHARDED = ("trainer.checkpoint_format=sharded",)
+
+
+def staged_copies_stay(rank: int) -> dict[str, bool]:
+    """What async_save writes is the copy made in the step: training's later updates do not reach it."""
+    plain, chunk = torch.arange(6.0), torch.arange(4.0)
+    parts = {"plain": plain, "zero": zero_checkpoint._sharded(chunk, (0, 4, 0), [(0, 4, 0)], 4, rank)}
+    staged = sharded.CpuCopy().stage(parts)
+    plain.add_(100)
+    chunk.add_(100)  # the ShardedTensor's local shard is a view of it, as zero's is of its shard
+    return {
+        "plain": torch.equal(staged["plain"], torch.arange(6.0)),
+        "zero": torch.equal(staged["zero"].local_tensor(), torch.arange(4.0)),
+        "shares_before": torch.equal(parts["zero"].local_tensor(), chunk),
+    }
+
+
 def on_one_rank(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    return guarded({"fsdp": lambda at: first_run(rank, world_size, "sync=fsdp", at, ONE)}, Path(root))
+    return guarded(
+        {
+            "fsdp": lambda at: first_run(rank, world_size, "sync=fsdp", at, ONE),
+            "fsdp-sharded": lambda at: first_run(rank, world_size, "sync=fsdp", at, ONE, SHARDED),
+            "staging": lambda _: staged_copies_stay(rank),
+        },
+        Path(root),
+    )
 
 
 def on_two_ranks(rank: int, world_size: int, root: str) -> dict[str, Any]:
@@ -82,6 +126,23 @@ def on_two_ranks(rank: int, world_size: int, root: str) -> dict[str, Any]:
             "fsdp-resumed": lambda _: full(rank, world_size, ["sync=fsdp", *TWO, *CUT], at / "fsdp" / "resumed"),
             "longer": lambda run: longer(rank, world_size, run),
             "refused": lambda _: full(rank, world_size, ["sync=ddp", *TWO, *CUT], at / "fsdp" / "resumed"),
+            **{
+                f"{sync}-sharded": lambda at, s=sync: first_run(rank, world_size, f"sync={s}", at, TWO, SHARDED)
+                for sync in ("ddp", "zero")
+            },
+            **{  # the sharded checkpoint at its own world size: bit-identical
+                f"{sync}-sharded-here": lambda _, s=sync: full(
+                    rank, world_size, [f"sync={s}", *TWO, *CUT, *SHARDED], at / f"{s}-sharded" / "resumed-here"
+                )
+                for sync in ("ddp", "zero")
+            },
+            # the same run as zero-sharded-here's, its saves written in the background
+            "zero-async": lambda run: full(
+                rank, world_size, ["sync=zero", *TWO, *CUT, *SHARDED, "trainer.checkpoint_async=true"], run
+            ),
+            "fsdp-sharded-resumed": lambda _: full(
+                rank, world_size, ["sync=fsdp", *TWO, *CUT, *SHARDED], at / "fsdp-sharded" / "resumed"
+            ),
         },
         at,
     )
@@ -97,6 +158,9 @@ def on_one_rank_again(rank: int, world_size: int, root: str) -> dict[str, Any]:
     for sync, batch in (("ddp", ONE), ("zero", ONE_ACCUMULATING)):
         cases[f"{sync}-resumed"] = lambda _, s=sync, b=batch: full(
             rank, world_size, [f"sync={s}", *b, *CUT], at / s / "resumed"
+        )
+        cases[f"{sync}-sharded-resumed"] = lambda _, s=sync, b=batch: full(
+            rank, world_size, [f"sync={s}", *b, *CUT, *SHARDED], at / f"{s}-sharded" / "resumed"
         )
     return guarded(cases, at)
 
@@ -139,7 +203,15 @@ def close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 @pytest.mark.parametrize(
-    ("sync", "first", "then"), [("ddp", "two", "again"), ("zero", "two", "again"), ("fsdp", "one", "two")]
+    ("sync", "first", "then"),
+    [
+        ("ddp", "two", "again"),
+        ("zero", "two", "again"),
+        ("fsdp", "one", "two"),
+        ("ddp-sharded", "two", "again"),
+        ("zero-sharded", "two", "again"),
+        ("fsdp-sharded", "one", "two"),
+    ],
 )
 def test_a_checkpoint_continues_at_another_world_size_as_the_uninterrupted_run(
     runs: tuple[Path, dict[str, list[dict[str, Any]]]], sync: str, first: str, then: str
@@ -199,3 +271,94 @@ def test_what_cannot_be_mapped_to_another_world_size_is_refused(tmp_path: Path) 
         check_world_change(tmp_path / "c.pt", saved, 1, nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1)), True)
     check_world_change(tmp_path / "c.pt", saved, 1, nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.0)), True)
     check_world_change(tmp_path / "c.pt", saved, 2, nn.Dropout(0.5), one_model=False)  # same world size: fine
+
+
+@pytest.mark.parametrize("sync", ["ddp-sharded", "zero-sharded"])
+def test_a_sharded_checkpoint_resumes_bit_identical_at_its_own_world_size(
+    runs: tuple[Path, dict[str, list[dict[str, Any]]]], sync: str
+) -> None:
+    _, ranks = runs
+    r0, _ = case_results(ranks["two"], sync)
+    for resumed in case_results(ranks["two"], f"{sync}-here"):
+        assert "error" not in resumed, resumed["error"]
+        assert resumed["step"] == 12 and close(resumed["model"], r0["straight"]["model"]) == 0.0
+
+
+@pytest.mark.parametrize("sync", ["ddp", "zero", "fsdp"])
+def test_a_sharded_checkpoint_is_one_part_per_rank_and_exports_the_model(
+    runs: tuple[Path, dict[str, list[dict[str, Any]]]], sync: str, tmp_path: Path
+) -> None:
+    root, ranks = runs
+    step = root / f"{sync}-sharded" / "resumed" / "checkpoints" / "step-12"  # written by the resumed run
+    sizes = sorted(p.stat().st_size for p in step.glob("__*_0.distcp"))
+    world = 1 if sync in ("ddp", "zero") else 2  # who wrote step 12: the resumed run
+    assert len(sizes) == world and (step / "meta.pt").is_file() and (step / ".metadata").is_file()
+    first = root / f"{sync}-sharded" / "straight"
+    del first
+    # The first run's step-4 parts, by the run's own world size: 2 ranks each wrote a real share.
+    four = root / f"{sync}-sharded" / "resumed" / "checkpoints" / "step-4"
+    parts = sorted(p.stat().st_size for p in four.glob("__*_0.distcp"))
+    assert len(parts) == (1 if sync == "fsdp" else 2)
+    if len(parts) == 2:
+        assert parts[0] > 0.25 * sum(parts), parts  # no rank wrote (nearly) everything
+    assert export.main([str(step.parent.parent), "--step", "12", "--out", str(tmp_path / "m.pt")]) == 0
+    exported = torch.load(tmp_path / "m.pt", weights_only=True)["model"]
+    (resumed, *_) = case_results(ranks["again" if world == 1 else "two"], f"{sync}-sharded-resumed")
+    assert close(exported, resumed["model"]) == 0.0
+
+
+def test_a_save_that_died_half_way_leaves_the_previous_checkpoint_the_one_resume_finds(
+    runs: tuple[Path, dict[str, list[dict[str, Any]]]], tmp_path: Path
+) -> None:
+    root, _ = runs
+    run = tmp_path / "run"
+    shutil.copytree(root / "ddp-sharded" / "straight", run, symlinks=True)  # its final checkpoint: step-12/
+    ckpt = run / "checkpoints"
+    shutil.copytree(ckpt / "step-12", ckpt / ".step-16.partial")  # a save in progress: never a candidate
+    shutil.copytree(ckpt / "step-12", ckpt / "step-14")
+    (ckpt / "step-14" / "meta.pt").unlink()  # as if rank 0 died before meta.pt: incomplete
+    found = find_checkpoint(run, "auto")
+    assert found is not None and found[0] == ckpt / "step-12" and found[1]["step"] == 12
+
+
+def test_sharded_checkpoints_rotate_and_last_points_at_the_newest(tmp_path: Path) -> None:
+    ckpt = tmp_path / "checkpoints"
+    for step in (2, 4, 6):
+        partial = ckpt / f".step-{step}.partial"
+        partial.mkdir(parents=True)
+        (partial / ".metadata").write_bytes(b"x")
+        (partial / "meta.pt").write_bytes(b"x")
+        sharded._publish(partial, ckpt / f"step-{step}", ckpt, keep=2)
+    assert [p.name for p in sharded.step_dirs(ckpt)] == ["step-6", "step-4"]
+    assert os.readlink(ckpt / "last") == "step-6" and not list(ckpt.glob(".*"))
+
+
+def everything(step_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a sharded checkpoint, whole, read in this one process."""
+    template = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in sharded.saved_tensors(step_dir).items()}
+    with sharded.quiet_sharded_tensor():
+        dcp.load(template, checkpoint_id=str(step_dir), no_dist=True)
+    return template
+
+
+def test_an_async_save_equals_the_blocking_one_bit_for_bit(runs: tuple[Path, dict[str, list[dict[str, Any]]]]) -> None:
+    root, ranks = runs
+    r0, _ = case_results(ranks["two"], "zero-async")
+    assert (
+        r0["step"] == 12 and close(r0["model"], case_results(ranks["two"], "zero-sharded")[0]["straight"]["model"]) == 0
+    )
+    blocking = root / "zero-sharded" / "resumed-here" / "checkpoints"
+    written = root / "zero-async" / "checkpoints"
+    assert os.readlink(written / "last") == "step-12" and not list(written.glob(".*"))  # the last save waited for
+    for step in (4, 8, 12):  # every save published, each the same bytes of state as the blocking save's
+        mine, theirs = everything(written / f"step-{step}"), everything(blocking / f"step-{step}")
+        assert mine.keys() == theirs.keys() and any(k.endswith("/momentum_buffer") for k in mine)
+        assert all(torch.equal(mine[k], theirs[k]) for k in mine), step
+    saves = [r for r in jsonl(root / "zero-async" / "metrics" / "rank0.jsonl") if "checkpoint/blocked_s" in r]
+    assert [r["step"] for r in saves] == [4, 8, 12]
+
+
+def test_the_async_stager_copies_what_training_changes_next(runs: tuple[Path, dict[str, list[dict[str, Any]]]]) -> None:
+    _, ranks = runs
+    (copies,) = case_results(ranks["one"], "staging")
+    assert copies == {"plain": True, "zero": True, "shares_before": True}

@@ -14,6 +14,7 @@ Trainer(...) resumes from a checkpoint when trainer.resume finds one; then fit()
 
 from __future__ import annotations
 
+import datetime as dt
 import itertools
 import logging
 import time
@@ -52,6 +53,7 @@ from trainer.reliability import resume
 from trainer.reliability.exits import StepBoundary, Terminated
 from trainer.reliability.guards import NonFiniteCheck, check_replicas
 from trainer.reliability.save_cost import SaveCost
+from trainer.reliability.sharded import InFlight, checkpoint_group
 from trainer.setup.dist import DistContext
 from trainer.setup.settings import TrainSettings
 from trainer.sync.base import SyncStrategy
@@ -139,6 +141,9 @@ class Trainer:
             window=self._window,
         )
         self._checkpoint_step: int | None = None  # the newest checkpoint this run can resume from
+        # checkpoint_async: the save in flight, its collectives on a gloo group of their own (every rank makes it)
+        timeout = dt.timedelta(seconds=settings.collective_timeout_s)
+        self._saves = InFlight(checkpoint_group(timeout)) if settings.checkpoint_async else None
         state = self._state()  # trainer.resume: the state of a checkpoint, if there is one
         if resume.resume_if_any(ctx, run_dir, settings.resume, state, config):
             self.step, self.epoch = state.step, state.epoch
@@ -215,6 +220,7 @@ class Trainer:
             saved = self.settings.checkpoint_on_sigterm and resume.stop_together(
                 self.ctx, lambda: self.step, self._write_checkpoint, self._one_more_step
             )
+            self.wait_for_saves()  # a save in flight is finished before the job goes
             self._say_stopped(stop, saved)
             raise
 
@@ -259,6 +265,8 @@ class Trainer:
     def _after_step(self, bar: tqdm | None) -> None:
         """What happens between steps: every periodic event, each on every rank at the same step."""
         s = self.settings
+        if self._saves is not None:
+            self._saves.poll()  # rank 0 publishes a save that has finished writing (no collective)
         if is_due(self.step, s.log_every_n_steps, self.total_steps):
             totals = self._window.totals()  # the one host sync of a logged step
             self._check_finite(totals[2])
@@ -277,6 +285,11 @@ class Trainer:
             self.save_checkpoint()
             self._window.started = time.perf_counter()  # nor is writing checkpoints
 
+    def wait_for_saves(self) -> None:
+        """trainer.checkpoint_async: until the save in flight is written and published."""
+        if self._saves is not None:
+            self._saves.wait()
+
     def _check_finite(self, first_bad_step: int | None = None) -> None:
         """on_nonfinite=raise: stop every rank if any saw a non-finite loss (at a row: the answer
         of the row before; before a checkpoint: everything so far, waited for)."""
@@ -294,7 +307,13 @@ class Trainer:
     def _write_checkpoint(self) -> None:
         with SaveCost(self.ctx.device) as cost:  # the step's wait for the save, and this rank's peak memory in it
             resume.save(
-                self.ctx, self.run_dir / "checkpoints", self.settings.keep_checkpoints, self._state(), self.config
+                self.ctx,
+                self.run_dir / "checkpoints",
+                self.settings.keep_checkpoints,
+                self._state(),
+                self.config,
+                self.settings.checkpoint_format,
+                self._saves,
             )
         self._checkpoint_step = self.step
         self._rows.log_checkpoint(self.step, epoch_of(self.step, self.steps_per_epoch), cost.metrics())
@@ -320,6 +339,7 @@ class Trainer:
 
     def _finish(self, final_eval: dict[str, float], wall_s: float) -> dict[str, Any]:
         self.save_checkpoint()  # before the summary, which reports what the saves cost each rank
+        self.wait_for_saves()  # the end of training waits for the last save
         mine = self._rows.rank_record()
         facts = {"sync": self.sync.describe(), "model": parameter_layout(self.model), "steps": self.step}
         facts["epochs"] = self.step / self.steps_per_epoch

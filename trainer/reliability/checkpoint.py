@@ -45,6 +45,8 @@ NOT_TRAINING = (
     "trainer.resume",
     "trainer.checkpoint_every_n_steps",
     "trainer.keep_checkpoints",
+    "trainer.checkpoint_format",  # how the state is written, not what it is: either format resumes the other
+    "trainer.checkpoint_async",
     "trainer.checkpoint_on_sigterm",
     "trainer.check_replicas_every_n_steps",
     "trainer.device",

@@ -21,7 +21,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from trainer.reliability import world_change
+from trainer.reliability import sharded, world_change
 from trainer.reliability.checkpoint import (
     CheckpointError,
     config_differences,
@@ -35,6 +35,7 @@ from trainer.reliability.checkpoint import (
 )
 from trainer.setup.config import CONF_DIR
 from trainer.setup.dist import DistContext
+from trainer.sync import zero_checkpoint  # noqa: F401  (registers zero's parts of a sharded checkpoint)
 
 log = logging.getLogger(__name__)
 
@@ -67,28 +68,44 @@ class TrainState:
     grad_scaler: torch.amp.GradScaler | None = None  # trainer.precision=fp16: its scale and growth count
 
 
-def save(ctx: DistContext, directory: Path, keep: int, state: TrainState, config: dict[str, Any]) -> None:
-    """Every rank: contribute its RNG state; rank 0 writes; all wait until the files are complete."""
+def save(
+    ctx: DistContext,
+    directory: Path,
+    keep: int,
+    state: TrainState,
+    config: dict[str, Any],
+    layout: str = "full",
+    in_flight: sharded.InFlight | None = None,
+) -> None:
+    """Every rank: contribute its RNG state, and its part of the state (sharded) or the gather (full);
+    rank 0 writes the file (full) or the meta.pt beside the parts (sharded); all wait until complete."""
     rngs: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(rngs, rng_state(ctx.device))
+    facts = _facts(ctx, state, config, rngs)
+    if layout == "sharded":
+        model, optimizer = state.model, state.optimizer
+        sharded.save(in_flight, ctx.is_main_process, directory, keep, state.full_state, model, optimizer, facts)
+        return
     model_state, optimizer_state = state.full_state.state_dicts(state.model, state.optimizer)  # every rank
     if ctx.is_main_process:
-        checkpoint = {
-            "model": model_state,
-            "optimizer": optimizer_state,
-            "scheduler": state.scheduler.state_dict(),
-            "step": state.step,
-            "epoch": state.epoch,
-            "batches_into_epoch": state.batches_into_epoch,
-            "rng": rngs,
-            "world_size": ctx.world_size,
-            "fingerprint": fingerprint(config),
-            "config": config,
-            **({"vocab": state.vocab} if state.vocab is not None else {}),
-            **({"grad_scaler": state.grad_scaler.state_dict()} if state.grad_scaler is not None else {}),
-        }
-        save_checkpoint(directory, checkpoint, keep)
+        save_checkpoint(directory, {"model": model_state, "optimizer": optimizer_state, **facts}, keep)
     dist.barrier()  # nobody reads (or resumes from) a checkpoint before rank 0 has finished it
+
+
+def _facts(ctx: DistContext, state: TrainState, config: dict[str, Any], rngs: list[Any]) -> dict[str, Any]:
+    """What a checkpoint holds besides the model and optimizer state (both formats alike)."""
+    return {
+        "scheduler": state.scheduler.state_dict(),
+        "step": state.step,
+        "epoch": state.epoch,
+        "batches_into_epoch": state.batches_into_epoch,
+        "rng": rngs,
+        "world_size": ctx.world_size,
+        "fingerprint": fingerprint(config),
+        "config": config,
+        **({"vocab": state.vocab} if state.vocab is not None else {}),
+        **({"grad_scaler": state.grad_scaler.state_dict()} if state.grad_scaler is not None else {}),
+    }
 
 
 def stop_together(
@@ -155,19 +172,39 @@ def resume_if_any(ctx: DistContext, run_dir: Path, resume: str, state: TrainStat
     """trainer.resume: rank 0 picks the checkpoint; every rank loads that same file into state, or stops."""
     choice: list[Any] = [None]
     if ctx.is_main_process:
-        found = find_resume_state(run_dir, resume)
+        found = find_checkpoint(run_dir, resume)
         choice[0] = str(found[0]) if found else None
     dist.broadcast_object_list(choice, src=0)  # ranks must not disagree on whether to resume
     if choice[0] is None:
         return False
     path = Path(choice[0])
-    if not path.is_file():
+    if not path.exists():
         raise CheckpointError(
             f"rank {ctx.rank} cannot see checkpoint {path} that rank 0 chose: "
             "put the run dir on a filesystem every node shares"
         )
-    restore(ctx, path, load_checkpoint(path), state, config)
+    restore(ctx, path, sharded.load_meta(path) if path.is_dir() else load_checkpoint(path), state, config)
     return True
+
+
+def find_checkpoint(run_dir: Path, resume: str) -> tuple[Path, dict[str, Any]] | None:
+    """trainer.resume's checkpoint in either format: a path (a file, or a step-<n>/ dir), or with
+    `auto` the newest good one of <run dir>/checkpoints/ (step files and step dirs alike: a run may
+    have switched trainer.checkpoint_format); an unusable one is named and an older one tried."""
+    if resume not in ("auto", "never") and Path(resume).is_dir():
+        return Path(resume), sharded.load_meta(Path(resume))
+    full = find_resume_state(run_dir, resume)
+    directory = run_dir / "checkpoints"
+    if resume != "auto" or not directory.is_dir():
+        return full
+    for candidate in sharded.step_dirs(directory):
+        if full is not None and full[1]["step"] >= int(candidate.name.removeprefix("step-")):
+            break  # the newest file is at least as new
+        try:
+            return candidate, sharded.load_meta(candidate)
+        except CheckpointError as err:
+            log.warning("%s; trying an older checkpoint", err)
+    return full
 
 
 def restore(ctx: DistContext, path: Path, saved: dict[str, Any], state: TrainState, config: dict[str, Any]) -> None:
@@ -192,7 +229,10 @@ def restore(ctx: DistContext, path: Path, saved: dict[str, Any], state: TrainSta
             f"checkpoint {path} is at step {saved['step']}, past this run's end at step {state.total_steps}: "
             "raise trainer.max_steps (or num_epochs) to train on from it, or start fresh with trainer.resume=never"
         )
-    state.full_state.load_state_dicts(state.model, state.optimizer, saved["model"], saved["optimizer"])
+    if saved.get("sharded"):  # every rank reads its own part (any world size): DCP, a collective
+        sharded.load_parts(state.full_state, state.model, state.optimizer, path, saved["param_groups"])
+    else:
+        state.full_state.load_state_dicts(state.model, state.optimizer, saved["model"], saved["optimizer"])
     horizons = [getattr(f, "total_steps", None) for f in getattr(state.scheduler, "lr_lambdas", [])]
     state.scheduler.load_state_dict(saved["scheduler"])  # its multipliers' attributes: the saved run's horizon
     longer = world_change.continue_schedule(state.scheduler, horizons, saved["step"], state.total_steps)

@@ -13,6 +13,7 @@ from trainer.reliability.fault import Fault
 
 Device = Literal["auto", "cpu", "cuda"]
 Precision = Literal["fp32", "bf16", "fp16"]  # autocast; fp16 with a gradient scaler
+CheckpointFormat = Literal["full", "sharded"]  # one file from rank 0; or a part per rank (torch.distributed.checkpoint)
 OnNonfinite = Literal["raise", "skip"]
 
 
@@ -34,7 +35,9 @@ class TrainSettings:
     progress_bar: bool = True
     profile: bool = False  # torch.profiler trace of a few steps per rank, in <run dir>/profiler/
     checkpoint_every_n_steps: int = 0  # 0: only at the end
-    keep_checkpoints: int = 3  # step-<n>.pt files kept (last.pt always points at the newest)
+    keep_checkpoints: int = 3  # step-<n>.pt files (or step-<n>/ dirs) kept; last.pt (last) points at the newest
+    checkpoint_format: CheckpointFormat = "full"
+    checkpoint_async: bool = False  # sharded only: the save is written off the step path (DCP's async save)
     resume: str = "auto"  # auto: from <run dir>/checkpoints/last.pt if present; never; or a path
     checkpoint_on_sigterm: bool = False  # when every rank is stopped at the same step boundary
     on_nonfinite: OnNonfinite = "raise"  # skip: skip the optimizer step on all ranks alike

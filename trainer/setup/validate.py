@@ -93,6 +93,14 @@ def check_rules(cfg: DictConfig) -> None:
             warmup,
             f"must not exceed trainer.max_steps={max_steps} (the warm-up is part of the run)",
         )
+    if _number(cfg, "trainer.checkpoint_async"):
+        check(
+            _number(cfg, "trainer.checkpoint_format") == "sharded",
+            "trainer.checkpoint_async",
+            True,
+            "needs trainer.checkpoint_format=sharded (DCP's async save writes a part per rank; "
+            f"trainer.checkpoint_format={_number(cfg, 'trainer.checkpoint_format')} writes one file from rank 0)",
+        )
     comm_hook = _number(cfg, "sync.comm_hook")  # sync=ddp's
     if comm_hook is not None and comm_hook != "none":
         check(

@@ -5,9 +5,10 @@
     python -m trainer.tools.export multirun/<run name> --out exported/            # a sweep: exported/<job>.pt
 
 The file holds the unwrapped model's state_dict (the keys of the model as models/ builds it, no
-optimizer, schedule or RNG) and loads with torch.load(path, weights_only=True). The checkpoint is
-read with weights_only=True too, so nothing in it runs. The file is written to a temporary name
-and renamed: an export that fails half-way leaves no partial file.
+optimizer, schedule or RNG) and loads with torch.load(path, weights_only=True). Either checkpoint
+format: a full file (read with weights_only=True, so nothing in it runs) or a sharded step-<N>/
+(its model's parts put together here, in this one process, with no process group). The file is
+written to a temporary name and renamed: an export that fails half-way leaves no partial file.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from pathlib import Path
 
 import torch
 
+from trainer.reliability import sharded
 from trainer.reliability.checkpoint import CheckpointError, load_checkpoint
+from trainer.reliability.sharded import LAST
 from trainer.tools.jobs import job_dirs
 
 
@@ -33,17 +36,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def checkpoint_of(run_dir: Path, step: int | None) -> Path:
+    """The checkpoint to export, in either format: last.pt or last/ (the newer), or step-<N>.pt or step-<N>/."""
     directory = run_dir / "checkpoints"
-    path = directory / ("last.pt" if step is None else f"step-{step}.pt")
-    if not path.is_file():
-        kept = sorted(p.name for p in directory.glob("step-*.pt")) if directory.is_dir() else []
-        raise CheckpointError(f"{path} does not exist (checkpoints kept there: {', '.join(kept) or 'none'})")
-    return path
+    names = ("last.pt", LAST) if step is None else (f"step-{step}.pt", f"step-{step}")
+    found = [directory / name for name in names if (directory / name).exists()]
+    if not found:
+        kept = sorted(p.name for p in directory.glob("step-*")) if directory.is_dir() else []
+        raise CheckpointError(
+            f"{directory / names[0]} does not exist (checkpoints kept there: {', '.join(kept) or 'none'})"
+        )
+    return max(found, key=lambda p: p.resolve().stat().st_mtime)  # a run that switched format: its newest
 
 
 def export(checkpoint: Path, out: Path) -> int:
     """Write checkpoint's model state to out; returns the number of tensors written."""
-    model = load_checkpoint(checkpoint)["model"]
+    model = sharded.load_model(checkpoint) if checkpoint.is_dir() else load_checkpoint(checkpoint)["model"]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     torch.save({"model": model}, tmp)

@@ -11,7 +11,7 @@ from pydantic import Field
 from trainer.logger.wandb import Mode as WandbMode
 from trainer.reliability.fault import Kind as FaultKind
 from trainer.setup.schema.declare import SEED_BOUND, NonEmpty, Schema
-from trainer.setup.settings import Device, OnNonfinite, Precision
+from trainer.setup.settings import CheckpointFormat, Device, OnNonfinite, Precision
 
 
 @dataclass
@@ -55,6 +55,8 @@ class TrainerConfig(Schema):
     profile: bool = MISSING
     checkpoint_every_n_steps: Annotated[int, Field(ge=0, description="0: only at the end")] = MISSING
     keep_checkpoints: Annotated[int, Field(ge=1)] = MISSING
+    checkpoint_format: CheckpointFormat = MISSING
+    checkpoint_async: bool = MISSING
     resume: Annotated[str, Field(min_length=1, description="auto, never, or the path of a checkpoint file")] = MISSING
     checkpoint_on_sigterm: bool = MISSING
     on_nonfinite: OnNonfinite = MISSING

@@ -1,0 +1,295 @@
+"""trainer.checkpoint_format=sharded: every rank writes its own part of the state, with
+torch.distributed.checkpoint (DCP), and no rank gathers the whole.
+
+Layout in <run dir>/checkpoints/: step-<n>/ (DCP's .metadata and one __<rank>_0.distcp file per
+rank, plus meta.pt from rank 0: step, schedule, RNG states, config, ...), `last`, a symlink to the
+newest, and the newest trainer.keep_checkpoints of them. A save is written into .step-<n>.partial/
+and renamed when every rank has finished: a crash half-way leaves the previous step-<n>/ the one
+resume finds.
+
+The tensors are keyed `model/<name>` and `optim/<name>/<key>` (<name> the parameter's in the
+model), each this rank's part: a DTensor's local shard (fsdp), a ShardedTensor's chunk of the
+flattened parameter (zero, trainer/sync/zero_checkpoint.py), or the whole tensor where every rank
+holds it alike (the replicated strategies, zero's model; DCP writes each such tensor once, spread
+over the ranks). The keys and the global shapes do not depend on the world size, so DCP reads
+each rank's new part from whatever parts were written: a sharded checkpoint resumes at another N.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import re
+import shutil
+import warnings
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+from functools import singledispatch
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from trainer.reliability.checkpoint import FORMAT, CheckpointError
+
+META = "meta.pt"  # rank 0's: everything of a checkpoint but the model's and optimizer's tensors
+LAST = "last"
+_STEP_DIR = re.compile(r"step-(\d+)$")
+
+
+@contextmanager
+def quiet_sharded_tensor() -> Iterator[None]:
+    """DCP warns that ShardedTensor is deprecated for DTensor, but a DTensor cannot say that a rank
+    holds an arbitrary range of a parameter, which is what a ZeRO shard holds."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWarning)
+        # load_model() reads in one process on purpose (no_dist=True); DCP says so every time.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+def _flat(model_state: dict[str, Any], optim_state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    tensors = {f"model/{name}": value for name, value in model_state.items()}
+    for name, state in optim_state["state"].items():
+        for key, value in state.items():
+            tensors[f"optim/{name}/{key}"] = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+    return tensors
+
+
+def optimizer_entries(tensors: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """optim/<name>/<key> entries back as {name: {key: value}}."""
+    state: dict[str, dict[str, Any]] = {}
+    for flat, value in tensors.items():
+        if flat.startswith("optim/"):
+            name, _, key = flat.removeprefix("optim/").rpartition("/")
+            state.setdefault(name, {})[key] = value
+    return state
+
+
+def saved_tensors(checkpoint: Path) -> dict[str, Any]:
+    """The checkpoint's tensor keys with their metadata (global size, dtype): from .metadata alone."""
+    return dict(dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata)
+
+
+@singledispatch
+def parts(strategy: object, model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """This rank's part of the model and optimizer state (flat keys), and the param groups by name.
+
+    For every strategy whose optimizer steps the model's own parameters, torch's state-dict API
+    gives it by name: whole tensors where they are plain, local shards where they are DTensors
+    (fsdp). A strategy whose optimizer steps something else registers its own (zero).
+    """
+    optim_state: dict[str, Any] = dict(get_optimizer_state_dict(model, optimizer))
+    return _flat(get_model_state_dict(model), optim_state), list(optim_state["param_groups"])
+
+
+@singledispatch
+def load_parts(
+    strategy: object, model: nn.Module, optimizer: Optimizer, checkpoint: Path, groups: list[dict[str, Any]]
+) -> None:
+    """Read this rank's new part from the checkpoint into the model and optimizer (a collective).
+
+    The model's tensors are read in place; each optimizer entry into a tensor shaped as saved, a
+    DTensor laid out like its parameter where the parameter is one.
+    """
+    params = dict(model.named_parameters())
+    model_state = get_model_state_dict(model)
+    template: dict[str, Any] = {f"model/{name}": value for name, value in model_state.items()}
+    for flat, meta in saved_tensors(checkpoint).items():
+        if not flat.startswith("optim/"):
+            continue
+        name = flat.removeprefix("optim/").rpartition("/")[0]
+        param = params.get(name)
+        if isinstance(param, DTensor) and tuple(meta.size) == tuple(param.shape):
+            template[flat] = torch.zeros_like(param)
+        else:
+            device = param.device if param is not None else torch.device("cpu")
+            template[flat] = torch.zeros(meta.size, dtype=meta.properties.dtype, device=device)
+    dcp.load(template, checkpoint_id=str(checkpoint))
+    set_model_state_dict(model, {n: template[f"model/{n}"] for n in model_state})
+    optim_state: Any = {"state": optimizer_entries(template), "param_groups": groups}  # torch's own layout, by name
+    set_optimizer_state_dict(model, optimizer, optim_state)
+
+
+def step_dirs(directory: Path) -> list[Path]:
+    """Complete step-<n>/ checkpoints (their .metadata and meta.pt written), newest first."""
+    found = [
+        (int(m.group(1)), p)
+        for p in directory.glob("step-*")
+        if p.is_dir() and (m := _STEP_DIR.search(p.name)) and (p / META).is_file() and (p / ".metadata").is_file()
+    ]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def _cpu_copy(value: Any) -> Any:
+    """A copy in CPU memory that training cannot change: a tensor, a DTensor's or a ShardedTensor's local part."""
+    if isinstance(value, ShardedTensor):
+        shards = [Shard(s.tensor.to("cpu", copy=True), s.metadata) for s in value.local_shards()]
+        return ShardedTensor._init_from_local_shards_and_global_metadata(shards, value.metadata())
+    if isinstance(value, DTensor):
+        local = value.to_local().to("cpu", copy=True)
+        return DTensor.from_local(local, value.device_mesh, value.placements, shape=value.shape, stride=value.stride())
+    return value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
+
+
+class CpuCopy:
+    """dcp.async_save's stager: copies this rank's parts to CPU memory, in the step (what it waits for)."""
+
+    _synchronize_after_execute = False  # staged synchronously by stage() itself
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        with quiet_sharded_tensor():
+            return {key: _cpu_copy(value) for key, value in state_dict.items()}
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def checkpoint_group(timeout: dt.timedelta) -> dist.ProcessGroup:
+    """A gloo group of every rank, for the background save's collectives (a collective: every rank calls it)."""
+    group = dist.new_group(backend="gloo", timeout=timeout)
+    assert isinstance(group, dist.ProcessGroup), "every rank is a member"
+    return group
+
+
+class InFlight:
+    """trainer.checkpoint_async: the save being written in the background (one at a time).
+
+    DCP's async_save copies this rank's part to CPU memory (the step waits only for that copy),
+    then writes it from a thread, its collectives on a gloo group of their own so they never race
+    the training step's. Rank 0's write ends after every rank's (it writes .metadata last): rank 0
+    then publishes the checkpoint alone, with no collective, at the next step boundary that finds
+    it done (poll), or when a save, the end of training or a SIGTERM waits for it (wait).
+    """
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self._pending: tuple[Future[Any], Callable[[], None]] | None = None
+
+    def start(self, written: Future[Any], publish: Callable[[], None]) -> None:
+        self._pending = (written, publish)
+
+    def poll(self) -> None:
+        if self._pending is not None and self._pending[0].done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Until the save in flight is written and published (its error, if it failed, raised here)."""
+        if self._pending is not None:
+            written, publish = self._pending
+            self._pending = None
+            written.result()
+            publish()
+
+
+def save(
+    in_flight: InFlight | None,
+    is_main: bool,
+    directory: Path,
+    keep: int,
+    strategy: object,
+    model: nn.Module,
+    optimizer: Optimizer,
+    meta: dict[str, Any],
+) -> Path:
+    """Every rank writes its part into .step-<n>.partial/; rank 0 adds meta.pt, renames it step-<n>/,
+    points `last` at it and prunes to the newest `keep`. Returns step-<n>/. With `in_flight`
+    (async), the previous save is waited for first and this one is left writing."""
+    group = None if in_flight is None else in_flight.group
+    if in_flight is not None:
+        in_flight.wait()  # one save at a time
+    final = directory / f"step-{meta['step']}"
+    partial = directory / f".step-{meta['step']}.partial"
+    if is_main:
+        shutil.rmtree(partial, ignore_errors=True)  # a save that died half-way
+        partial.mkdir(parents=True)
+    dist.barrier(group)
+    tensors, groups = parts(strategy, model, optimizer)
+    meta = {"format": FORMAT, "sharded": True, **meta, "param_groups": groups}
+
+    def publish() -> None:
+        if is_main:
+            _write_meta(partial / META, meta)
+            _publish(partial, final, directory, keep)
+
+    with quiet_sharded_tensor():
+        if in_flight is not None:
+            staged = CpuCopy()  # DCP's own stager cannot copy a ShardedTensor (zero's parts)
+            written = dcp.async_save(tensors, checkpoint_id=str(partial), process_group=group, async_stager=staged)
+            in_flight.start(written.upload_completion if isinstance(written, AsyncSaveResponse) else written, publish)
+            return final
+        dcp.save(tensors, checkpoint_id=str(partial), process_group=group)  # rank 0 writes .metadata last
+    publish()
+    dist.barrier(group)  # nobody reads (or resumes from) it before it is complete
+    return final
+
+
+def _write_meta(path: Path, meta: dict[str, Any]) -> None:
+    with path.open("wb") as f:
+        torch.save(meta, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _publish(partial: Path, final: Path, directory: Path, keep: int) -> None:
+    """partial -> final (a re-save of the same step replaces it), `last` -> final, then prune."""
+    old = directory / f".{final.name}.old"
+    if final.exists():  # a finished run re-run: its final step saved again
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(partial, final)
+    shutil.rmtree(old, ignore_errors=True)
+    link = directory / f".{LAST}.tmp"
+    link.unlink(missing_ok=True)
+    os.symlink(final.name, link)
+    os.replace(link, directory / LAST)
+    for stale in step_dirs(directory)[max(keep, 1) :]:
+        shutil.rmtree(stale, ignore_errors=True)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the renames survive a power cut
+    finally:
+        os.close(fd)
+
+
+def load_meta(checkpoint: Path) -> dict[str, Any]:
+    """A step-<n>/ directory's meta.pt (weights_only=True), or CheckpointError naming what is missing."""
+    if not (checkpoint / ".metadata").is_file() or not (checkpoint / META).is_file():
+        raise CheckpointError(f"checkpoint {checkpoint} is incomplete: it lacks .metadata or {META}")
+    try:
+        meta = torch.load(checkpoint / META, map_location="cpu", weights_only=True)
+    except Exception as err:  # truncated, corrupt, or not plain data
+        raise CheckpointError(f"checkpoint {checkpoint / META} cannot be read: {err}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or not meta.get("sharded"):
+        raise CheckpointError(f"checkpoint {checkpoint} is not a ddplab sharded checkpoint (format {FORMAT})")
+    return meta
+
+
+def load_model(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The whole model's state from a sharded checkpoint, in this one process (no process group)."""
+    template = {
+        flat: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for flat, meta in saved_tensors(checkpoint).items()
+        if flat.startswith("model/")
+    }
+    with quiet_sharded_tensor():
+        dcp.load(template, checkpoint_id=str(checkpoint), no_dist=True)
+    return {flat.removeprefix("model/"): value for flat, value in template.items()}

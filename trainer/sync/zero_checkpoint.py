@@ -1,0 +1,148 @@
+"""sync=zero in a sharded checkpoint (trainer/reliability/sharded.py): its shard as per-parameter ranges.
+
+zero's optimizer steps one flat piece of the shard per param group, not the model's parameters,
+so torch's state-dict API cannot name its state. Here each per-element entry (exp_avg, ...) of
+each trainable parameter becomes a ShardedTensor over the flattened parameter: this rank's chunk
+is the part of the parameter its shard holds, at its offset, and the metadata lists every rank's
+chunk (computed from the layout, no collective). Saved as one plain tensor per rank under one key,
+the shards would be taken as replicas and de-duplicated (all but one lost), and their padding
+would depend on N; as ranges of each parameter they read back at any world size. A scalar entry
+(Adam's step) is the same for every element and every rank: one plain tensor. The model's
+parameters are whole on every rank after the gathers: plain tensors, written once.
+
+Not imported by zero.py: checkpoint layout is not the algorithm. It reads zero's layout through
+the attributes zero.py keeps for its own checkpoints (_layout, _spans, _rank, _params, _param_shard).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata
+from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+from torch.optim import Optimizer
+
+from trainer.reliability import sharded
+from trainer.sync.flat import names_of
+from trainer.sync.zero import ZeroSync
+from trainer.sync.zero_state import Layout, _group_of, _is_piece
+
+Chunk = tuple[int, int, int]  # (start, end) in the flattened parameter, and where the start lies in the shard
+
+
+def chunks(layout: Layout, i: int) -> list[Chunk]:
+    """Every rank's chunk of trainable parameter i (layout order): (0, 0, 0) for a rank holding none."""
+    offset, numel = layout.offsets[i], layout.shapes[i].numel()
+    out = []
+    for rank in range(layout.world_size):
+        found = (0, 0, 0)
+        for lo, at, size in layout.pieces(rank):
+            a, b = max(offset, lo), min(offset + numel, lo + size)
+            if a < b:  # a parameter lies in one bucket: one contiguous chunk per rank at most
+                found = (a - offset, b - offset, at + a - lo)
+                break
+        out.append(found)
+    return out
+
+
+def _sharded(local: torch.Tensor, mine: Chunk, every: list[Chunk], numel: int, rank: int) -> ShardedTensor:
+    device = str(local.device)
+    metas = [ShardMetadata([a], [b - a], f"rank:{r}/{device}") for r, (a, b, _) in enumerate(every) if b > a]
+    shards = [Shard(local, ShardMetadata([mine[0]], [mine[1] - mine[0]], f"rank:{rank}/{device}"))]
+    properties = TensorProperties(dtype=local.dtype)
+    global_meta = ShardedTensorMetadata(metas, torch.Size([numel]), properties)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(shards if mine[1] > mine[0] else [], global_meta)
+
+
+def _named(strategy: ZeroSync, model: nn.Module) -> tuple[Layout, list[str], list[int]]:
+    assert strategy._layout is not None, "wrap() and build_optimizer() first"
+    layout = strategy._layout
+    trainable = [p for p in model.parameters() if p.requires_grad]  # layout order
+    return layout, names_of(model, trainable), _group_of(layout, strategy._spans)
+
+
+@sharded.parts.register
+def _parts(strategy: ZeroSync, model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    strategy.wait_for_parameters()  # the model's parameters whole before they are written
+    layout, names, group_of = _named(strategy, model)
+    tensors: dict[str, Any] = {f"model/{name}": value for name, value in model.state_dict().items()}
+    shard_state = optimizer.state_dict()
+    for i, name in enumerate(names):
+        g, every = group_of[i], chunks(layout, i)
+        lo, hi = strategy._spans[g]
+        a, b, at = every[strategy._rank]
+        for key, value in shard_state["state"].get(g, {}).items():
+            if _is_piece(value, lo, hi):
+                local = value[at - lo : at - lo + b - a]
+                tensors[f"optim/{name}/{key}"] = _sharded(
+                    local, (a, b, at), every, layout.shapes[i].numel(), strategy._rank
+                )
+            else:
+                tensors[f"optim/{name}/{key}"] = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+    all_names = names_of(model, list(model.parameters()))
+    groups = [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": [all_names[p] for p in positions]}
+        for group, positions in zip(shard_state["param_groups"], strategy._full_groups, strict=True)
+    ]
+    return tensors, groups
+
+
+@sharded.load_parts.register
+def _load_parts(
+    strategy: ZeroSync, model: nn.Module, optimizer: Optimizer, checkpoint: Path, groups: list[dict[str, Any]]
+) -> None:
+    strategy.wait_for_parameters()  # a gather landing after the load would overwrite it
+    assert strategy._params is not None and strategy._param_shard is not None
+    layout, names, group_of = _named(strategy, model)
+    template: dict[str, Any] = {f"model/{name}": value for name, value in model.state_dict().items()}  # in place
+    saved = sharded.saved_tensors(checkpoint)
+    index = {name: i for i, name in enumerate(names)}
+    for flat, meta in saved.items():
+        if flat.startswith("optim/"):
+            i = index[flat.removeprefix("optim/").rpartition("/")[0]]
+            every, numel = chunks(layout, i), layout.shapes[i].numel()
+            a, b, at = every[strategy._rank]
+            if tuple(meta.size) == (numel,) and numel > 0 and len(meta.size) == 1:
+                local = torch.zeros(b - a, dtype=meta.properties.dtype, device=strategy._params.device)
+                template[flat] = _sharded(local, (a, b, at), every, numel, strategy._rank)
+            else:
+                template[flat] = torch.zeros(meta.size, dtype=meta.properties.dtype)
+    with sharded.quiet_sharded_tensor():
+        dcp.load(template, checkpoint_id=str(checkpoint))
+    with torch.no_grad():
+        strategy._param_shard.copy_(layout.shard_of(strategy._params, strategy._rank))
+    optimizer.load_state_dict(_shard_state(strategy, template, names, group_of, groups, layout))
+
+
+def _shard_state(
+    strategy: ZeroSync,
+    loaded: dict[str, Any],
+    names: list[str],
+    group_of: list[int],
+    groups: list[dict[str, Any]],
+    layout: Layout,
+) -> dict[str, Any]:
+    """The loaded per-parameter chunks put back together as the shard optimizer's state_dict."""
+    assert strategy._params is not None
+    device = strategy._params.device
+    state: dict[int, dict[str, Any]] = {}
+    entries = sharded.optimizer_entries(loaded)
+    for i, name in enumerate(names):
+        g = group_of[i]
+        lo, hi = strategy._spans[g]
+        a, b, at = chunks(layout, i)[strategy._rank]
+        pieces = state.setdefault(g, {})
+        for key, value in entries.get(name, {}).items():
+            if isinstance(value, ShardedTensor):  # this rank's chunk, at its place in the group's piece
+                if key not in pieces:
+                    pieces[key] = torch.zeros(hi - lo, dtype=value.dtype, device=device)  # padding stays zero
+                if b > a:
+                    pieces[key][at - lo : at - lo + b - a] = value.local_tensor()
+            else:
+                pieces[key] = value
+    hyper = [{k: v for k, v in group.items() if k != "params"} for group in groups]
+    return {"state": state, "param_groups": [{**h, "params": [g]} for g, h in enumerate(hyper)]}
