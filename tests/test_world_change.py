@@ -264,13 +264,15 @@ def test_training_longer_moves_the_schedule_horizon_and_fewer_steps_are_refused(
 
 
 def test_what_cannot_be_mapped_to_another_world_size_is_refused(tmp_path: Path) -> None:
-    saved = {"world_size": 2}
+    saved = {"world_size": 2, "batch_size": 32, "grad_accum_steps": 1}
     with pytest.raises(CheckpointError, match="sync=none trains one model per rank"):
         check_world_change(tmp_path / "c.pt", saved, 1, nn.Linear(2, 2), one_model=False)
     with pytest.raises(CheckpointError, match=r"draws randomness \(Dropout with p > 0\)"):
         check_world_change(tmp_path / "c.pt", saved, 1, nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1)), True)
     check_world_change(tmp_path / "c.pt", saved, 1, nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.0)), True)
     check_world_change(tmp_path / "c.pt", saved, 2, nn.Dropout(0.5), one_model=False)  # same world size: fine
+    with pytest.raises(CheckpointError, match="does not say its batch size: resume with 2 ranks"):
+        check_world_change(tmp_path / "c.pt", {"world_size": 2}, 1, nn.Linear(2, 2), True)  # built without a config
 
 
 @pytest.mark.parametrize("sync", ["ddp-sharded", "zero-sharded"])

@@ -165,6 +165,8 @@ class Trainer:
             self.epoch,
             into_epoch,
             self.total_steps,
+            self.data.batch_size,
+            self.settings.grad_accum_steps,
             vocab=self.data.vocabulary(),
             grad_scaler=self._steps.scaler,
         )

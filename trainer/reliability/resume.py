@@ -64,6 +64,8 @@ class TrainState:
     epoch: int  # the epoch the next step belongs to
     batches_into_epoch: int  # micro-batches of that epoch already trained on
     total_steps: int  # where this run ends (a resumed run may end later than the checkpoint's)
+    batch_size: int  # per rank, and micro-batches per step: with the world size, the global batch
+    grad_accum_steps: int
     vocab: dict[str, object] | None = None  # token data: what decodes ids (a sample needs no corpus)
     grad_scaler: torch.amp.GradScaler | None = None  # trainer.precision=fp16: its scale and growth count
 
@@ -99,6 +101,8 @@ def _facts(ctx: DistContext, state: TrainState, config: dict[str, Any], rngs: li
         "step": state.step,
         "epoch": state.epoch,
         "batches_into_epoch": state.batches_into_epoch,
+        "batch_size": state.batch_size,  # with world_size: the global batch, checked on resume
+        "grad_accum_steps": state.grad_accum_steps,
         "rng": rngs,
         "world_size": ctx.world_size,
         "fingerprint": fingerprint(config),
@@ -213,7 +217,8 @@ def restore(ctx: DistContext, path: Path, saved: dict[str, Any], state: TrainSta
     Another world size is mapped when the global batch is the checkpoint's, a longer run continues
     (trainer/reliability/world_change.py); any other change of the training config is refused.
     """
-    world_change.check_global_batch(path, saved, config, ctx.world_size)
+    then, now = world_change.saved_shape(saved), (ctx.world_size, state.batch_size, state.grad_accum_steps)
+    world_change.check_global_batch(path, then, now)
     world_change.check_world_change(path, saved, ctx.world_size, state.model, state.full_state.one_model)
     mapped = (*world_change.BATCH_SHAPE, *world_change.LENGTH)
     if saved["fingerprint"] != fingerprint(config) and (
@@ -239,7 +244,7 @@ def restore(ctx: DistContext, path: Path, saved: dict[str, Any], state: TrainSta
     if state.grad_scaler is not None and "grad_scaler" in saved:  # the same on every rank: it was rank 0's
         state.grad_scaler.load_state_dict(saved["grad_scaler"])
     state.step, state.epoch = saved["step"], saved["epoch"]
-    state.batches_into_epoch = world_change.batches_into_epoch(saved, config, ctx.world_size)
+    state.batches_into_epoch = world_change.batches_into_epoch(saved["batches_into_epoch"], then, now)
     set_rng_state(world_change.rng_of(saved, ctx.rank), ctx.device)
     if ctx.is_main_process:
         if saved["world_size"] != ctx.world_size:

@@ -29,6 +29,9 @@ BATCH_SHAPE = ("data.batch_size", "trainer.grad_accum_steps")
 LENGTH = ("trainer.max_steps", "trainer.num_epochs")
 
 
+Shape = tuple[int, int, int]  # (ranks, data.batch_size, grad_accum_steps): the global batch's factors
+
+
 def _get(config: dict[str, Any], dotted: str) -> Any:
     value: Any = config
     for part in dotted.split("."):
@@ -36,29 +39,33 @@ def _get(config: dict[str, Any], dotted: str) -> Any:
     return value
 
 
-def global_batch(config: dict[str, Any], world_size: int) -> int:
-    return world_size * int(_get(config, "data.batch_size")) * int(_get(config, "trainer.grad_accum_steps"))
+def saved_shape(saved: dict[str, Any]) -> Shape | None:
+    """The checkpoint's batch shape: written with it, or read from its config (checkpoints before issue
+    33); None if neither says (a run built without a config, as some tests build one)."""
+    batch = saved.get("batch_size", _get(saved.get("config", {}), "data.batch_size"))
+    accum = saved.get("grad_accum_steps", _get(saved.get("config", {}), "trainer.grad_accum_steps"))
+    return None if batch is None or accum is None else (saved["world_size"], int(batch), int(accum))
 
 
-def check_global_batch(path: Path, saved: dict[str, Any], config: dict[str, Any], world_size: int) -> None:
+def check_global_batch(path: Path, then: Shape | None, now: Shape) -> None:
     """The same samples per step, or one line naming the data.batch_size (or grad_accum_steps) that keeps them."""
-    then, now = global_batch(saved["config"], saved["world_size"]), global_batch(config, world_size)
-    if then == now:
+    if then is None:
+        return  # nothing to compare: check_world_change refuses another world size then
+    ranks, batch, accum = now
+    before, after = then[0] * then[1] * then[2], ranks * batch * accum
+    if before == after:
         return
-    batch, accum = int(_get(config, "data.batch_size")), int(_get(config, "trainer.grad_accum_steps"))
     keep = []
-    if then % (world_size * accum) == 0:
-        keep.append(f"data.batch_size={then // (world_size * accum)}")
-    if then % (world_size * batch) == 0:
-        keep.append(f"trainer.grad_accum_steps={then // (world_size * batch)}")
-    fix = f"resume with {' or '.join(keep)} to keep it" if keep else f"no batch size gives {then} on {world_size} ranks"
-    ranks = saved["world_size"]
-    where = f" was written by {ranks} ranks, this job has {world_size}" if ranks != world_size else ""
+    if before % (ranks * accum) == 0:
+        keep.append(f"data.batch_size={before // (ranks * accum)}")
+    if before % (ranks * batch) == 0:
+        keep.append(f"trainer.grad_accum_steps={before // (ranks * batch)}")
+    fix = f"resume with {' or '.join(keep)} to keep it" if keep else f"no batch size gives {before} on {ranks} ranks"
+    where = f" was written by {then[0]} ranks, this job has {ranks}" if then[0] != ranks else ""
     raise CheckpointError(
-        f"checkpoint {path}{where}: its global "
-        f"batch {then} ({saved['world_size']} ranks × data.batch_size={_get(saved['config'], 'data.batch_size')} × "
-        f"grad_accum_steps={_get(saved['config'], 'trainer.grad_accum_steps')}) would become {now}, so the "
-        f"steps would differ; {fix}, or start fresh with trainer.resume=never"
+        f"checkpoint {path}{where}: its global batch {before} ({then[0]} ranks × data.batch_size={then[1]} × "
+        f"grad_accum_steps={then[2]}) would become {after}, so the steps would differ; {fix}, or start fresh "
+        "with trainer.resume=never"
     )
 
 
@@ -79,13 +86,16 @@ def check_world_change(path: Path, saved: dict[str, Any], world_size: int, model
             "stream cannot be mapped to another world size (the masks would differ from the uninterrupted "
             "run's); resume with the same world size, or start fresh with trainer.resume=never"
         )
+    if saved_shape(saved) is None:
+        raise CheckpointError(f"{was}, and it does not say its batch size: resume with {saved['world_size']} ranks")
 
 
-def batches_into_epoch(saved: dict[str, Any], config: dict[str, Any], world_size: int) -> int:
+def batches_into_epoch(saved_batches: int, then: Shape | None, now: Shape) -> int:
     """The checkpoint's position in its epoch as this job's micro-batches per rank (the same global samples)."""
-    samples = saved["batches_into_epoch"] * saved["world_size"] * int(_get(saved["config"], "data.batch_size"))
-    per_micro_batch = world_size * int(_get(config, "data.batch_size"))
-    return samples // per_micro_batch  # exact: a checkpoint is written between whole global steps
+    if then is None:
+        return saved_batches  # the shape is unknown: the same job (check_world_change refused another N)
+    samples = saved_batches * then[0] * then[1]
+    return samples // (now[0] * now[1])  # exact: a checkpoint is written between whole global steps
 
 
 def rng_of(saved: dict[str, Any], rank: int) -> dict[str, Any]:
