@@ -122,6 +122,9 @@ def on_two_ranks(rank: int, world_size: int, root: str) -> dict[str, Any]:
         {
             "ddp": lambda at: first_run(rank, world_size, "sync=ddp", at, TWO),
             "zero": lambda at: first_run(rank, world_size, "sync=zero", at, TWO),
+            # the other two strategies, one format each: manual full, bucketed sharded
+            "manual": lambda at: first_run(rank, world_size, "sync=manual", at, TWO),
+            "bucketed-sharded": lambda at: first_run(rank, world_size, "sync=bucketed", at, TWO, SHARDED),
             # fsdp's checkpoint from 1 rank, continued on 2
             "fsdp-resumed": lambda _: full(rank, world_size, ["sync=fsdp", *TWO, *CUT], at / "fsdp" / "resumed"),
             "longer": lambda run: longer(rank, world_size, run),
@@ -162,6 +165,10 @@ def on_one_rank_again(rank: int, world_size: int, root: str) -> dict[str, Any]:
         cases[f"{sync}-sharded-resumed"] = lambda _, s=sync, b=batch: full(
             rank, world_size, [f"sync={s}", *b, *CUT, *SHARDED], at / f"{s}-sharded" / "resumed"
         )
+    cases["manual-resumed"] = lambda _: full(rank, world_size, ["sync=manual", *ONE, *CUT], at / "manual" / "resumed")
+    cases["bucketed-sharded-resumed"] = lambda _: full(
+        rank, world_size, ["sync=bucketed", *ONE, *CUT, *SHARDED], at / "bucketed-sharded" / "resumed"
+    )
     return guarded(cases, at)
 
 
@@ -206,6 +213,8 @@ def close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     ("sync", "first", "then"),
     [
         ("ddp", "two", "again"),
+        ("manual", "two", "again"),
+        ("bucketed-sharded", "two", "again"),
         ("zero", "two", "again"),
         ("fsdp", "one", "two"),
         ("ddp-sharded", "two", "again"),
