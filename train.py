@@ -44,9 +44,9 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     with exit_cleanly(loggers, precheck.prints_bad_input_error):
         config = conf.plain_config(cfg)
         settings = instantiate(cfg.trainer)
-        parts = build_parts(cfg, settings)  # every constructor runs here, before any collective
-        check_output_dir(conf.run_dir(), bytes_needed(parts.model, settings.keep_checkpoints))  # full disk: fail now
         launch = dist.read_launch_env()  # read here, not at import: submitit tasks unpickle main()
+        parts = build_parts(cfg, settings, launch.world_size)  # every constructor runs here, before any collective
+        check_output_dir(conf.run_dir(), bytes_needed(parts.model, settings.keep_checkpoints))  # full disk: fail now
         device = dist.resolve_device(settings.device, launch)
         check_device(parts, device)  # e.g. SyncBatchNorm needs CUDA: refused before any logger starts
         prefix = dist.group_key_prefix(launch, conf.job_num())  # a fresh prefix per multirun job

@@ -54,7 +54,7 @@ def fit(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dict:
 
     config = plain_config(cfg)
     settings = instantiate(cfg.trainer)
-    parts = build_parts(cfg, settings)
+    parts = build_parts(cfg, settings, world_size)
     ctx = DistContext(rank, rank, world_size, torch.device("cpu"), "gloo")
     prepare_data(parts.data, ctx)
     logger = JsonlLogger(Path(run_dir) / "metrics" / f"rank{rank}.jsonl")

@@ -159,10 +159,7 @@ def test_zero_cost_when_off(runs: tuple[Path, list[dict[str, Any]]]) -> None:
 def test_report_timelines(runs: tuple[Path, list[dict[str, Any]]], tmp_path: Path, capsys: Any) -> None:
     """A sweep dir of two jobs (bucketed, ddp): one picture, a line per job; a job without traces: exit 2."""
     root, _ = runs
-    sweep = tmp_path / "sweep"
-    sweep.mkdir()
-    for number, case in enumerate(("bucketed", "ddp")):
-        (sweep / str(number)).symlink_to(root / case)
+    sweep = sweep_of(root, ("bucketed", "ddp"), tmp_path)
     assert report.main([str(sweep), "--timelines", "--out", str(tmp_path / "out")]) == 0
     said = capsys.readouterr().out
     assert re.search(r"job 0: .*overlap rank 0 \d+%, rank 1 \d+%", said) and "job 1: " in said
@@ -201,17 +198,22 @@ def test_the_sweep_picture_has_one_legend_for_every_job(runs: tuple[Path, list[d
     assert_labels_fit(fig)
 
 
+def sweep_of(root: Path, cases: tuple[str, ...], tmp_path: Path) -> Path:
+    """A sweep dir whose numbered jobs are these cases' run dirs (symlinks)."""
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    for number, case in enumerate(cases):
+        (sweep / str(number)).symlink_to(root / case)
+    return sweep
+
+
 def test_the_report_names_manuals_buffers_and_fsdps_units(
     runs: tuple[Path, list[dict[str, Any]]], tmp_path: Path, capsys: Any
 ) -> None:
     """The buckets column from real summary.json files: manual's buffers, fsdp's units, ddp's buckets."""
     root, ranks = runs
-    sweep = tmp_path / "sweep"
-    sweep.mkdir()
     cases = ("manual", "fsdp", "ddp")
-    for number, case in enumerate(cases):
-        (sweep / str(number)).symlink_to(root / case)
-    assert report.main([str(sweep), "--out", str(tmp_path / "out")]) == 0
+    assert report.main([str(sweep_of(root, cases, tmp_path)), "--out", str(tmp_path / "out")]) == 0
     capsys.readouterr()
     markdown = (tmp_path / "out" / "report.md").read_text()
     at = markdown_header(markdown).index("buckets")
@@ -229,10 +231,7 @@ def test_the_command_takes_a_sweep_dir_job_by_job(
     runs: tuple[Path, list[dict[str, Any]]], tmp_path: Path, capsys: Any
 ) -> None:
     root, _ = runs
-    sweep = tmp_path / "sweep"
-    sweep.mkdir()
-    for number, case in enumerate(("manual", "bucketed")):
-        (sweep / str(number)).symlink_to(root / case)
+    sweep = sweep_of(root, ("manual", "bucketed"), tmp_path)
     assert timeline.main([str(sweep), "--out", str(tmp_path / "out")]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2 and all(line.startswith("timeline: steps 3-5") for line in lines), lines

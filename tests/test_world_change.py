@@ -23,10 +23,12 @@ from tests.cli import jsonl, train_rows
 from tests.dist_helpers import run_on_ranks
 from tests.test_reliability import fit
 from tests.train_helpers import case_results
+from trainer.errors import ConfigError
 from trainer.reliability import sharded
 from trainer.reliability.checkpoint import CheckpointError
 from trainer.reliability.resume import find_checkpoint
 from trainer.reliability.world_change import check_world_change
+from trainer.setup.build import per_rank_batch
 from trainer.sync import zero_checkpoint
 from trainer.tools import export
 
@@ -36,6 +38,7 @@ pytestmark = pytest.mark.slow
 CUT = ["trainer.max_steps=12", "trainer.checkpoint_every_n_steps=4", "trainer.keep_checkpoints=5"]
 TWO, ONE = ["data.batch_size=32"], ["data.batch_size=64"]  # global batch 64 either way
 ONE_ACCUMULATING = ["data.batch_size=32", "trainer.grad_accum_steps=2"]
+ELASTIC = ("trainer.global_batch_size=64",)  # data.batch_size 32 on 2 ranks, 64 on 1: the same command
 
 
 def full(rank: int, world_size: int, overrides: list[str], run_dir: Path) -> dict[str, Any]:
@@ -125,6 +128,8 @@ def on_two_ranks(rank: int, world_size: int, root: str) -> dict[str, Any]:
             # the other two strategies, one format each: manual full, bucketed sharded
             "manual": lambda at: first_run(rank, world_size, "sync=manual", at, TWO),
             "bucketed-sharded": lambda at: first_run(rank, world_size, "sync=bucketed", at, TWO, SHARDED),
+            # what an elastic restart with fewer ranks does: the same command, on another world size
+            "elastic": lambda at: first_run(rank, world_size, "sync=ddp", at, [], ELASTIC),
             # fsdp's checkpoint from 1 rank, continued on 2
             "fsdp-resumed": lambda _: full(rank, world_size, ["sync=fsdp", *TWO, *CUT], at / "fsdp" / "resumed"),
             "longer": lambda run: longer(rank, world_size, run),
@@ -165,6 +170,9 @@ def on_one_rank_again(rank: int, world_size: int, root: str) -> dict[str, Any]:
         cases[f"{sync}-sharded-resumed"] = lambda _, s=sync, b=batch: full(
             rank, world_size, [f"sync={s}", *b, *CUT, *SHARDED], at / f"{s}-sharded" / "resumed"
         )
+    cases["elastic-resumed"] = lambda _: full(
+        rank, world_size, ["sync=ddp", *ELASTIC, *CUT], at / "elastic" / "resumed"
+    )
     cases["manual-resumed"] = lambda _: full(rank, world_size, ["sync=manual", *ONE, *CUT], at / "manual" / "resumed")
     cases["bucketed-sharded-resumed"] = lambda _: full(
         rank, world_size, ["sync=bucketed", *ONE, *CUT, *SHARDED], at / "bucketed-sharded" / "resumed"
@@ -214,6 +222,7 @@ def close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     [
         ("ddp", "two", "again"),
         ("manual", "two", "again"),
+        ("elastic", "two", "again"),
         ("bucketed-sharded", "two", "again"),
         ("zero", "two", "again"),
         ("fsdp", "one", "two"),
@@ -373,3 +382,12 @@ def test_the_async_stager_copies_what_training_changes_next(runs: tuple[Path, di
     _, ranks = runs
     (copies,) = case_results(ranks["one"], "staging")
     assert copies == {"plain": True, "zero": True, "shares_before": True}
+
+
+def test_a_global_batch_that_does_not_split_over_the_ranks_is_refused() -> None:
+    assert per_rank_batch(64, 2, 2) == 16
+    with pytest.raises(
+        ConfigError,
+        match=r"global_batch_size=64 is invalid on 3 rank\(s\) x trainer.grad_accum_steps=1: accepted: a multiple of 3",
+    ):
+        per_rank_batch(64, 3, 1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import platform
 import random
 from collections.abc import Callable
@@ -15,7 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from hydra.errors import InstantiationException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 from torch.optim import Optimizer
 
@@ -28,6 +29,8 @@ from trainer.loop.trainer import Trainer
 from trainer.setup.dist import DistContext, hostname
 from trainer.setup.settings import TrainSettings
 from trainer.sync.base import DecayGroups, SyncStrategy
+
+log = logging.getLogger(__name__)
 
 
 def instantiate(node: DictConfig, **runtime: Any) -> Any:
@@ -114,9 +117,12 @@ class Parts:
     compile: bool = False  # trainer.compile: needs a compiler where the device is CPU
 
 
-def build_parts(cfg: DictConfig, settings: TrainSettings) -> Parts:
+def build_parts(cfg: DictConfig, settings: TrainSettings, world_size: int = 1) -> Parts:
     """Run every constructor: a bad value fails here, on every rank alike, before any collective."""
     check_pairing(cfg)
+    if settings.global_batch_size is not None:
+        with open_dict(cfg):
+            cfg.data.batch_size = per_rank_batch(settings.global_batch_size, world_size, settings.grad_accum_steps)
     data = instantiate(cfg.data)
     seed_everything(settings.seed)
     model_node, sync_batchnorm = split_sync_batchnorm(cfg.model)
@@ -135,6 +141,24 @@ def build_parts(cfg: DictConfig, settings: TrainSettings) -> Parts:
         optimizer_factory=optimizer_factory(cfg.optim),
         schedule_factory=hydra.utils.instantiate(cfg.schedule, _partial_=True, _convert_="all"),
     )
+
+
+def per_rank_batch(global_batch: int, world_size: int, grad_accum_steps: int) -> int:
+    """trainer.global_batch_size's data.batch_size here; refused where it does not divide."""
+    per_step = world_size * grad_accum_steps
+    if global_batch % per_step:
+        raise ConfigError(
+            f"trainer.global_batch_size={global_batch} is invalid on {world_size} rank(s) x "
+            f"trainer.grad_accum_steps={grad_accum_steps}: accepted: a multiple of {per_step}"
+        )
+    log.info(
+        "trainer.global_batch_size=%d: data.batch_size=%d on %d rank(s) x %d micro-batch(es)",
+        global_batch,
+        global_batch // per_step,
+        world_size,
+        grad_accum_steps,
+    )
+    return global_batch // per_step
 
 
 def check_pairing(cfg: DictConfig) -> None:

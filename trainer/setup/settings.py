@@ -28,6 +28,7 @@ class TrainSettings:
     eval_every_n_steps: int = 100  # 0: evaluate only at the end
     eval_max_samples: int | None = None  # the val split's first n samples (all if fewer); None: the whole split
     grad_accum_steps: int = 1  # micro-batches of data.batch_size per optimizer step
+    global_batch_size: int | None = None  # samples per step on all ranks: sets data.batch_size at any world size
     max_grad_norm: float | None = None  # clip the averaged gradient's global L2 norm to this; None: off
     device: Device = "auto"
     precision: Precision = "fp32"

@@ -45,6 +45,9 @@ class TrainerConfig(Schema):
         int | None, Field(ge=1, description="the validation split's first n samples; null: the whole split")
     ] = MISSING
     grad_accum_steps: Annotated[int, Field(ge=1)] = MISSING
+    global_batch_size: Annotated[
+        int | None, Field(ge=1, description="sets data.batch_size to it / (ranks × grad_accum_steps); null: off")
+    ] = MISSING
     max_grad_norm: Annotated[
         float | None, Field(gt=0, description="the averaged gradient's global L2 norm is clipped to it; null: off")
     ] = MISSING
