@@ -15,8 +15,9 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	@echo "setting up $(VENV): pip install -e '.[dev]' (log: $(VENV)/pip.log)"
 	@$(PYTHON) -m venv $(VENV)
-	@$(BIN)/pip install --quiet --upgrade pip
-	@$(BIN)/pip install -e '.[dev]' > $(VENV)/pip.log 2>&1 || \
+	@$(BIN)/pip install --quiet --upgrade pip > $(VENV)/pip.log 2>&1 || \
+		{ tail -n 20 $(VENV)/pip.log; echo "pip upgrade failed: the whole log is $(VENV)/pip.log"; exit 1; }
+	@$(BIN)/pip install -e '.[dev]' >> $(VENV)/pip.log 2>&1 || \
 		{ tail -n 20 $(VENV)/pip.log; echo "pip install failed: the whole log is $(VENV)/pip.log"; exit 1; }
 	@touch $@
 
