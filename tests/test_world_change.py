@@ -391,3 +391,11 @@ def test_a_global_batch_that_does_not_split_over_the_ranks_is_refused() -> None:
         match=r"global_batch_size=64 is invalid on 3 rank\(s\) x trainer.grad_accum_steps=1: accepted: a multiple of 3",
     ):
         per_rank_batch(64, 3, 1)
+
+
+def test_the_tensors_every_rank_holds_are_split_by_size_and_sync_none_keeps_rank_0s() -> None:
+    tensors = {"big": torch.zeros(100), "mid": torch.zeros(60), "small": torch.zeros(50)}
+    split = [sharded.mine_to_write(tensors, rank, 2, one_model=True) for rank in (0, 1)]
+    assert [sorted(part) for part in split] == [["big"], ["mid", "small"]]  # 400 bytes against 440
+    alone = [sharded.mine_to_write(tensors, rank, 2, one_model=False) for rank in (0, 1)]
+    assert sorted(alone[0]) == ["big", "mid", "small"] and alone[1] == {}  # each rank's model is its own

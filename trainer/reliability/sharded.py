@@ -10,8 +10,8 @@ resume finds.
 The tensors are keyed `model/<name>` and `optim/<name>/<key>` (<name> the parameter's in the
 model), each this rank's part: a DTensor's local shard (fsdp), a ShardedTensor's chunk of the
 flattened parameter (zero, trainer/sync/zero_checkpoint.py), or the whole tensor where every rank
-holds it alike (the replicated strategies, zero's model; DCP writes each such tensor once, spread
-over the ranks). The keys and the global shapes do not depend on the world size, so DCP reads
+holds it alike (the replicated strategies, zero's model: each such tensor written by one rank,
+split by size in mine_to_write). The keys and the global shapes do not depend on the world size, so DCP reads
 each rank's new part from whatever parts were written: a sharded checkpoint resumes at another N.
 """
 
@@ -125,6 +125,23 @@ def load_parts(
     set_optimizer_state_dict(model, optimizer, optim_state)
 
 
+def mine_to_write(tensors: dict[str, Any], rank: int, world_size: int, one_model: bool) -> dict[str, Any]:
+    """The parts this rank writes: its own shards, and its share of the tensors every rank holds alike.
+
+    DCP would de-duplicate those itself, but only in its plan, after an async save has copied every
+    one of them on every rank; split here (largest first, each to the rank with the fewest bytes so
+    far: the same answer on every rank), each rank copies and writes about 1/N of them. Ranks that
+    each train their own model (sync=none) do not hold them alike: rank 0 writes its own, as a full
+    checkpoint holds rank 0's."""
+    whole = [k for k, v in tensors.items() if type(v) is torch.Tensor]  # not a DTensor's or ShardedTensor's part
+    owner: dict[str, int] = {}
+    load = [0] * world_size
+    for key in sorted(whole, key=lambda k: (-tensors[k].numel() * tensors[k].element_size(), k)):
+        owner[key] = load.index(min(load)) if one_model else 0
+        load[owner[key]] += tensors[key].numel() * tensors[key].element_size()
+    return {k: v for k, v in tensors.items() if owner.get(k, rank) == rank}
+
+
 def step_dirs(directory: Path) -> list[Path]:
     """Complete step-<n>/ checkpoints (their .metadata and meta.pt written), newest first."""
     found = [
@@ -223,6 +240,9 @@ def save(
         partial.mkdir(parents=True)
     dist.barrier(group)
     tensors, groups = parts(strategy, model, optimizer)
+    tensors = mine_to_write(
+        tensors, dist.get_rank(group), dist.get_world_size(group), getattr(strategy, "one_model", True)
+    )
     meta = {"format": FORMAT, "sharded": True, **meta, "param_groups": groups}
 
     def publish() -> None:
