@@ -399,3 +399,18 @@ def test_the_tensors_every_rank_holds_are_split_by_size_and_sync_none_keeps_rank
     assert [sorted(part) for part in split] == [["big"], ["mid", "small"]]  # 400 bytes against 440
     alone = [sharded.mine_to_write(tensors, rank, 2, one_model=False) for rank in (0, 1)]
     assert sorted(alone[0]) == ["big", "mid", "small"] and alone[1] == {}  # each rank's model is its own
+
+
+def test_the_longer_runs_line_says_what_the_lr_does() -> None:
+    from torch.optim.lr_scheduler import LambdaLR
+
+    from trainer.loop.schedule import Constant, WarmupCosine
+    from trainer.reliability.world_change import continue_schedule
+
+    for schedule, said in ((WarmupCosine(12, warmup_steps=5), "goes from 0 to 0.0552264"), (Constant(12), "stays 0.1")):
+        scheduler = LambdaLR(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), schedule)
+        for _ in range(12):
+            scheduler.step()
+        line = continue_schedule(scheduler, [20], saved_step=12, total=20)
+        assert line is not None and line.endswith(f"the lr at step 12 {said}"), line
+        assert continue_schedule(scheduler, [20], 12, 20) is None  # the horizon is this run's now

@@ -123,8 +123,9 @@ def continue_schedule(scheduler: LRScheduler, horizons: list[int | None], saved_
     for group, base, f in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, lambdas, strict=True):
         group["lr"] = float(base) * f(scheduler.last_epoch)
     scheduler._last_lr = [float(group["lr"]) for group in scheduler.optimizer.param_groups]  # what get_last_lr() reads
+    after = scheduler.get_last_lr()[0]
+    lr = f"stays {after:.6g}" if after == before[0] else f"goes from {before[0]:.6g} to {after:.6g}"
     return (
         f"training continues from step {saved_step} to step {total} (the checkpoint's run ended at "
-        f"{old[0]}): the schedule's horizon moves to step {total}, so the lr at step {saved_step} goes "
-        f"from {before[0]:.6g} to {scheduler.get_last_lr()[0]:.6g}"
+        f"{old[0]}): the schedule's horizon moves to step {total}, so the lr at step {saved_step} {lr}"
     )
