@@ -408,8 +408,10 @@ def test_the_longer_runs_line_says_what_the_lr_does() -> None:
     from trainer.reliability.world_change import continue_schedule
 
     for schedule, said in ((WarmupCosine(12, warmup_steps=5), "goes from 0 to 0.0552264"), (Constant(12), "stays 0.1")):
-        scheduler = LambdaLR(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), schedule)
+        optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+        scheduler = LambdaLR(optimizer, schedule)
         for _ in range(12):
+            optimizer.step()  # before the schedule's step, as training does (torch warns otherwise)
             scheduler.step()
         line = continue_schedule(scheduler, [20], saved_step=12, total=20)
         assert line is not None and line.endswith(f"the lr at step 12 {said}"), line
