@@ -316,6 +316,7 @@ class Trainer:
                 self.config,
                 self.settings.checkpoint_format,
                 self._saves,
+                self.settings.fault.in_save(self.ctx.rank, self.step, self.ctx.attempt),
             )
         self._checkpoint_step = self.step
         self._rows.log_checkpoint(self.step, epoch_of(self.step, self.steps_per_epoch), cost.metrics())

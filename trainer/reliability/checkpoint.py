@@ -177,12 +177,14 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def _write_atomically(path: Path, state: dict[str, Any]) -> None:
+def _write_atomically(path: Path, state: dict[str, Any], before_rename: Callable[[], None] | None = None) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with tmp.open("wb") as f:
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
+    if before_rename is not None:
+        before_rename()  # trainer.fault.kind=kill_in_save: the file written, not yet in place
     os.replace(tmp, path)
 
 
@@ -203,11 +205,13 @@ def step_files(directory: Path) -> list[Path]:
     return [p for _, p in sorted(found, reverse=True)]
 
 
-def save_checkpoint(directory: Path, state: dict[str, Any], keep: int) -> Path:
+def save_checkpoint(
+    directory: Path, state: dict[str, Any], keep: int, before_publish: Callable[[], None] | None = None
+) -> Path:
     """Rank 0 only: step-<n>.pt, then last.pt pointing at it, then prune to the newest `keep`."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"step-{state['step']}.pt"
-    _write_atomically(path, {"format": FORMAT, **state})
+    _write_atomically(path, {"format": FORMAT, **state}, before_publish)
     _link_atomically(path, directory / "last.pt")
     for old in step_files(directory)[max(keep, 1) :]:
         old.unlink(missing_ok=True)

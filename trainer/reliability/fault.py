@@ -3,6 +3,9 @@
 `trainer.fault.rank=1 trainer.fault.at_step=3 trainer.fault.kind=crash` makes rank 1 fail at the
 start of step 3, so tests (and users checking their cluster) can watch a real job lose a rank and
 stop, restart or resume. It acts in torchrun's first attempt only, so an elastic restart runs clean.
+kind=kill_in_save acts in the checkpoint save at the end of step at_step instead: once the rank has
+written its part and before the checkpoint is published, it SIGKILLs itself (no handler, no cleanup:
+as the OOM killer or a lost node would), so tests can watch a save die half-way.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import os
 import signal
 import time
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -20,7 +24,9 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-Kind = Literal["crash", "hang", "sigterm", "perturb", "nan_loss"]  # the schema's choices for trainer.fault.kind
+Kind = Literal[
+    "crash", "hang", "sigterm", "perturb", "nan_loss", "kill_in_save"
+]  # the schema's choices for trainer.fault.kind
 KINDS: tuple[str, ...] = typing.get_args(Kind)
 
 
@@ -48,9 +54,21 @@ class Fault:
         """kind=nan_loss: this rank's loss (so its gradients, so the averaged ones) becomes NaN."""
         return self.kind == "nan_loss" and self.due(rank, step, attempt)
 
+    def in_save(self, rank: int, step: int, attempt: int) -> Callable[[], None] | None:
+        """kind=kill_in_save: what the save of this step calls between writing and publishing, or None."""
+        if self.kind != "kill_in_save" or not self.due(rank, step, attempt):
+            return None
+
+        def kill() -> None:
+            log.warning("trainer.fault: kill_in_save on rank %d at step %d (a testing aid)", rank, step)
+            logging.shutdown()  # the warning reaches the log; then nothing else runs
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        return kill
+
     def maybe_fire(self, rank: int, step: int, attempt: int, model: nn.Module) -> None:
         """Called at the start of every step (1-based) on every rank."""
-        if not self.due(rank, step, attempt) or self.kind == "nan_loss":
+        if not self.due(rank, step, attempt) or self.kind in ("nan_loss", "kill_in_save"):
             return
         log.warning(
             "trainer.fault: %s on rank %d at step %d (a testing aid; first attempt only)", self.kind, rank, step

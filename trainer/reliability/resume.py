@@ -78,19 +78,25 @@ def save(
     config: dict[str, Any],
     layout: str = "full",
     in_flight: sharded.InFlight | None = None,
+    before_publish: Callable[[], None] | None = None,
 ) -> None:
     """Every rank: contribute its RNG state, and its part of the state (sharded) or the gather (full);
-    rank 0 writes the file (full) or the meta.pt beside the parts (sharded); all wait until complete."""
+    rank 0 writes the file (full) or the meta.pt beside the parts (sharded); all wait until complete.
+    before_publish (trainer.fault.kind=kill_in_save) runs once this rank's part is written."""
     rngs: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(rngs, rng_state(ctx.device))
     facts = _facts(ctx, state, config, rngs)
     if layout == "sharded":
         model, optimizer = state.model, state.optimizer
-        sharded.save(in_flight, ctx.is_main_process, directory, keep, state.full_state, model, optimizer, facts)
+        sharded.save(
+            in_flight, ctx.is_main_process, directory, keep, state.full_state, model, optimizer, facts, before_publish
+        )
         return
     model_state, optimizer_state = state.full_state.state_dicts(state.model, state.optimizer)  # every rank
     if ctx.is_main_process:
-        save_checkpoint(directory, {"model": model_state, "optimizer": optimizer_state, **facts}, keep)
+        save_checkpoint(directory, {"model": model_state, "optimizer": optimizer_state, **facts}, keep, before_publish)
+    elif before_publish is not None:
+        before_publish()  # this rank's part (the gather) is done
     dist.barrier()  # nobody reads (or resumes from) a checkpoint before rank 0 has finished it
 
 

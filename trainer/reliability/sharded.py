@@ -226,10 +226,12 @@ def save(
     model: nn.Module,
     optimizer: Optimizer,
     meta: dict[str, Any],
+    before_publish: Callable[[], None] | None = None,
 ) -> Path:
     """Every rank writes its part into .step-<n>.partial/; rank 0 adds meta.pt, renames it step-<n>/,
     points `last` at it and prunes to the newest `keep`. Returns step-<n>/. With `in_flight`
-    (async), the previous save is waited for first and this one is left writing."""
+    (async), the previous save is waited for first and this one is left writing. before_publish
+    (trainer.fault.kind=kill_in_save) runs on this rank between its part written and the publish."""
     group = None if in_flight is None else in_flight.group
     if in_flight is not None:
         in_flight.wait()  # one save at a time
@@ -246,6 +248,8 @@ def save(
     meta = {"format": FORMAT, "sharded": True, **meta, "param_groups": groups}
 
     def publish() -> None:
+        if before_publish is not None:
+            before_publish()
         if is_main:
             _write_meta(partial / META, meta)
             _publish(partial, final, directory, keep)
