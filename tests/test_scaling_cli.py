@@ -132,7 +132,10 @@ def test_network_fitted_to_a_collectives_json(
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--network", "infiniband"], "network 'infiniband' is neither a preset (loopback, nvlink, ib-ndr400, 100gbe)"),
+        (
+            ["--network", "infiniband"],
+            "network 'infiniband' is neither a preset (loopback, nvlink, ib-ndr400, 100gbe, 10gbe, 1gbe)",
+        ),
         (["--ranks", "12", "--gpus-per-node", "8"], "12 ranks do not fill nodes of 8"),
         (["--ranks", "2,x"], "--ranks='2,x' is invalid: a comma-separated list of integers > 0"),
         (["--strategies", "ddp,horovod"], "--strategies: unknown horovod; accepted: none, manual, bucketed"),

@@ -109,7 +109,7 @@ class TrainRows:
         timer.profiled = 0
         if not self.rows and self.ctx.is_main_process:
             # Once per job, after the first logged step: DDP has rebuilt its buckets by then.
-            log.info("%s", sync_lines(self.sync.describe()))
+            log.info("%s", sync_lines(self.sync.described()))
         if self.ctx.device.type == "cuda":
             row["memory/cuda_max_allocated_mb"] = cuda_peak_mb(self.ctx.device)
         for logger in self.loggers:

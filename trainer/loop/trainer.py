@@ -344,7 +344,7 @@ class Trainer:
         self.save_checkpoint()  # before the summary, which reports what the saves cost each rank
         self.wait_for_saves()  # the end of training waits for the last save
         mine = self._rows.rank_record()
-        facts = {"sync": self.sync.describe(), "model": parameter_layout(self.model), "steps": self.step}
+        facts = {"sync": self.sync.described(), "model": parameter_layout(self.model), "steps": self.step}
         facts["epochs"] = self.step / self.steps_per_epoch
         facts |= {"global_batch_size": self.global_batch_size, "wall_time_s": wall_s, **final_eval}
         sample = end_of_run_sample(self.model, self.data)  # every rank: an FSDP forward gathers on all

@@ -27,7 +27,12 @@ PRESETS: dict[str, Network] = {
     "nvlink": Network.uniform("nvlink", alpha_s=2e-6, beta_Bps=360e9),  # NVLink 4 (H100 SXM): 450 GB/s each way
     "ib-ndr400": Network.uniform("ib-ndr400", alpha_s=5e-6, beta_Bps=45e9),  # 400 Gb/s = 50 GB/s per NIC
     "100gbe": Network.uniform("100gbe", alpha_s=15e-6, beta_Bps=10e9),  # 100 Gb/s = 12.5 GB/s, RoCE or TCP
+    "10gbe": Network.uniform("10gbe", alpha_s=25e-6, beta_Bps=1.1e9),  # 10 Gb/s = 1.25 GB/s, TCP
+    "1gbe": Network.uniform("1gbe", alpha_s=50e-6, beta_Bps=0.11e9),  # 1 Gb/s = 125 MB/s, TCP
 }
+# The presets network=<name> emulates (conf/network/): every one above but loopback, which is this
+# machine's measured gloo (emulating it on top of itself would count it twice).
+EMULATED = tuple(name for name in PRESETS if name != "loopback")
 
 
 def parse_network(text: str) -> Network:

@@ -29,6 +29,7 @@ from trainer.loop.trainer import Trainer
 from trainer.setup.dist import DistContext, hostname
 from trainer.setup.settings import TrainSettings
 from trainer.sync.base import DecayGroups, SyncStrategy
+from trainer.sync.network import EmulatedLink
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,7 @@ class Parts:
     schedule_factory: Callable[..., Callable[[int], float]]
     sync_batchnorm: bool = False  # model.sync_batchnorm: applied by build_trainer, once the device is known
     compile: bool = False  # trainer.compile: needs a compiler where the device is CPU
+    link: EmulatedLink | None = None  # network=<preset>: handed to the strategy by build_trainer
 
 
 def build_parts(cfg: DictConfig, settings: TrainSettings, world_size: int = 1) -> Parts:
@@ -140,6 +142,7 @@ def build_parts(cfg: DictConfig, settings: TrainSettings, world_size: int = 1) -
         sync=instantiate(cfg.sync),
         optimizer_factory=optimizer_factory(cfg.optim),
         schedule_factory=hydra.utils.instantiate(cfg.schedule, _partial_=True, _convert_="all"),
+        link=instantiate(cfg.network).link(world_size),
     )
 
 
@@ -216,6 +219,11 @@ def check_device(parts: Parts, device: torch.device) -> None:
     if parts.sync_batchnorm:
         _refuse_sync_batchnorm_on_cpu(device)
     parts.sync.check_device(device)
+    if parts.link is not None and device.type != "cpu":
+        raise ConfigError(
+            f"network={parts.link.describe()!r} cannot run on {device}: the emulated link times collectives "
+            "with host clocks, which NCCL's asynchronous kernels outrun; accepted: network=none, or trainer.device=cpu"
+        )
     missing = compiler_missing(device) if parts.compile else None
     if missing:
         raise ConfigError(
@@ -263,6 +271,8 @@ def build_trainer(
     config: dict[str, Any],
 ) -> Trainer:
     model = convert_sync_batchnorm(parts.model, ctx.device) if parts.sync_batchnorm else parts.model
+    if parts.link is not None:
+        parts.sync.use_network(parts.link)  # before the trainer's wrap(): DDP's hook needs it then
     return Trainer(
         settings=settings,
         ctx=ctx,

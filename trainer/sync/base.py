@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from trainer.sync.collectives import Collectives, CommCounters
+from trainer.sync.collectives import Collectives, CommCounters, EmulatedLink
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
 WeightDecayOn = Literal["all", "matrices"]
@@ -85,6 +85,12 @@ class SyncStrategy(ABC):
 
     def __init__(self) -> None:
         self.net = Collectives()
+        self.network: str | None = None  # network=<preset>: the emulated link, as the sync line names it
+
+    def use_network(self, link: EmulatedLink) -> None:
+        """Before wrap(): every collective sent through self.net waits for the emulated link."""
+        self.net.link = link
+        self.network = link.describe()
 
     @abstractmethod
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -181,6 +187,10 @@ class SyncStrategy(ABC):
     def describe(self) -> dict[str, Any]:
         """What the strategy does, for logs and summaries."""
         return {}
+
+    def described(self) -> dict[str, Any]:
+        """describe(), and the emulated network it ran on (network=<preset>): the sync line and summary.json."""
+        return self.describe() if self.network is None else {**self.describe(), "network": self.network}
 
 
 def optimizer_grads(optimizer: Optimizer) -> list[torch.Tensor]:

@@ -88,10 +88,11 @@ class DDPSync(SyncStrategy):
             )
         self._module = model
         self._grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        link = self.net.link  # network=<preset>: DDP's collectives are reached through a hook, always
         if self.time_buckets:
-            self._timed_hook = TimedAllReduceHook(dist.get_world_size())
-        elif self.comm_hook != "none":
-            self._hook = CountedHook(self.comm_hook, self.powersgd_rank, self.powersgd_start_step)
+            self._timed_hook = TimedAllReduceHook(dist.get_world_size(), link)
+        elif self.comm_hook != "none" or link is not None:
+            self._hook = CountedHook(self.comm_hook, self.powersgd_rank, self.powersgd_start_step, link)
         if self.bucket_cap_mb != "auto":
             return self._build(float(self.bucket_cap_mb))
         self._tuner = CapTuner(self.auto_candidates_mb, self.auto_steps_per_trial, self.auto_warmup_steps, device)

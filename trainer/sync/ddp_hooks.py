@@ -15,6 +15,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from trainer.sync.collectives import EmulatedLink
+
 
 class TimedAllReduceHook:
     """A DDP communication hook doing what DDP's built-in all-reduce does, timed per bucket.
@@ -25,19 +27,23 @@ class TimedAllReduceHook:
     mean that on CPU, where gloo completes the future when the data is there.
     """
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, link: EmulatedLink | None = None) -> None:
         self.world_size = world_size
+        self.link = link  # network=<preset>: the bucket arrives no earlier than the emulated link brings it
         self.bytes = 0
         self.calls = 0
         self.intervals: list[tuple[float, float]] = []
 
     def hook(self, state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         tensor = bucket.buffer()
-        self.bytes += tensor.numel() * tensor.element_size()
+        nbytes = tensor.numel() * tensor.element_size()
+        self.bytes += nbytes
         self.calls += 1
         launched = time.perf_counter()
         tensor.div_(self.world_size)
         future = dist.all_reduce(tensor, async_op=True).get_future()
+        if self.link is not None:
+            future = self.link.delayed_future(future, "all_reduce", nbytes)
 
         def arrived(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
             self.intervals.append((launched, time.perf_counter()))  # runs on gloo's thread
@@ -49,7 +55,9 @@ class TimedAllReduceHook:
 class CountedHook:
     """One of PyTorch's own DDP communication hooks, called unchanged, counting what it really sends.
 
-    fp16/bf16: each bucket is all-reduced cast to 2 bytes per element, one all_reduce per bucket.
+    none (only with an emulated network, which needs a hook to reach DDP's collectives): torch's
+    allreduce_hook, what DDP does without one (divide, all_reduce SUM). fp16/bf16: each bucket is
+    all-reduced cast to 2 bytes per element, one all_reduce per bucket.
     PowerSGD: for its first `start_powerSGD_iter` steps, the whole bucket in its own dtype; after
     that three all_reduces per bucket: the tensors it leaves uncompressed (1-D ones such as biases,
     and matrices too small to gain `min_compression_rate`), then P, then Q. Their element count is
@@ -57,8 +65,11 @@ class CountedHook:
     step I sums exactly those sizes), so that is what is counted, in the bucket's element size.
     """
 
-    def __init__(self, name: str, powersgd_rank: int, powersgd_start_step: int) -> None:
+    def __init__(
+        self, name: str, powersgd_rank: int, powersgd_start_step: int, link: EmulatedLink | None = None
+    ) -> None:
         self.name = name
+        self.link = link  # network=<preset>: the hook's future done no earlier than its collectives' link time
         self.bytes = 0
         self.calls = 0
         self.powersgd: powerSGD_hook.PowerSGDState | None = None
@@ -66,24 +77,30 @@ class CountedHook:
             self.powersgd = powerSGD_hook.PowerSGDState(
                 process_group=None, matrix_approximation_rank=powersgd_rank, start_powerSGD_iter=powersgd_start_step
             )
-        self._cast = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}.get(name)
+        self._plain = {
+            "none": default_hooks.allreduce_hook,
+            "fp16": default_hooks.fp16_compress_hook,
+            "bf16": default_hooks.bf16_compress_hook,
+        }.get(name)
 
     def hook(self, state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
-        if self._cast is not None:
-            self.bytes += buffer.numel() * 2  # float16 and bfloat16 alike
-            self.calls += 1
-            return self._cast(None, bucket)  # type: ignore[arg-type]  # None: the default group
-        assert self.powersgd is not None
-        before = self.powersgd.total_numel_after_compression
-        future = powerSGD_hook.powerSGD_hook(self.powersgd, bucket)
-        compressed = self.powersgd.total_numel_after_compression - before
-        if compressed:  # uncompressed tensors, Ps, Qs
-            self.bytes += compressed * buffer.element_size()
-            self.calls += 3
-        else:  # before start_powerSGD_iter: the plain all-reduce of the whole bucket
-            self.bytes += buffer.numel() * buffer.element_size()
-            self.calls += 1
+        if self._plain is not None:
+            nbytes, calls = buffer.numel() * (buffer.element_size() if self.name == "none" else 2), 1
+            future = self._plain(None, bucket)  # type: ignore[arg-type]  # None: the default group
+        else:
+            assert self.powersgd is not None
+            before = self.powersgd.total_numel_after_compression
+            future = powerSGD_hook.powerSGD_hook(self.powersgd, bucket)
+            compressed = self.powersgd.total_numel_after_compression - before
+            if compressed:  # uncompressed tensors, Ps, Qs
+                nbytes, calls = compressed * buffer.element_size(), 3
+            else:  # before start_powerSGD_iter: the plain all-reduce of the whole bucket
+                nbytes, calls = buffer.numel() * buffer.element_size(), 1
+        self.bytes += nbytes
+        self.calls += calls
+        if self.link is not None:  # the hook's all_reduces, one after another on the link
+            future = self.link.delayed_future(future, "all_reduce", nbytes, calls)
         return future
 
 

@@ -34,7 +34,7 @@ from torch.optim import Optimizer
 
 from trainer.errors import ConfigError
 from trainer.sync.base import OptimizerFactory, SyncStrategy
-from trainer.sync.collectives import broadcast_from_rank0
+from trainer.sync.collectives import EmulatedLink, broadcast_from_rank0
 from trainer.sync.fsdp_state import by_index, by_name
 from trainer.sync.fsdp_units import Wrap, choose_units, resolve
 from trainer.sync.fsdp_usage import FirstForwardCheck, expected_usage
@@ -102,6 +102,10 @@ class FSDPSync(SyncStrategy):
                 "gradient reduction are CUDA-only here; use trainer.device=cuda, or sync.mixed_precision=none "
                 "(trainer.precision=bf16 autocasts the compute on any device)"
             )
+
+    def use_network(self, link: EmulatedLink) -> None:
+        """FSDP2 issues its all_gathers and reduce_scatters itself, out of reach: the run says so."""
+        self.network = f"{link.describe()}; not emulated: FSDP2 issues its collectives itself"
 
     def wrap(self, model: nn.Module) -> nn.Module:
         # fully_shard keeps each rank's own slice of its local tensors; it does not make them equal.

@@ -55,7 +55,8 @@ def reduce(
     (gloo's all_reduce; take() then reads this rank's slice)."""
     if native:
         return net.reduce_scatter(shard, full, bucket, grad_bytes=grad_bytes)
-    return net.all_reduce(full, bucket, grad_bytes=grad_bytes)
+    # An emulated link (network=<preset>) charges the reduce_scatter this stands for.
+    return net.all_reduce(full, bucket, grad_bytes=grad_bytes, stands_for=("reduce_scatter", _nbytes(full), 1))
 
 
 def take(shard: torch.Tensor, full: torch.Tensor, rank: int, divisor: int, native: bool) -> None:
@@ -72,13 +73,18 @@ def gather(net: Collectives, full: torch.Tensor, mine: torch.Tensor, native: boo
     """Start filling `full` (a padded bucket) with every rank's slice; `mine` is this rank's."""
     if native:
         return [net.all_gather(full, mine, bucket)]
-    rank, size = dist.get_rank(), mine.numel()
+    rank, size, world = dist.get_rank(), mine.numel(), dist.get_world_size()
     works = []
-    for owner in range(dist.get_world_size()):  # every rank issues the same broadcasts, in the same order
+    as_gather = ("all_gather", _nbytes(full), world)  # on an emulated link: 1/N of the all_gather each
+    for owner in range(world):  # every rank issues the same broadcasts, in the same order
         tensor = mine if owner == rank else full[owner * size : (owner + 1) * size]
-        works.append(net.broadcast(tensor, owner, bucket))
+        works.append(net.broadcast(tensor, owner, bucket, stands_for=as_gather))
     full[rank * size : (rank + 1) * size].copy_(mine)
     return works
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 class ShardedGrads:

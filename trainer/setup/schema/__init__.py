@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from hydra.core.config_store import ConfigStore
 
-from trainer.setup.schema import data, models, optim, run, sync
+from trainer.setup.schema import data, models, network, optim, run, sync
 from trainer.setup.schema.declare import for_omegaconf
 
 # The ConfigStore dataclasses (OmegaConf.get_type of a composed node), made from the declared schemas.
@@ -26,6 +26,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
         ("schedule", run.SCHEDULES),
         ("trainer", run.TRAINERS),
         ("logger", run.LOGGERS),
+        ("network", network.OPTIONS),
     )
 }
 # Where each group's schemas live, for the messages that ask for a missing one.
@@ -39,6 +40,7 @@ MODULES = {
         ("schedule", "run"),
         ("trainer", "run"),
         ("logger", "run"),
+        ("network", "network"),
     )
 }
 

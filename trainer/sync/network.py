@@ -1,0 +1,198 @@
+"""An emulated network (network=<preset>): each collective a strategy sends completes no earlier than
+a real link would have finished it, so overlap, bucket size, compression and sharding pay here as
+they do on a cluster.
+
+The link's time is trainer/scaling's alpha-beta model (trainer/scaling/costs.py: ring all_reduce
+2(n-1) steps, reduce_scatter and all_gather n-1, each alpha + S/(n beta); two levels when ranks
+form nodes), on the same presets (trainer/scaling/networks.py: one table for both), stretched by
+network.time_scale. The link carries one collective at a time, as NCCL's stream or gloo's thread
+does: a collective launched while another is on the link starts when that one is done. So its
+emulated completion is max(launch, link free) + its time, and it is handed on at the later of that
+and the real completion: by a timer thread that sleeps until the next deadline (a timer, not a
+spin: compute running meanwhile has the cores), or, for a plain wait(), by sleeping after the real
+wait. Values are the real collective's, untouched: every strategy still equals one process.
+
+What reaches the link: every collective sent through a strategy's `net` (trainer/sync/collectives.py)
+and sync=ddp's communication hooks. Not: FSDP2's own collectives (fsdp says so in its sync line),
+the broadcast of rank 0's parameters at start, and bookkeeping collectives of a few bytes (the
+unused-parameter counts, zero's finite check, the tuner's vote), which run at loopback speed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainer.errors import ConfigError
+from trainer.scaling.costs import Link, Topology
+from trainer.scaling.costs import Network as Preset
+from trainer.scaling.networks import EMULATED, PRESETS
+
+
+@dataclass(frozen=True)
+class Network:
+    """What conf/network/<option>.yaml builds: a preset between emulated nodes, optionally overridden,
+    and the link inside a node when gpus_per_node > 1. preset `none`: no emulation at all."""
+
+    preset: str = "none"
+    latency_us: float | None = None  # per ring step; None: the preset's
+    bandwidth_gbps: float | None = None  # per rank and direction, in Gb/s (bits); None: the preset's
+    gpus_per_node: int = 1  # ranks per emulated node: 1, every collective crosses the preset's link
+    intra: str = "nvlink"  # the link inside a node
+    intra_latency_us: float | None = None
+    intra_bandwidth_gbps: float | None = None
+    time_scale: float = 1.0  # every link time multiplied by it (docs/performance.md: matching a GPU)
+
+    def link(self, world_size: int) -> EmulatedLink | None:
+        """The job's link at this world size, or None for network=none; bad combinations refused."""
+        if self.preset == "none":
+            overridden = [k for k in _OVERRIDES if getattr(self, k) is not None]
+            if overridden:
+                raise ConfigError(
+                    f"network.{overridden[0]}={getattr(self, overridden[0])!r} is invalid with network=none: "
+                    f"accepted: pick a link to override with network=<preset> ({', '.join(EMULATED)})"
+                )
+            return None
+        if world_size % self.gpus_per_node:
+            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+            raise ConfigError(
+                f"network.gpus_per_node={self.gpus_per_node} is invalid on {world_size} rank(s): "
+                f"accepted: a divisor of the world size ({', '.join(map(str, divisors))})"
+            )
+        inter = _tier(self.preset, self.latency_us, self.bandwidth_gbps)
+        intra = _tier(self.intra, self.intra_latency_us, self.intra_bandwidth_gbps) if self.gpus_per_node > 1 else inter
+        topology = Topology(world_size, self.gpus_per_node, intra, inter)
+        where = (
+            inter.describe()
+            if self.gpus_per_node == 1
+            else f"{inter.describe()}; {intra.describe()} in nodes of {self.gpus_per_node}"
+        )
+        scale = "" if self.time_scale == 1 else f" x{self.time_scale:g}"
+        return EmulatedLink(topology, self.time_scale, f"{where}{scale}")
+
+
+_OVERRIDES = ("latency_us", "bandwidth_gbps", "intra_latency_us", "intra_bandwidth_gbps")
+
+
+def _tier(name: str, latency_us: float | None, bandwidth_gbps: float | None) -> Preset:
+    """A preset, its alpha or beta replaced where given (bandwidth in Gb/s: bits, as links are sold)."""
+    base = PRESETS[name].link("all_reduce")
+    alpha = base.alpha_s if latency_us is None else latency_us * 1e-6
+    beta = base.beta_Bps if bandwidth_gbps is None else bandwidth_gbps * 1e9 / 8
+    same = latency_us is None and bandwidth_gbps is None
+    return Preset.uniform(name if same else f"{name}*", alpha, beta)
+
+
+class EmulatedLink:
+    """One rank's view of the emulated link: each collective's deadline, and its delayed result."""
+
+    def __init__(self, topology: Topology, time_scale: float, name: str) -> None:
+        self.topology, self.time_scale, self.name = topology, time_scale, name
+        self._lock = threading.Lock()
+        self._free_at = 0.0  # perf_counter time the link finishes what it carries now
+        self._timer = _Timer()
+
+    def describe(self) -> str:
+        return self.name
+
+    def seconds(self, kind: str, nbytes: int, calls: int = 1) -> float:
+        """The link's time for `calls` collectives of `kind` moving nbytes between them (equal parts)."""
+        if kind == "broadcast":  # a pipelined ring broadcast: n-1 latencies, the buffer once
+            link = self._slowest()
+            one = (self.topology.ranks - 1) * link.alpha_s + nbytes / calls / link.beta_Bps
+            return self.time_scale * calls * (one if self.topology.ranks > 1 else 0.0)
+        return self.time_scale * calls * self.topology.collective_s(kind, nbytes / calls)
+
+    def _slowest(self) -> Link:
+        tier = self.topology.inter if self.topology.nodes > 1 else self.topology.intra
+        return tier.link("all_gather")
+
+    def deadline(self, seconds: float) -> float:
+        """Launched now and taking `seconds` on the link: when it is done (after what is on it now)."""
+        with self._lock:
+            self._free_at = max(time.perf_counter(), self._free_at) + seconds
+            return self._free_at
+
+    def delayed(self, work: dist.Work, kind: str, nbytes: int, share: int = 1) -> dist.Work:
+        """A launched collective's Work, done no earlier than its link time (1/share of one of
+        kind's on nbytes: gloo's substitutes stand for a part of the collective the algorithm sends)."""
+        return Delayed(work, self.deadline(self.seconds(kind, nbytes) / share), self._timer)
+
+    def delayed_future(
+        self, future: torch.futures.Future[Any], kind: str, nbytes: int, calls: int = 1
+    ) -> torch.futures.Future[Any]:
+        """A collective's future (a DDP hook's), completed no earlier than its link time."""
+        return self._timer.after(future, self.deadline(self.seconds(kind, nbytes, calls)))
+
+
+class Delayed(dist.Work):
+    """A Work that is done at the later of the real collective's end and its emulated deadline."""
+
+    def __init__(self, work: dist.Work, deadline: float, timer: _Timer) -> None:
+        super().__init__()
+        self._work, self._deadline, self._timer = work, deadline, timer
+
+    def wait(self, timeout: Any = None) -> bool:
+        self._work.wait()
+        left = self._deadline - time.perf_counter()
+        if left > 0:
+            time.sleep(left)  # a timer, not a spin: the cores stay free for compute
+        return True
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed() and time.perf_counter() >= self._deadline
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        return self._timer.after(self._work.get_future(), self._deadline)  # gloo's reduce_scatter: raises
+
+
+class _Timer:
+    """Completes futures at their deadlines from one thread that sleeps until the next one."""
+
+    def __init__(self) -> None:
+        self._due: list[tuple[float, int, Callable[[], None]]] = []
+        self._order = itertools.count()
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def after(self, real: torch.futures.Future[Any], deadline: float) -> torch.futures.Future[Any]:
+        """A future with real's value (or error), set no earlier than deadline."""
+        out: torch.futures.Future[Any] = torch.futures.Future()
+
+        def arrived(done: torch.futures.Future[Any]) -> None:  # on the backend's thread
+            try:
+                value = done.value()
+            except Exception as err:  # the collective failed: no reason to wait for the link
+                out.set_exception(err)
+                return
+            if time.perf_counter() >= deadline:
+                out.set_result(value)
+            else:
+                self._at(deadline, lambda: out.set_result(value))
+
+        real.add_done_callback(arrived)
+        return out
+
+    def _at(self, deadline: float, action: Callable[[], None]) -> None:
+        with self._wake:
+            heapq.heappush(self._due, (deadline, next(self._order), action))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="ddplab-link", daemon=True)
+                self._thread.start()
+            self._wake.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._due or self._due[0][0] > time.perf_counter():
+                    self._wake.wait(None if not self._due else max(0.0, self._due[0][0] - time.perf_counter()))
+                _, _, action = heapq.heappop(self._due)
+            action()
