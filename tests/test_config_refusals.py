@@ -158,6 +158,21 @@ TABLE: list[Row] = [
     Row("trainer=default", "trainer.fault.kind=segfault", "choice", "trainer.fault.kind='segfault'"),
     # logger
     Row("logger=wandb", "logger.mode=onlin", "choice", "logger.mode='onlin'"),
+    # network: every option is a preset of the one schema, so each takes the same rows
+    *(
+        row
+        for option in ("none", "nvlink", "ib-ndr400", "100gbe", "10gbe", "1gbe")
+        for row in (
+            Row(f"network={option}", "network.preset=2gbe", "choice", "network.preset='2gbe'"),
+            Row(f"network={option}", "network.latency_us=-1", "low", "network.latency_us=-1.0"),
+            Row(f"network={option}", "network.bandwidth_gbps=0", "low", "network.bandwidth_gbps=0.0"),
+            Row(f"network={option}", "network.gpus_per_node=0", "low", "network.gpus_per_node=0"),
+            Row(f"network={option}", "network.intra=loopback", "choice", "network.intra='loopback'"),
+            Row(f"network={option}", "network.intra_latency_us=-1", "low", "network.intra_latency_us=-1.0"),
+            Row(f"network={option}", "network.intra_bandwidth_gbps=0", "low", "network.intra_bandwidth_gbps=0.0"),
+            Row(f"network={option}", "network.time_scale=0", "low", "network.time_scale=0.0"),
+        )
+    ),
 ]
 
 

@@ -16,7 +16,7 @@ from trainer.setup.build import instantiate, optimizer_factory
 from trainer.setup.settings import TrainSettings
 from trainer.sync.base import SyncStrategy
 
-GROUPS = ("model", "data", "sync", "optim", "schedule", "trainer", "logger", "strategy", "experiment")
+GROUPS = ("model", "data", "sync", "optim", "schedule", "trainer", "logger", "network", "strategy", "experiment")
 
 
 def options(group: str) -> list[str]:
@@ -82,8 +82,11 @@ def test_option_composes_and_instantiates(group: str, option: str, tmp_path: Pat
         logger.close()
         if option == "wandb":
             assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    elif group == "network":  # none: no link; a preset: its link on 2 ranks, named after it
+        link = instantiate(cfg.network).link(2)
+        assert link is None if option == "none" else link is not None and link.describe().startswith(option)
     elif group == "experiment":
-        for node in ("model", "data", "sync", "optim", "schedule", "trainer", "logger"):
+        for node in ("model", "data", "sync", "optim", "schedule", "trainer", "logger", "network"):
             assert "_target_" in cfg[node]
     else:
         pytest.fail(f"no check for group {group}")

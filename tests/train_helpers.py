@@ -41,7 +41,7 @@ def build(
     """The Trainer train.py would build, on the process group the test helper started (gloo)."""
     cfg = compose_config(overrides)
     settings = instantiate(cfg.trainer)
-    parts = build_parts(cfg, settings)
+    parts = build_parts(cfg, settings, world_size)  # as train.py: the world size sets what depends on it
     ctx = DistContext(rank, rank, world_size, torch.device(device), "gloo")
     prepare_data(parts.data, ctx)
     return build_trainer(parts, settings, ctx, list(loggers), Path(run_dir), config or {})
