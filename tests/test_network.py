@@ -155,7 +155,7 @@ def test_a_two_level_link_uses_the_intra_tier_inside_nodes_and_overrides_in_gbps
     link = Network(preset="100gbe", gpus_per_node=2, bandwidth_gbps=8.0, latency_us=10.0).link(4)
     assert link is not None
     assert link.topology.nodes == 2 and link.topology.inter.link("all_reduce").beta_Bps == 1e9  # 8 Gb/s
-    assert link.topology.intra is PRESETS["nvlink"]
+    assert link.topology.intra == PRESETS["nvlink"]
     inside = Network(preset="100gbe", gpus_per_node=4).link(4)
     assert inside is not None and inside.seconds("all_reduce", MIB) == pytest.approx(
         ring_s("all_reduce", MIB, 4, PRESETS["nvlink"].link("all_reduce"))
