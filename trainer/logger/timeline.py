@@ -77,6 +77,7 @@ def figures(timelines: Sequence[RankTimeline], steps: Sequence[int]) -> dict[str
             "comm_ms": fig.length(comm) / 1e3,
             "hidden_ms": fig.intersection(comm, compute) / 1e3,
             "collectives": len(t.comm),
+            "emulated_collectives": sum(c.emulated for c in t.comm),  # network=<preset>: ended by the link
             "clock_uncertainty_us": t.uncertainty_us,
             "lanes": "GPU kernels (NCCL vs compute)" if t.on_gpu else "host (gloo vs the backward phase)",
         }
@@ -127,14 +128,15 @@ def _span(rank: int, tid: str, item: Interval, cat: str) -> dict[str, Any]:
         "tid": tid,
         "ts": item.start,
         "dur": item.end - item.start,
-        "args": {"step": item.step},
+        "args": {"step": item.step, **({"emulated_link": True} if item.emulated else {})},
     }
 
 
 def caption(rank: dict[str, Any], waits: list[float]) -> str:
     share = percent(rank["overlap"])
     wait = f"\nwaited {max(waits):.2f} ms max" if waits else ""
-    return f"overlap {share}\ncomm {rank['comm_ms']:.1f} ms{wait}\nclock ±{rank['clock_uncertainty_us']:.0f} µs"
+    link = " (emulated)" if rank.get("emulated_collectives") else ""
+    return f"overlap {share}\ncomm {rank['comm_ms']:.1f} ms{link}{wait}\nclock ±{rank['clock_uncertainty_us']:.0f} µs"
 
 
 def write_timeline(run_dir: Path, out: Path, steps: str | None = None, ranks: str | None = None) -> dict[str, Any]:

@@ -7,16 +7,22 @@ it: gloo's worker thread, or on CUDA the NCCL kernel), paired in launch order: t
 them in the order they are issued. Its name is the lab's range around the launch where the
 strategy set one (`bucket 3 all_reduce 4.0 MiB`), else from DDP's bucket layout, else the
 enclosing range of the library that launched it (FSDP's), else its kind and size.
+
+With an emulated network (network=<preset>, trainer/sync/network.py) a collective is done at the
+later of the backend's end and the link's emulated completion, which the link marks in the trace
+just after the launch, on the launching thread: that span ends at the later of the two.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from trainer.sync.collectives import collective_name
+from trainer.sync.network import completion_after_us
 
 DTYPE_BYTES = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8, "int": 4}
 AUTOGRAD = "autograd::engine::evaluate_function"  # one backward op's computation on the host
@@ -29,6 +35,7 @@ class Interval:
     start: float
     end: float
     step: int
+    emulated: bool = False  # a collective's span ended by an emulated link's completion (network=<preset>)
 
 
 @dataclass
@@ -118,8 +125,9 @@ def read_rank(path: Path, ddp_buckets: list[int] | None = None) -> tuple[RankTim
         runs = sorted((e for e in events if e["name"].startswith(("gloo:", "nccl:"))), key=lambda e: e["ts"])
     launches = sorted((e for e in events if e["name"].startswith("c10d::")), key=lambda e: e["ts"])
     ranges = [e for e in events if e.get("cat") == "user_annotation"]
+    emulated = emulated_ends(launches, ranges)
     per_step: dict[tuple[int, str], int] = {}  # all_reduces so far in the step: DDP's bucket index
-    for launch, run in zip(launches, runs, strict=False):
+    for i, (launch, run) in enumerate(zip(launches, runs, strict=False)):
         step = step_of(launch["ts"])
         if not step:
             continue
@@ -129,7 +137,10 @@ def read_rank(path: Path, ddp_buckets: list[int] | None = None) -> tuple[RankTim
         name = _name(launch, ranges, ddp_buckets, index)
         # On CUDA the span is the NCCL kernel itself (GPU time); on CPU from the launch to gloo's end.
         start = run["ts"] if kernels else launch["ts"]
-        timeline.comm.append(Interval(name, start, max(run["ts"] + run["dur"], start), step))
+        end = max(run["ts"] + run["dur"], start)
+        if i in emulated:  # done at the later of the backend's end and the link's
+            end = max(end, emulated[i])
+        timeline.comm.append(Interval(name, start, end, step, emulated=i in emulated))
     if not kernels:
         # On CPU the computation is the autograd engine's work (host time, not the backward phase:
         # DDP's backward also waits for its last buckets, which hides nothing).
@@ -139,6 +150,24 @@ def read_rank(path: Path, ddp_buckets: list[int] | None = None) -> tuple[RankTim
             if e["tid"] == main and e["name"].startswith(AUTOGRAD)
         ]
     return timeline, {name: int(s) for name, s in steps.items()}
+
+
+def emulated_ends(launches: list[dict[str, Any]], ranges: list[dict[str, Any]]) -> dict[int, float]:
+    """Per launch (its index in `launches`) the emulated link's completion: each completion mark
+    belongs to its thread's last launch before it (the link marks it on returning from the launch)."""
+    by_thread: dict[Any, list[tuple[float, int]]] = {}
+    for i, launch in enumerate(launches):  # launches are in time order
+        by_thread.setdefault(launch["tid"], []).append((launch["ts"], i))
+    ends: dict[int, float] = {}
+    for mark in ranges:
+        after = completion_after_us(mark["name"])
+        if after is None:
+            continue
+        mine = by_thread.get(mark["tid"], [])
+        k = bisect.bisect_right(mine, (mark["ts"], len(launches)))
+        if k:
+            ends[mine[k - 1][1]] = mark["ts"] + after
+    return ends
 
 
 def _name(launch: dict[str, Any], ranges: list[dict[str, Any]], ddp_buckets: list[int] | None, index: int) -> str:

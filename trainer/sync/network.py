@@ -16,6 +16,12 @@ What reaches the link: every collective sent through a strategy's `net` (trainer
 and sync=ddp's communication hooks. Not: FSDP2's own collectives (fsdp says so in its sync line),
 the broadcast of rank 0's parameters at start, and bookkeeping collectives of a few bytes (the
 unused-parameter counts, zero's finite check, the tuner's vote), which run at loopback speed.
+
+In a trainer.profile=true trace: while the profiler records (`collectives.recording`), each emulated
+collective leaves an empty range right after its launch on the launching thread, naming its
+emulated completion (`emulated link: done +12.345678 ms`); the timeline (trainer/logger/
+timeline_trace.py) ends the launch's span there when that is after the backend's end. With the
+profiler off that costs one global read per collective; with network=none nothing here runs.
 """
 
 from __future__ import annotations
@@ -30,11 +36,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from trainer.errors import ConfigError
 from trainer.scaling.costs import Link, Topology
 from trainer.scaling.costs import Network as Preset
 from trainer.scaling.networks import EMULATED, PRESETS
+from trainer.sync import collectives
+
+MARK = "emulated link: done +"  # the trace's completion marks: MARK, then milliseconds after the mark, then " ms"
 
 
 @dataclass(frozen=True)
@@ -119,7 +129,10 @@ class EmulatedLink:
         """Launched now and taking `seconds` on the link: when it is done (after what is on it now)."""
         with self._lock:
             self._free_at = max(time.perf_counter(), self._free_at) + seconds
-            return self._free_at
+            done = self._free_at
+        if collectives.recording:  # the profiler records: the timeline's span ends at `done`
+            mark_completion(done)
+        return done
 
     def delayed(self, work: dist.Work, kind: str, nbytes: int, share: int = 1) -> dist.Work:
         """A launched collective's Work, done no earlier than its link time (1/share of one of
@@ -131,6 +144,21 @@ class EmulatedLink:
     ) -> torch.futures.Future[Any]:
         """A collective's future (a DDP hook's), completed no earlier than its link time."""
         return self._timer.after(future, self.deadline(self.seconds(kind, nbytes, calls)))
+
+
+def mark_completion(deadline: float) -> None:
+    """An empty range in the profiler's trace, on this thread just after the launch, naming
+    the launch's emulated completion relative to itself (no clock to convert, nothing to pair by
+    order: the reader takes this thread's last launch before it)."""
+    with record_function(f"{MARK}{(deadline - time.perf_counter()) * 1e3:.6f} ms"):
+        pass
+
+
+def completion_after_us(name: str) -> float | None:
+    """A completion mark's distance to its emulated completion, in µs; None for any other range."""
+    if not name.startswith(MARK) or not name.endswith(" ms"):
+        return None
+    return float(name[len(MARK) : -len(" ms")]) * 1e3
 
 
 class Delayed(dist.Work):
