@@ -68,6 +68,32 @@ def test_overhead_benchmark_on_a_language_model(tmp_path: Path) -> None:
     assert row["mb_per_step"] > 0  # read back from the framework's rows, which only --set made it write
 
 
+def test_overhead_benchmark_collective_cost_quick_run(tmp_path: Path) -> None:
+    """--collective-cost: every route and step pair has its row, and every time is positive (the
+    extras are differences of noisy times: only their presence is checked)."""
+    out = tmp_path / "cost.json"
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=1", str(REPO / "benchmarks" / "overhead.py")]
+    cmd += ["--collective-cost", "--quick", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "network=none's branch alone:" in proc.stdout and "| ~0 link / none [IQR] |" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["branch_ns"] >= 0  # best-of differences of a few ns: 0 where noise hides it
+    routes = {row["route"]: row for row in report["collectives"]}
+    assert {"torch: launch + wait()", "Collectives, link None (network=none)", "Collectives, ~0 link: wait()"} <= set(
+        routes
+    )
+    assert any(name.startswith("DDP hook's future") for name in routes) and len(routes) == 8
+    for row in routes.values():
+        low, high = row["us_iqr"]
+        assert row["us"] > 0 and low <= row["us"] <= high  # 2 rounds' quartiles may reach below 0
+        floor = row["against"] == "(the floor)"
+        assert (row["extra_us"] is None) == floor
+    steps = [(row["model"], row["sync"]) for row in report["steps"]]
+    assert steps == [("mlp-tiny", "manual"), ("mlp-tiny", "ddp"), ("mlp-deep", "manual:coalesce_mb=0")]
+    assert all(row["none_ms"] > 0 and row["free_ms"] > 0 and row["ratio"] > 0 for row in report["steps"])
+
+
 def test_step_costs_counts_every_piece_of_the_step_path(tmp_path: Path) -> None:
     script = REPO / "benchmarks" / "step_costs.py"
     cmd = [sys.executable, str(script), "--device", "cpu", "--number", "200"]
