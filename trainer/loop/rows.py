@@ -43,6 +43,12 @@ def _word(value: Any) -> str:
     return f'"{text}"' if " " in text else text
 
 
+def described(sync: SyncStrategy, network: str | None) -> dict[str, Any]:
+    """The strategy's describe(), and the emulated network it ran on (network=<preset>): what the
+    `sync:` line and summary.json's `sync` show."""
+    return sync.describe() if network is None else {**sync.describe(), "network": network}
+
+
 def sync_lines(info: dict[str, Any]) -> str:
     """The strategy's describe() on screen: `sync: key=value ...`, a few pairs a line, continued indented."""
     pairs = [f"{key}={_word(value)}" for key, value in info.items()]
@@ -54,9 +60,15 @@ class TrainRows:
     """Writes each logged row to every logger and keeps the rows for this rank's summary."""
 
     def __init__(
-        self, ctx: DistContext, sync: SyncStrategy, loggers: Sequence[MetricLogger], rates: TokenRates | None = None
+        self,
+        ctx: DistContext,
+        sync: SyncStrategy,
+        loggers: Sequence[MetricLogger],
+        rates: TokenRates | None = None,
+        network: str | None = None,
     ) -> None:
         self.ctx, self.sync, self.loggers = ctx, sync, loggers
+        self.network = network  # network=<preset>: the emulated link, as the sync line names it
         self.rates = rates  # token data: tokens/s and MFU rows
         self.rows: list[dict[str, Any]] = []
         self._samples = 0  # trained on, over every window (evaluation and checkpoints excluded)
@@ -109,7 +121,7 @@ class TrainRows:
         timer.profiled = 0
         if not self.rows and self.ctx.is_main_process:
             # Once per job, after the first logged step: DDP has rebuilt its buckets by then.
-            log.info("%s", sync_lines(self.sync.described()))
+            log.info("%s", sync_lines(described(self.sync, self.network)))
         if self.ctx.device.type == "cuda":
             row["memory/cuda_max_allocated_mb"] = cuda_peak_mb(self.ctx.device)
         for logger in self.loggers:

@@ -38,7 +38,7 @@ from trainer.loop.lm import compile_model, end_of_run_sample, token_rates, write
 from trainer.loop.metrics import Window, evaluate
 from trainer.loop.profiling import ProfiledStepTimer, StepProfiler, send_timeline
 from trainer.loop.progress import logging_above, progress_bar
-from trainer.loop.rows import TrainRows
+from trainer.loop.rows import TrainRows, described
 from trainer.loop.step import StepRunner
 from trainer.loop.steps import (
     epoch_of,
@@ -81,6 +81,7 @@ class Trainer:
         loggers: Sequence[MetricLogger],
         run_dir: Path,
         config: dict[str, Any],
+        network: str | None = None,
     ) -> None:
         self.settings = settings
         self.ctx = ctx
@@ -125,7 +126,8 @@ class Trainer:
         self._nonfinite = NonFiniteCheck(ctx.device)
         self._batches: Iterator[Any] | None = None  # the current epoch's batches
         self.data = data
-        self._rows = TrainRows(ctx, sync, self.loggers, token_rates(self.model, data, ctx.device, settings))
+        rates = token_rates(self.model, data, ctx.device, settings)
+        self._rows = TrainRows(ctx, sync, self.loggers, rates, network)
         # trainer.fault (a testing aid) attaches around the step path only when it is configured.
         steps = FaultInjectingSteps if settings.fault.configured else StepRunner
         self._steps = steps(
@@ -344,7 +346,11 @@ class Trainer:
         self.save_checkpoint()  # before the summary, which reports what the saves cost each rank
         self.wait_for_saves()  # the end of training waits for the last save
         mine = self._rows.rank_record()
-        facts = {"sync": self.sync.described(), "model": parameter_layout(self.model), "steps": self.step}
+        facts = {
+            "sync": described(self.sync, self._rows.network),
+            "model": parameter_layout(self.model),
+            "steps": self.step,
+        }
         facts["epochs"] = self.step / self.steps_per_epoch
         facts |= {"global_batch_size": self.global_batch_size, "wall_time_s": wall_s, **final_eval}
         sample = end_of_run_sample(self.model, self.data)  # every rank: an FSDP forward gathers on all

@@ -29,7 +29,7 @@ from trainer.loop.trainer import Trainer
 from trainer.setup.dist import DistContext, hostname
 from trainer.setup.settings import TrainSettings
 from trainer.sync.base import DecayGroups, SyncStrategy
-from trainer.sync.network import EmulatedLink
+from trainer.sync.network import EmulatedCollectives, EmulatedLink
 
 log = logging.getLogger(__name__)
 
@@ -271,8 +271,11 @@ def build_trainer(
     config: dict[str, Any],
 ) -> Trainer:
     model = convert_sync_batchnorm(parts.model, ctx.device) if parts.sync_batchnorm else parts.model
-    if parts.link is not None:
-        parts.sync.use_network(parts.link)  # before the trainer's wrap(): DDP's hook needs it then
+    network = None if parts.link is None else parts.link.describe()  # the sync line names it
+    if parts.link is not None and parts.sync.not_emulated:
+        network = f"{network}; not emulated: {parts.sync.not_emulated}"
+    elif parts.link is not None:  # before the trainer's wrap(): DDP picks its hook then
+        parts.sync.net = EmulatedCollectives(parts.link)
     return Trainer(
         settings=settings,
         ctx=ctx,
@@ -284,4 +287,5 @@ def build_trainer(
         loggers=loggers,
         run_dir=run_dir,
         config=config,
+        network=network,
     )

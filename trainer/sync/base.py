@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from trainer.sync.collectives import Collectives, CommCounters, EmulatedLink
+from trainer.sync.collectives import Collectives, CommCounters
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
 WeightDecayOn = Literal["all", "matrices"]
@@ -76,21 +76,18 @@ class SyncStrategy(ABC):
     gradient (zero, fsdp), so their global norm needs a reduction across ranks.
     `one_model` says the ranks train one model between them (False for sync=none, where each
     trains its own): only then does a checkpoint continue at another world size.
+    `not_emulated` says why an emulated network cannot delay its collectives, if it cannot (they do
+    not go through self.net).
     """
 
     comm_in_sync_phase: bool = False
     keeps_replicas_equal: bool = True  # the trainer's replica check applies
     grads_sharded: bool = False  # each rank's optimizer reads its own disjoint shard of the gradient
     one_model: bool = True  # the ranks train one model (sync=none: one each)
+    not_emulated: str | None = None  # why network=<preset> cannot reach its collectives (fsdp); None: it can
 
     def __init__(self) -> None:
-        self.net = Collectives()
-        self.network: str | None = None  # network=<preset>: the emulated link, as the sync line names it
-
-    def use_network(self, link: EmulatedLink) -> None:
-        """Before wrap(): every collective sent through self.net waits for the emulated link."""
-        self.net.link = link
-        self.network = link.describe()
+        self.net = Collectives()  # network=<preset>: build_trainer swaps in an emulated link's, before wrap()
 
     @abstractmethod
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -187,10 +184,6 @@ class SyncStrategy(ABC):
     def describe(self) -> dict[str, Any]:
         """What the strategy does, for logs and summaries."""
         return {}
-
-    def described(self) -> dict[str, Any]:
-        """describe(), and the emulated network it ran on (network=<preset>): the sync line and summary.json."""
-        return self.describe() if self.network is None else {**self.describe(), "network": self.network}
 
 
 def optimizer_grads(optimizer: Optimizer) -> list[torch.Tensor]:

@@ -95,77 +95,41 @@ def exposed_time(intervals: Sequence[tuple[float, float]]) -> float:
     return max(0.0, max(end for _, end in intervals) - max(start for start, _ in intervals))
 
 
-class EmulatedLink(Protocol):
-    """network=<preset>'s link (trainer/sync/network.py): a collective's result no earlier than its link time."""
-
-    def delayed(self, work: dist.Work, kind: str, nbytes: int, share: int = 1) -> dist.Work: ...
-
-    def delayed_future(
-        self, future: torch.futures.Future[Any], kind: str, nbytes: int, calls: int = 1
-    ) -> torch.futures.Future[Any]: ...
-
-    def describe(self) -> str: ...
-
-
-# What an emulated link charges for a gloo substitute: (the collective it stands for, its bytes,
-# how many launches share it). None: what is sent.
-StandsFor = tuple[str, int, int] | None
-
-
 class Collectives:
     """torch.distributed's collectives, asynchronous (SUM for reductions), each one counted in
     `counts` and, while trainer.profile records, launched inside a profiler range naming it
     (`bucket 3 all_reduce 4.0 MiB`); otherwise the naming costs one global read.
 
     `grad_bytes`: the gradient bytes a reduction averages, for comm/bytes_per_step (default: the
-    whole tensor); a gather or broadcast of parameters adds none. `link` (network=<preset>): each
-    collective's Work is done no earlier than the emulated link would finish it; `stands_for` names
-    what a gloo substitute stands for there (zero's all_reduce for a reduce_scatter).
+    whole tensor); a gather or broadcast of parameters adds none. network=<preset> swaps in
+    trainer/sync/network.py's EmulatedCollectives, whose Works are done no earlier than its `link`
+    would finish them (DDP's hooks delay their futures through that link too).
     """
 
     def __init__(self) -> None:
         self.counts = CommCounters()
-        self.link: EmulatedLink | None = None
 
-    def all_reduce(
-        self,
-        tensor: torch.Tensor,
-        bucket: int | None = None,
-        grad_bytes: int | None = None,
-        stands_for: StandsFor = None,
-    ) -> dist.Work:
+    def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None, grad_bytes: int | None = None) -> dist.Work:
         nbytes = self._count("all_reduce", tensor, grad_bytes)
-        work = _launch("all_reduce", nbytes, bucket, dist.all_reduce, tensor, op=dist.ReduceOp.SUM, async_op=True)
-        return work if self.link is None else self._delayed(work, "all_reduce", nbytes, stands_for)
+        return _launch("all_reduce", nbytes, bucket, dist.all_reduce, tensor, op=dist.ReduceOp.SUM, async_op=True)
 
     def reduce_scatter(
         self, shard: torch.Tensor, full: torch.Tensor, bucket: int | None = None, grad_bytes: int | None = None
     ) -> dist.Work:
         """This rank's 1/N of the sum of `full` (a padded buffer) into `shard`."""
         nbytes = self._count("reduce_scatter", full, grad_bytes)
-        work = _launch(
+        return _launch(
             "reduce_scatter", nbytes, bucket, reduce_scatter_tensor, shard, full, op=dist.ReduceOp.SUM, async_op=True
         )
-        return work if self.link is None else self._delayed(work, "reduce_scatter", nbytes, None)
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, bucket: int | None = None) -> dist.Work:
         """Every rank's `shard`, side by side, into every rank's `full`."""
         nbytes = self._count("all_gather", full, 0)
-        work = _launch("all_gather", nbytes, bucket, all_gather_tensor, full, shard, async_op=True)
-        return work if self.link is None else self._delayed(work, "all_gather", nbytes, None)
+        return _launch("all_gather", nbytes, bucket, all_gather_tensor, full, shard, async_op=True)
 
-    def broadcast(
-        self, tensor: torch.Tensor, src: int, bucket: int | None = None, stands_for: StandsFor = None
-    ) -> dist.Work:
+    def broadcast(self, tensor: torch.Tensor, src: int, bucket: int | None = None) -> dist.Work:
         nbytes = self._count("broadcast", tensor, 0)
-        work = _launch("broadcast", nbytes, bucket, dist.broadcast, tensor, src=src, async_op=True)
-        return work if self.link is None else self._delayed(work, "broadcast", nbytes, stands_for)
-
-    def _delayed(self, work: dist.Work, kind: str, nbytes: int, stands_for: StandsFor) -> dist.Work:
-        assert self.link is not None
-        if stands_for is None:
-            return self.link.delayed(work, kind, nbytes)
-        return self.link.delayed(work, *stands_for)
+        return _launch("broadcast", nbytes, bucket, dist.broadcast, tensor, src=src, async_op=True)
 
     def _count(self, kind: str, tensor: torch.Tensor, grad_bytes: int | None) -> int:
         nbytes = tensor.numel() * tensor.element_size()

@@ -88,7 +88,7 @@ class DDPSync(SyncStrategy):
             )
         self._module = model
         self._grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-        link = self.net.link  # network=<preset>: DDP's collectives are reached through a hook, always
+        link = getattr(self.net, "link", None)  # network=<preset>: it reaches DDP's collectives through a hook
         if self.time_buckets:
             self._timed_hook = TimedAllReduceHook(dist.get_world_size(), link)
         elif self.comm_hook != "none" or link is not None:

@@ -7,7 +7,7 @@ No `from __future__ import annotations` here: DDP checks a hook's annotations as
 """
 
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -15,7 +15,13 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from trainer.sync.collectives import EmulatedLink
+
+class Link(Protocol):
+    """network=<preset>'s link (trainer/sync/network.py's EmulatedLink), as the hooks delay a future on it."""
+
+    def delayed_future(
+        self, future: torch.futures.Future[Any], kind: str, nbytes: int, calls: int = 1
+    ) -> torch.futures.Future[Any]: ...
 
 
 class TimedAllReduceHook:
@@ -27,7 +33,7 @@ class TimedAllReduceHook:
     mean that on CPU, where gloo completes the future when the data is there.
     """
 
-    def __init__(self, world_size: int, link: EmulatedLink | None = None) -> None:
+    def __init__(self, world_size: int, link: Link | None = None) -> None:
         self.world_size = world_size
         self.link = link  # network=<preset>: the bucket arrives no earlier than the emulated link brings it
         self.bytes = 0
@@ -65,9 +71,7 @@ class CountedHook:
     step I sums exactly those sizes), so that is what is counted, in the bucket's element size.
     """
 
-    def __init__(
-        self, name: str, powersgd_rank: int, powersgd_start_step: int, link: EmulatedLink | None = None
-    ) -> None:
+    def __init__(self, name: str, powersgd_rank: int, powersgd_start_step: int, link: Link | None = None) -> None:
         self.name = name
         self.link = link  # network=<preset>: the hook's future done no earlier than its collectives' link time
         self.bytes = 0
@@ -93,10 +97,9 @@ class CountedHook:
             before = self.powersgd.total_numel_after_compression
             future = powerSGD_hook.powerSGD_hook(self.powersgd, bucket)
             compressed = self.powersgd.total_numel_after_compression - before
-            if compressed:  # uncompressed tensors, Ps, Qs
-                nbytes, calls = compressed * buffer.element_size(), 3
-            else:  # before start_powerSGD_iter: the plain all-reduce of the whole bucket
-                nbytes, calls = buffer.numel() * buffer.element_size(), 1
+            # uncompressed tensors, Ps, Qs; before start_powerSGD_iter, the plain all-reduce of the whole bucket
+            numel, calls = (compressed, 3) if compressed else (buffer.numel(), 1)
+            nbytes = numel * buffer.element_size()
         self.bytes += nbytes
         self.calls += calls
         if self.link is not None:  # the hook's all_reduces, one after another on the link

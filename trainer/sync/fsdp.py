@@ -34,7 +34,7 @@ from torch.optim import Optimizer
 
 from trainer.errors import ConfigError
 from trainer.sync.base import OptimizerFactory, SyncStrategy
-from trainer.sync.collectives import EmulatedLink, broadcast_from_rank0
+from trainer.sync.collectives import broadcast_from_rank0
 from trainer.sync.fsdp_state import by_index, by_name
 from trainer.sync.fsdp_units import Wrap, choose_units, resolve
 from trainer.sync.fsdp_usage import FirstForwardCheck, expected_usage
@@ -77,6 +77,7 @@ class FSDPSync(SyncStrategy):
     # trainer's replica check to compare (state_dicts() gathers them when a checkpoint needs them).
     keeps_replicas_equal = False
     grads_sharded = True  # each parameter's .grad is a DTensor: this rank's shard of the average
+    not_emulated = "FSDP2 issues its collectives itself"  # network=<preset> cannot delay them: the run says so
 
     def __init__(
         self,
@@ -102,10 +103,6 @@ class FSDPSync(SyncStrategy):
                 "gradient reduction are CUDA-only here; use trainer.device=cuda, or sync.mixed_precision=none "
                 "(trainer.precision=bf16 autocasts the compute on any device)"
             )
-
-    def use_network(self, link: EmulatedLink) -> None:
-        """FSDP2 issues its all_gathers and reduce_scatters itself, out of reach: the run says so."""
-        self.network = f"{link.describe()}; not emulated: FSDP2 issues its collectives itself"
 
     def wrap(self, model: nn.Module) -> nn.Module:
         # fully_shard keeps each rank's own slice of its local tensors; it does not make them equal.

@@ -26,6 +26,7 @@ profiler off that costs one global read per collective; with network=none nothin
 
 from __future__ import annotations
 
+import ctypes
 import heapq
 import itertools
 import threading
@@ -43,6 +44,7 @@ from trainer.scaling.costs import Link, Topology
 from trainer.scaling.costs import Network as Preset
 from trainer.scaling.networks import EMULATED, PRESETS
 from trainer.sync import collectives
+from trainer.sync.collectives import Collectives
 
 MARK = "emulated link: done +"  # the trace's completion marks: MARK, then milliseconds after the mark, then " ms"
 
@@ -94,11 +96,12 @@ _OVERRIDES = ("latency_us", "bandwidth_gbps", "intra_latency_us", "intra_bandwid
 
 def _tier(name: str, latency_us: float | None, bandwidth_gbps: float | None) -> Preset:
     """A preset, its alpha or beta replaced where given (bandwidth in Gb/s: bits, as links are sold)."""
+    if latency_us is None and bandwidth_gbps is None:
+        return PRESETS[name]
     base = PRESETS[name].link("all_reduce")
     alpha = base.alpha_s if latency_us is None else latency_us * 1e-6
     beta = base.beta_Bps if bandwidth_gbps is None else bandwidth_gbps * 1e9 / 8
-    same = latency_us is None and bandwidth_gbps is None
-    return Preset.uniform(name if same else f"{name}*", alpha, beta)
+    return Preset.uniform(f"{name}*", alpha, beta)  # the star: a preset overridden
 
 
 class EmulatedLink:
@@ -109,12 +112,20 @@ class EmulatedLink:
         self._lock = threading.Lock()
         self._free_at = 0.0  # perf_counter time the link finishes what it carries now
         self._timer = _Timer()
+        self._seconds: dict[tuple[str, int, int], float] = {}  # a step sends the same sizes again and again
+        _tighten_timer_slack()
 
     def describe(self) -> str:
         return self.name
 
     def seconds(self, kind: str, nbytes: int, calls: int = 1) -> float:
         """The link's time for `calls` collectives of `kind` moving nbytes between them (equal parts)."""
+        key = (kind, nbytes, calls)
+        if key not in self._seconds:
+            self._seconds[key] = self._cost(kind, nbytes, calls)
+        return self._seconds[key]
+
+    def _cost(self, kind: str, nbytes: int, calls: int) -> float:
         if kind == "broadcast":  # a pipelined ring broadcast: n-1 latencies, the buffer once
             link = self._slowest()
             one = (self.topology.ranks - 1) * link.alpha_s + nbytes / calls / link.beta_Bps
@@ -134,16 +145,58 @@ class EmulatedLink:
             mark_completion(done)
         return done
 
-    def delayed(self, work: dist.Work, kind: str, nbytes: int, share: int = 1) -> dist.Work:
-        """A launched collective's Work, done no earlier than its link time (1/share of one of
-        kind's on nbytes: gloo's substitutes stand for a part of the collective the algorithm sends)."""
-        return Delayed(work, self.deadline(self.seconds(kind, nbytes) / share), self._timer)
+    def delayed(self, work: dist.Work, kind: str, nbytes: int) -> dist.Work:
+        """A launched collective's Work, done no earlier than its link time."""
+        return Delayed(work, self.deadline(self.seconds(kind, nbytes)), self._timer)
 
     def delayed_future(
         self, future: torch.futures.Future[Any], kind: str, nbytes: int, calls: int = 1
     ) -> torch.futures.Future[Any]:
         """A collective's future (a DDP hook's), completed no earlier than its link time."""
         return self._timer.after(future, self.deadline(self.seconds(kind, nbytes, calls)))
+
+
+class EmulatedCollectives(Collectives):
+    """A strategy's collectives (trainer/sync/collectives.py), each Work done no earlier than the
+    link would finish it: what network=<preset> swaps in for the strategy's own `net`."""
+
+    def __init__(self, link: EmulatedLink) -> None:
+        super().__init__()
+        self.link = link
+
+    def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None, grad_bytes: int | None = None) -> dist.Work:
+        return self.link.delayed(super().all_reduce(tensor, bucket, grad_bytes), "all_reduce", _nbytes(tensor))
+
+    def reduce_scatter(
+        self, shard: torch.Tensor, full: torch.Tensor, bucket: int | None = None, grad_bytes: int | None = None
+    ) -> dist.Work:
+        return self.link.delayed(
+            super().reduce_scatter(shard, full, bucket, grad_bytes), "reduce_scatter", _nbytes(full)
+        )
+
+    def all_gather(self, full: torch.Tensor, shard: torch.Tensor, bucket: int | None = None) -> dist.Work:
+        return self.link.delayed(super().all_gather(full, shard, bucket), "all_gather", _nbytes(full))
+
+    def broadcast(self, tensor: torch.Tensor, src: int, bucket: int | None = None) -> dist.Work:
+        return self.link.delayed(super().broadcast(tensor, src, bucket), "broadcast", _nbytes(tensor))
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _tighten_timer_slack() -> None:
+    """Linux wakes a sleeping thread up to 50 µs late by default (its timer slack); the link's
+    sleeps and timer waits then hand collectives on late. 1 µs of slack for this process, where the
+    call exists (Linux's prctl); elsewhere the default stays, and docs/network.md says what it costs."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.prctl(_PR_SET_TIMERSLACK, 1000, 0, 0, 0)  # nanoseconds
+    except (OSError, AttributeError):
+        pass
+
+
+_PR_SET_TIMERSLACK = 29
 
 
 def mark_completion(deadline: float) -> None:

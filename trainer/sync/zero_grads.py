@@ -27,7 +27,9 @@ broadcast per rank of its shard costs half of one: the numbers are in docs/sync.
 bucket is all_reduced in place and this rank's slice read into its shard (the full bucket is held
 until then either way), and the shards are gathered by one broadcast per rank, each from its owner
 (as ZeroRedundancyOptimizer broadcasts its parameters). Same bytes, bit-identical results: only the
-collectives differ, and comm/* counts the ones really issued.
+collectives differ, and comm/* counts the ones really issued. An emulated network (network=<preset>)
+takes the native ones even on gloo: the link charges each collective its own kind's time, and the
+lesson is what a cluster sends.
 """
 
 from __future__ import annotations
@@ -55,8 +57,7 @@ def reduce(
     (gloo's all_reduce; take() then reads this rank's slice)."""
     if native:
         return net.reduce_scatter(shard, full, bucket, grad_bytes=grad_bytes)
-    # An emulated link (network=<preset>) charges the reduce_scatter this stands for.
-    return net.all_reduce(full, bucket, grad_bytes=grad_bytes, stands_for=("reduce_scatter", _nbytes(full), 1))
+    return net.all_reduce(full, bucket, grad_bytes=grad_bytes)
 
 
 def take(shard: torch.Tensor, full: torch.Tensor, rank: int, divisor: int, native: bool) -> None:
@@ -73,18 +74,13 @@ def gather(net: Collectives, full: torch.Tensor, mine: torch.Tensor, native: boo
     """Start filling `full` (a padded bucket) with every rank's slice; `mine` is this rank's."""
     if native:
         return [net.all_gather(full, mine, bucket)]
-    rank, size, world = dist.get_rank(), mine.numel(), dist.get_world_size()
+    rank, size = dist.get_rank(), mine.numel()
     works = []
-    as_gather = ("all_gather", _nbytes(full), world)  # on an emulated link: 1/N of the all_gather each
-    for owner in range(world):  # every rank issues the same broadcasts, in the same order
+    for owner in range(dist.get_world_size()):  # every rank issues the same broadcasts, in the same order
         tensor = mine if owner == rank else full[owner * size : (owner + 1) * size]
-        works.append(net.broadcast(tensor, owner, bucket, stands_for=as_gather))
+        works.append(net.broadcast(tensor, owner, bucket))
     full[rank * size : (rank + 1) * size].copy_(mine)
     return works
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
 
 
 class ShardedGrads:
@@ -95,8 +91,9 @@ class ShardedGrads:
     ) -> None:
         self.stage = stage
         self.net = net
-        # gloo's own reduce_scatter and all_gather are slow paths: see the module's doc.
-        self.native = dist.get_backend() != "gloo"
+        # gloo's own reduce_scatter and all_gather are slow paths: see the module's doc. On an emulated
+        # link (network=<preset>), which charges each collective its kind's time, the real ones.
+        self.native = dist.get_backend() != "gloo" or hasattr(net, "link")  # EmulatedCollectives has one
         self.reduce_kind, self.gather_kind = kinds(self.native)
         self.world_size = layout.world_size
         params = groups[0][0]
