@@ -31,14 +31,13 @@ per-round ratios framework / baseline, with their interquartile range (the shard
 "zero against ddp's own step").
 
 --collective-cost measures instead what network=<preset> (trainer/sync/network.py) costs: µs per
-collective of one small all_reduce launched and waited for along each route (plain torch, the
-framework's Collectives with no link, and with an emulated link whose time is ~0, a DDP hook's
-future delayed or not, and a link that binds, to see how late its deadline is kept), the routes
-interleaved in rounds (the order reversed every other round), medians and IQR; network=none's branch
-alone in ns (timeit); and the framework's step with network=none against the ~0 link on the shapes
-where a per-collective cost shows (benchmarks/overhead_network.py). One rank is enough (a gloo group
-of 1 still runs every collective on gloo's thread, and the links are built for 2 ranks): on 2 ranks
-sharing 2 cores the loopback's latency noise buries microseconds.
+collective of one small all_reduce along each route it can take (plain torch, the strategy's
+Collectives as network=none runs them, EmulatedCollectives on a link of ~0 time, a DDP hook's
+delayed future, and a link that binds, to see how late its deadline is kept), then the framework's
+step with network=none against the ~0 link; the routes, the rounds and the tables are in
+benchmarks/overhead_network.py. One rank is enough (a gloo group of 1 still runs every collective on
+gloo's thread, and the links are built for 2 ranks): on 2 ranks sharing 2 cores the loopback's
+latency noise buries microseconds.
 """
 
 from __future__ import annotations
@@ -49,8 +48,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -229,131 +227,6 @@ def format_table(rows: list[dict[str, object]], baseline: str | None = None) -> 
     return "\n".join(lines)
 
 
-@dataclass
-class CostReport:
-    """--collective-cost's results: one row per route, one per step pair."""
-
-    branch_ns: float
-    calls: int  # collectives per route and round
-    collectives: list[dict[str, object]]
-    steps: list[dict[str, object]]
-
-
-def repeated(call: Callable[[], object]) -> Callable[[int], None]:
-    def run(n: int) -> None:
-        for _ in range(n):
-            call()
-
-    return run
-
-
-def collective_cost(args: argparse.Namespace, ctx: ddist.DistContext, out: Path) -> CostReport:
-    """--collective-cost: the routes' µs per collective, network=none's branch, and the step pairs."""
-    calls = 10 if args.quick else network.CALLS
-    routes = network.routes(ctx.world_size)
-    times: dict[str, list[float]] = {route.name: [] for route in routes}
-    for route in routes:  # warm: gloo's buffers, the timer threads started
-        repeated(route.call)(calls)
-    for round_ in range(args.rounds):
-        for route in routes if round_ % 2 == 0 else reversed(routes):
-            times[route.name].append(timed(repeated(route.call), calls, ctx.device))
-    rows: list[dict[str, object]] = []
-    for route in routes:
-        mine = [t * 1e6 for t in times[route.name]]
-        if route.link_s:  # a bound link: how late after the link's own time
-            extra: list[float] | None = [m - route.link_s * 1e6 for m in mine]
-            against = f"the link's {route.link_s * 1e6:.0f} µs"
-        elif route.floor:  # per round, against the plain torch route timed in the same round
-            extra = [m - f * 1e6 for m, f in zip(mine, times[route.floor], strict=True)]
-            against = route.floor
-        else:  # a floor itself
-            extra, against = None, "(the floor)"
-        rows.append(
-            {
-                "route": route.name,
-                "against": against,
-                "us": statistics.median(mine),
-                "us_iqr": iqr(mine),
-                "extra_us": statistics.median(extra) if extra else None,
-                "extra_us_iqr": iqr(extra) if extra else None,
-            }
-        )
-    branch_ns = network.branch_ns()
-    steps = [step_pair(model, strategy, branch_ns, args, ctx, out) for model, strategy in network.STEP_PAIRS]
-    return CostReport(branch_ns, calls, rows, steps)
-
-
-def step_pair(
-    model: str, strategy: str, branch_ns: float, args: argparse.Namespace, ctx: ddist.DistContext, out: Path
-) -> dict[str, object]:
-    """The framework's step with network=none and with the ~0 link, interleaved in the same rounds."""
-    where = out / f"cost-{model}-{strategy.replace(':', '-')}"
-    none = Framework(MODELS[model], strategy, ctx, where / "none", args.set)
-    free = Framework(MODELS[model], strategy, ctx, where / "free", [*network.FREE_OVERRIDES, *args.set])
-    impls: list[tuple[list[float], Framework]] = [([], none), ([], free)]
-    for _, impl in impls:
-        impl.run(args.warmup)
-    for round_ in range(args.rounds):
-        for times, impl in impls if round_ % 2 == 0 else reversed(impls):
-            times.append(timed(impl.run, args.steps, ctx.device))
-    (none_s, _), (free_s, _) = impls
-    extra = [(f - n) * 1e6 for f, n in zip(free_s, none_s, strict=True)]
-    ratios = [f / n for f, n in zip(free_s, none_s, strict=True)]
-    rows = [json.loads(line) for line in none.jsonl.read_text().splitlines()] if none.jsonl.exists() else []
-    counted = [row["comm/collectives_per_step"] for row in rows if "comm/collectives_per_step" in row]
-    per_step = counted[-1] if counted else None
-    # The branch runs once per collective sent through a strategy's net; ddp's hook is chosen once, at wrap.
-    through_net = not strategy.startswith("ddp")
-    branch_fraction = branch_ns * 1e-9 * per_step / statistics.median(none_s) if per_step and through_net else None
-    return {
-        "model": model,
-        "sync": strategy,
-        "none_ms": statistics.median(none_s) * 1e3,
-        "free_ms": statistics.median(free_s) * 1e3,
-        "ratio": statistics.median(ratios),
-        "ratio_iqr": iqr(ratios),
-        "extra_us": statistics.median(extra),
-        "extra_us_iqr": iqr(extra),
-        "collectives_per_step": per_step,
-        "extra_us_per_collective": statistics.median(extra) / per_step if per_step else None,
-        "branch_fraction": branch_fraction,
-    }
-
-
-def format_cost(report: CostReport) -> str:
-    def spread(value: object, bounds: object, spec: str) -> str:
-        assert isinstance(bounds, (tuple, list))
-        return f"{value:{spec}} [{bounds[0]:{spec}} – {bounds[1]:{spec}}]"
-
-    lines = [
-        f"network=none's branch alone: {report.branch_ns:.1f} ns per collective (timeit: best of 201 x 20,000)",
-        "",
-        "| route (a 1 KiB all_reduce, launched and waited for) | µs/collective [IQR] | extra µs [IQR] | against |",
-        "|---|---|---|---|",
-    ]
-    for r in report.collectives:
-        lines.append(
-            f"| {r['route']} | {spread(r['us'], r['us_iqr'], '.1f')} "
-            f"| {'-' if r['extra_us'] is None else spread(r['extra_us'], r['extra_us_iqr'], '.1f')} "
-            f"| {r['against']} |"
-        )
-    lines += [
-        "",
-        "| model | sync | network=none ms/step | ~0 link ms/step | ~0 link / none [IQR] | extra µs/step [IQR] "
-        "| collectives/step | extra µs/collective | none's branch / step |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in report.steps:
-        per_step, per_call, fraction = r["collectives_per_step"], r["extra_us_per_collective"], r["branch_fraction"]
-        lines.append(
-            f"| {r['model']} | {r['sync']} | {r['none_ms']:.2f} | {r['free_ms']:.2f} "
-            f"| {spread(r['ratio'], r['ratio_iqr'], '.3f')} | {spread(r['extra_us'], r['extra_us_iqr'], '.0f')} "
-            f"| {'-' if per_step is None else f'{per_step:g}'} | {'-' if per_call is None else f'{per_call:.1f}'} "
-            f"| {'-' if fraction is None else f'{fraction:.1e}'} |"
-        )
-    return "\n".join(lines)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, help="default 15 (--collective-cost: 31)")
@@ -390,17 +263,7 @@ def main() -> None:
     ctx = ddist.init_process_group(env, ddist.job_store(env), device, 600, "ddplab/overhead/")
     try:
         if args.collective_cost:
-            with tempfile.TemporaryDirectory() as tmp:
-                report = collective_cost(args, ctx, Path(tmp))
-            if ctx.is_main_process:
-                print(
-                    f"{ctx.world_size} rank(s), {ctx.backend} on {ctx.device}, {args.rounds} rounds x "
-                    f"{report.calls} collectives per route and {args.steps} steps per pair, interleaved; "
-                    "medians over rounds, each round's time the slowest rank's"
-                )
-                print(format_cost(report))
-                if args.json:
-                    args.json.write_text(json.dumps(asdict(report), indent=2) + "\n")
+            network.run(args, ctx, MODELS, timed, iqr)
             return
         with tempfile.TemporaryDirectory() as tmp:
             results = [
