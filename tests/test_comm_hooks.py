@@ -74,6 +74,8 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Every hook's run, one after another in one pair of spawned ranks."""
     knobs = [f"sync.powersgd_rank={POWERSGD_RANK}", f"sync.powersgd_start_step={POWERSGD_START}"]
     cases = {hook: [f"sync.comm_hook={hook}", *knobs] for hook in HOOKS}
+    # ~1 KB buckets: several in flight at once, which on gloo aborted PowerSGD once it compressed
+    cases["powersgd-buckets"] = ["sync.comm_hook=powersgd", "sync.bucket_cap_mb=0.001", *knobs]
     root = tmp_path_factory.mktemp("hooks")
     return run_on_ranks(train_each, 2, root / "ranks", train, cases, str(root / "runs"), timeout_s=600)
 
@@ -96,6 +98,16 @@ def test_hook_keeps_replicas_equal_counts_what_it_sends_and_trains(trained: list
         assert rows[-1]["train/loss"] < 0.95 * rows[0]["train/loss"], [row["train/loss"] for row in rows]
     if hook == "powersgd":  # compressing really sends less: the check above is not vacuous
         assert expected_per_step(hook, 12)[0] < expected_per_step(hook, 2)[0] / 4
+
+
+def test_powersgd_with_several_buckets_keeps_the_ranks_in_step_on_gloo(trained: list[dict[str, Any]]) -> None:
+    rank0, rank1 = case_results(trained, "powersgd-buckets")
+    assert all(torch.equal(rank0["params"][k], rank1["params"][k]) for k in rank0["params"]), "replicas differ"
+    assert rank0["sync"]["num_buckets"] > 1
+    rows = rank0["rows"]
+    assert [row["step"] for row in rows] == [2, 4, 6, 8, 10, 12]  # past its start step, compressing
+    assert rows[-1]["comm/collectives_per_step"] == 3 * rank0["sync"]["num_buckets"]
+    assert rows[-1]["train/loss"] < 0.95 * rows[0]["train/loss"]
 
 
 @pytest.mark.parametrize(

@@ -13,15 +13,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
 
 class Link(Protocol):
     """network=<preset>'s link (trainer/sync/network.py's EmulatedLink), as the hooks delay a future on it."""
 
-    def delayed_future(
-        self, future: torch.futures.Future[Any], kind: str, nbytes: int, calls: int = 1
-    ) -> torch.futures.Future[Any]: ...
+    def delayed_future(self, future: Future[Any], kind: str, nbytes: int, calls: int = 1) -> Future[Any]: ...
 
 
 class TimedAllReduceHook:
@@ -42,8 +41,7 @@ class TimedAllReduceHook:
 
     def hook(self, state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         tensor = bucket.buffer()
-        nbytes = tensor.numel() * tensor.element_size()
-        self.bytes += nbytes
+        self.bytes += (nbytes := tensor.numel() * tensor.element_size())
         self.calls += 1
         launched = time.perf_counter()
         tensor.div_(self.world_size)
@@ -96,6 +94,12 @@ class CountedHook:
             assert self.powersgd is not None
             before = self.powersgd.total_numel_after_compression
             future = powerSGD_hook.powerSGD_hook(self.powersgd, bucket)
+            # PowerSGD chains a bucket's all_reduces (P once the uncompressed ones are in, then Q) in
+            # callbacks; on gloo those run on its threads in an order that differs between ranks once
+            # two buckets are in flight, and gloo aborts on the mismatch. There each bucket's chain is
+            # waited for in its hook: every rank sends bucket 0's three, then bucket 1's, ...
+            if dist.get_backend() == "gloo":
+                future.wait()
             compressed = self.powersgd.total_numel_after_compression - before
             # uncompressed tensors, Ps, Qs; before start_powerSGD_iter, the plain all-reduce of the whole bucket
             numel, calls = (compressed, 3) if compressed else (buffer.numel(), 1)
