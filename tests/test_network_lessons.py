@@ -1,5 +1,5 @@
 """What a slow emulated link shows, end to end under torchrun (slow): overlap hides communication
-and a hand-written all_reduce after backward hides none; the bucket cap's step time is U-shaped.
+and a hand-written all_reduce after backward hides none; the exposed communication is U-shaped in the cap.
 
 Three launches: a route-1 sweep of ddp over three caps, bucketed at the middle cap, manual. The
 link is 1gbe with its latency raised to 2 ms a ring step (network.latency_us) and every time x3
@@ -8,10 +8,12 @@ one all_reduce of the model takes ~345 ms, a little more than backward, so a mid
 about backward's time of it; 48 buckets of 0.25 MiB pay 12 ms of latency each; one bucket of
 25 MiB leaves only after backward. Measured here, unloaded (median step, s): ddp 1.12 / 0.68 / 0.84
 at caps 0.25 / 2 / 25, bucketed 0.66 at 2, manual 0.95; overlap 0.74 and 0.66 at cap 2, manual's
-0. The margins are the lesson itself (each arm hundreds of ms: backward's time, or 48 latencies),
-and they grow when the machine is loaded (a slower backward hides more); the comparisons are
-orderings between jobs of one test, never a wall-clock limit. (A first version, at batch 1024 and
-no time_scale, had 80 ms arms, and one flipped while the suite's other worker ran.)
+0. What is asserted is the communication the step waits for (time/comm_exposed_s): U-shaped in
+the cap, and at the middle cap under half of manual's. The step times themselves are measured
+with their spread in docs/network.md's experiments, not asserted here: on 2 shared cores the real
+gloo collectives that run during backward take compute from it, and under the suite's load that
+ate the step's right arm once (cap 2 and cap 25 within 1 ms) while the exposed communication kept
+its U. The step's left arm (48 latencies, hundreds of ms) is asserted too.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ def medians(run_dir: Path) -> dict[str, float]:
         "step": statistics.median(r["time/step_s"] for r in rows),
         "overlap": statistics.median(r["comm/overlap_fraction"] for r in rows),
         "comm": statistics.median(r["time/comm_s"] for r in rows),
+        "exposed": statistics.median(r["time/comm_exposed_s"] for r in rows),
         "bytes": rows[-1]["comm/bytes_per_step"],
     }
 
@@ -80,9 +83,10 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[Any, dict[str, float]
     return found
 
 
-def test_the_bucket_caps_step_is_u_shaped_on_a_slow_link(jobs: dict[Any, dict[str, float]]) -> None:
-    tiny, mid, huge = (jobs[("ddp", cap)]["step"] for cap in CAPS)
+def test_the_bucket_caps_exposed_communication_is_u_shaped_on_a_slow_link(jobs: dict[Any, dict[str, float]]) -> None:
+    tiny, mid, huge = (jobs[("ddp", cap)]["exposed"] for cap in CAPS)
     assert mid < tiny and mid < huge, (tiny, mid, huge)  # latency per bucket; no overlap
+    assert jobs[("ddp", 0.25)]["step"] > jobs[("ddp", 2.0)]["step"]  # 48 latencies: the step's left arm
     assert jobs[("ddp", 25.0)]["overlap"] <= 0.1  # one bucket leaves after backward: nothing to hide behind
 
 
@@ -93,4 +97,4 @@ def test_overlap_hides_the_link_and_manual_hides_none(jobs: dict[Any, dict[str, 
         assert job["comm"] >= 0.95 * link_floor_s(job["bytes"]), job
     assert manual["overlap"] <= 0.05, manual
     assert overlapped["overlap"] >= 0.5, overlapped
-    assert overlapped["step"] < manual["step"], (overlapped, manual)
+    assert overlapped["exposed"] < 0.5 * manual["exposed"], (overlapped, manual)
