@@ -13,7 +13,7 @@ the cap, and at the middle cap under half of manual's. The step times themselves
 with their spread in docs/network.md's experiments, not asserted here: on 2 shared cores the real
 gloo collectives that run during backward take compute from it, and under the suite's load that
 ate the step's right arm once (cap 2 and cap 25 within 1 ms) while the exposed communication kept
-its U. The step's left arm (48 latencies, hundreds of ms) is asserted too.
+its U; in a fourth it ate the left arm too (cap 0.25 at 1.29 s against cap 2's 1.42).
 """
 
 from __future__ import annotations
@@ -86,7 +86,6 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[Any, dict[str, float]
 def test_the_bucket_caps_exposed_communication_is_u_shaped_on_a_slow_link(jobs: dict[Any, dict[str, float]]) -> None:
     tiny, mid, huge = (jobs[("ddp", cap)]["exposed"] for cap in CAPS)
     assert mid < tiny and mid < huge, (tiny, mid, huge)  # latency per bucket; no overlap
-    assert jobs[("ddp", 0.25)]["step"] > jobs[("ddp", 2.0)]["step"]  # 48 latencies: the step's left arm
     assert jobs[("ddp", 25.0)]["overlap"] <= 0.1  # one bucket leaves after backward: nothing to hide behind
 
 
