@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import gc
 import multiprocessing as mp
+import os
 import time
 import traceback
 from collections.abc import Callable
@@ -24,6 +25,14 @@ _stopped: str | None = None
 _store: dist.Store | None = None  # the group's FileStore: a channel that a collective out of step cannot jam
 STOP = "dist_helpers/stop"
 GRACE_S = 90.0  # how long a rank that raised waits to hear from its peers (tests/test_harness.py shortens it)
+
+# Ranks start as forks of one server process per pytest worker that has imported these once, not
+# as fresh interpreters: importing torch and the trainer takes ~3 s a rank here, and the suite
+# starts a few hundred ranks. The server forks before any process group, thread pool or CUDA
+# context exists (DataLoader's workers rely on the same), so each rank still begins clean.
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "tests.train_helpers"]
+_context = mp.get_context("forkserver")
+_context.set_forkserver_preload(PRELOAD)
 
 
 def stop_collectives(reason: str) -> None:
@@ -63,8 +72,21 @@ def still_in_step(key: str, raised: bool, rank: int, world_size: int) -> bool:
     return True
 
 
-def _run_rank(fn: Callable[..., Any], rank: int, world_size: int, workdir: str, args: tuple[Any, ...]) -> None:
+def _run_rank(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    workdir: str,
+    args: tuple[Any, ...],
+    env: dict[str, str],
+    cwd: str,
+) -> None:
     global _store
+    # A forked rank inherits the server's environment and directory, not the test's: take the test's,
+    # as a spawned process would.
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
     torch.set_num_threads(1)
     store = _store = dist.FileStore(str(Path(workdir) / "store"), world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=TIMEOUT)
@@ -88,8 +110,11 @@ def run_on_ranks(
 ) -> list[Any]:
     """fn(rank, world_size, *args) on every rank; returns the results in rank order. fn must be importable."""
     workdir.mkdir(parents=True, exist_ok=False)  # a FileStore file must be new for every group
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_run_rank, args=(fn, r, world_size, str(workdir), args)) for r in range(world_size)]
+    here = (dict(os.environ), os.getcwd())
+    procs = [
+        _context.Process(target=_run_rank, args=(fn, r, world_size, str(workdir), args, *here))
+        for r in range(world_size)
+    ]
     for proc in procs:
         proc.start()
     for proc in procs:
