@@ -31,17 +31,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from trainer.reliability.checkpoint import FORMAT, CheckpointError
@@ -49,6 +40,9 @@ from trainer.reliability.checkpoint import FORMAT, CheckpointError
 META = "meta.pt"  # rank 0's: everything of a checkpoint but the model's and optimizer's tensors
 LAST = "last"
 _STEP_DIR = re.compile(r"step-(\d+)$")
+
+# DCP and DTensor are imported where a sharded checkpoint is written or read, not with this module:
+# importing them takes ~1 s of every rank's start, and the trainer imports this module on every run.
 
 
 @contextmanager
@@ -82,6 +76,8 @@ def optimizer_entries(tensors: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def saved_tensors(checkpoint: Path) -> dict[str, Any]:
     """The checkpoint's tensor keys with their metadata (global size, dtype): from .metadata alone."""
+    import torch.distributed.checkpoint as dcp
+
     return dict(dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata)
 
 
@@ -93,6 +89,8 @@ def parts(strategy: object, model: nn.Module, optimizer: Optimizer) -> tuple[dic
     gives it by name: whole tensors where they are plain, local shards where they are DTensors
     (fsdp). A strategy whose optimizer steps something else registers its own (zero).
     """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
     optim_state: dict[str, Any] = dict(get_optimizer_state_dict(model, optimizer))
     return _flat(get_model_state_dict(model), optim_state), list(optim_state["param_groups"])
 
@@ -106,6 +104,14 @@ def load_parts(
     The model's tensors are read in place; each optimizer entry into a tensor shaped as saved, a
     DTensor laid out like its parameter where the parameter is one.
     """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.tensor import DTensor
+
     params = dict(model.named_parameters())
     model_state = get_model_state_dict(model)
     template: dict[str, Any] = {f"model/{name}": value for name, value in model_state.items()}
@@ -154,6 +160,8 @@ def step_dirs(directory: Path) -> list[Path]:
 
 def _cpu_copy(value: Any) -> Any:
     """A copy in CPU memory that training cannot change: a tensor, a DTensor's or a ShardedTensor's local part."""
+    from torch.distributed.tensor import DTensor
+
     if isinstance(value, ShardedTensor):
         shards = [Shard(s.tensor.to("cpu", copy=True), s.metadata) for s in value.local_shards()]
         return ShardedTensor._init_from_local_shards_and_global_metadata(shards, value.metadata())
@@ -232,6 +240,9 @@ def save(
     points `last` at it and prunes to the newest `keep`. Returns step-<n>/. With `in_flight`
     (async), the previous save is waited for first and this one is left writing. before_publish
     (trainer.fault.kind=kill_in_save) runs on this rank between its part written and the publish."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
     group = None if in_flight is None else in_flight.group
     if in_flight is not None:
         in_flight.wait()  # one save at a time
@@ -309,6 +320,8 @@ def load_meta(checkpoint: Path) -> dict[str, Any]:
 
 def load_model(checkpoint: Path) -> dict[str, torch.Tensor]:
     """The whole model's state from a sharded checkpoint, in this one process (no process group)."""
+    import torch.distributed.checkpoint as dcp
+
     template = {
         flat: torch.empty(meta.size, dtype=meta.properties.dtype)
         for flat, meta in saved_tensors(checkpoint).items()

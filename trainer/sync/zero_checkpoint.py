@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
@@ -95,6 +94,8 @@ def _parts(strategy: ZeroSync, model: nn.Module, optimizer: Optimizer) -> tuple[
 def _load_parts(
     strategy: ZeroSync, model: nn.Module, optimizer: Optimizer, checkpoint: Path, groups: list[dict[str, Any]]
 ) -> None:
+    import torch.distributed.checkpoint as dcp  # not at import: see trainer/reliability/sharded.py
+
     strategy.wait_for_parameters()  # a gather landing after the load would overwrite it
     assert strategy._params is not None and strategy._param_shard is not None
     layout, names, group_of = _named(strategy, model)
