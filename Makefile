@@ -27,10 +27,11 @@ train: setup
 	@OMP_NUM_THREADS=1 $(BIN)/python -m trainer.tools.launch --standalone --nproc_per_node=$(NPROC) train.py $(ARGS)
 
 # The whole suite, slow end-to-end tests included, after the linters: this is what CI runs (.ci/run).
-# Two workers (pytest-xdist), a test file to one worker so its module-scoped runs start once; the 20
-# slowest tests are listed at the end, so that drift shows in every run.
+# Two workers (pytest-xdist), a test file to one worker so its module-scoped runs start once, the
+# files in collection order (tests/conftest.py puts the longest first); the 20 slowest tests are
+# listed at the end, so that drift shows in every run.
 test: lint
-	$(BIN)/pytest -n 2 --dist loadfile --durations=20
+	$(BIN)/pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=20
 
 # The house rules (pyproject.toml): ruff's lint and format check, then mypy over the packages.
 lint: setup

@@ -12,6 +12,28 @@ os.environ["WANDB_SILENT"] = "true"
 # What starts a process: spawned gloo ranks, torchrun, train.py under plain python, any subprocess.
 STARTS_A_PROCESS = {"run_on_ranks", "torchrun", "python_train", "subprocess"}
 
+# The files that take longest (worker seconds in a `make test` run, docs/tests.md), longest first.
+# `make test` hands whole files to its two workers in collection order (--no-loadscope-reorder), and
+# these go first so that the run ends on short files, both workers busy until then: handed out last,
+# one of them would leave the other idle for its whole length. Out of date, this list costs balance,
+# never a test.
+LONGEST_FIRST = (
+    "test_sweeps.py",
+    "test_restarts.py",
+    "test_torchrun_launcher.py",
+    "test_config_schema.py",
+    "test_failures.py",
+    "test_network_lessons.py",
+    "test_benchmarks.py",
+    "test_cli.py",
+    "test_checkpoint_kills.py",
+    "test_gpt_equivalence.py",
+    "test_jsonl_resume.py",
+    "test_launch.py",
+    "test_terminal.py",
+    "test_wandb_runs.py",
+)
+
 
 def _names(code: types.CodeType) -> set[str]:
     """The global and attribute names a function's code uses, its nested functions' and lambdas' included."""
@@ -34,7 +56,9 @@ def _starts_processes(fn: object, seen: set[Callable[..., Any]]) -> bool:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """A test that starts processes, itself or through a fixture, is `slow` (make test-fast leaves it
     out), whether or not it says so. Tests marked `gpu` run where CUDA is available and are skipped,
-    saying why, everywhere else."""
+    saying why, everywhere else. The files listed in LONGEST_FIRST come first, in that order."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its order
     for item in items:
         if not isinstance(item, pytest.Function) or item.get_closest_marker("slow"):
             continue
