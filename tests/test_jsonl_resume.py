@@ -1,21 +1,19 @@
 """A resumed run's metrics/rank{r}.jsonl holds each step once: the rewrite on resume (drops the rows
-after the checkpoint, a torn last line, never the file itself) and, slow, a crash -> elastic restart ->
-re-run of the finished job under the real torchrun."""
+after the checkpoint, a torn last line, never the file itself). The same under the real torchrun, a
+crash -> elastic restart -> re-run of the finished job, is in test_restarts.py (it shares that file's
+launches)."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.cli import CPU, TORCHRUN, TRAIN, env, jsonl, output, torchrun
+from tests.cli import jsonl
 from tests.report_helpers import eval_row, run_cli, train_row, write_job
-from tests.test_reliability import BASE
 from trainer.logger.base import ResumableLogger, resumed_at
 from trainer.logger.jsonl import JsonlLogger, row_kind, truncate_after
 from trainer.logger.none import NullLogger
@@ -121,38 +119,3 @@ def test_the_trainer_tells_the_loggers_that_keep_rows(tmp_path: Path) -> None:
     resumed_at([jsonl_logger, null_logger], 2)  # what Trainer.__init__ calls after a resume
     jsonl_logger.close()
     assert steps_and_kinds(path) == [(2, "train")]
-
-
-@pytest.mark.slow
-def test_crash_restart_and_rerun_leave_each_step_once_in_every_ranks_jsonl(tmp_path: Path) -> None:
-    """12 steps, checkpoints every 4, rank 1 crashes at step 7 (rows to step 6 written): torchrun restarts,
-    the job resumes at step 4 and finishes; then the same command again resumes the finished run at 12."""
-    run_dir = tmp_path / "run"
-    args = [
-        *BASE,
-        CPU,
-        "trainer.max_steps=12",
-        "trainer.checkpoint_every_n_steps=4",
-        "trainer.eval_every_n_steps=4",
-        f"hydra.run.dir={run_dir}",
-    ]
-    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1", TRAIN, *args]
-    crashed = subprocess.run(
-        [*cmd, "trainer.fault.rank=1", "trainer.fault.at_step=7"],
-        cwd=tmp_path,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert crashed.returncode == 0, output(crashed)
-    assert "injected fault" in output(crashed) and "at step 4" in output(crashed)
-    again = torchrun(args, cwd=tmp_path)  # the finished run, resumed at its last step: evaluates again
-    assert again.returncode == 0, output(again)
-    assert "at step 12" in output(again)
-    expected = [(s, "train") for s in range(2, 13, 2)] + [(4, "eval"), (8, "eval"), (12, "eval")]
-    expected += [(4, "checkpoint"), (8, "checkpoint"), (12, "checkpoint")]  # each save's own row, once too
-    for rank in (0, 1):
-        found = steps_and_kinds(run_dir / "metrics" / f"rank{rank}.jsonl")
-        assert Counter(found) == Counter(expected), (rank, found)
-        assert found == sorted(found, key=lambda sk: sk[0])  # in step order

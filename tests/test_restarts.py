@@ -1,4 +1,5 @@
-"""Reliability under the real torchrun (slow): crash -> elastic restart -> bit-identical, a hanging rank
+"""Reliability under the real torchrun (slow): crash -> elastic restart -> bit-identical, with each
+step's rows once in every rank's JSONL after the restart and a re-run, a hanging rank
 failing the job within the timeout, a rank's SIGTERM losing no logged row, and SIGTERM -> checkpoint ->
 resume -> the same final model as an uninterrupted run. The in-process tests are in test_reliability.py."""
 
@@ -8,43 +9,63 @@ import json
 import signal
 import subprocess
 import time
+from collections import Counter
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from tests.cli import CPU, TORCHRUN, TRAIN, env, jsonl, output, torchrun, train_rows
+from tests.test_jsonl_resume import steps_and_kinds
 from tests.test_reliability import BASE, same
 from trainer.logger.wandb_files import find_runs
 
-SLOW_BASE = [*BASE, "trainer.max_steps=30", "trainer.checkpoint_every_n_steps=10"]
+SLOW_BASE = [*BASE, "trainer.max_steps=30", "trainer.checkpoint_every_n_steps=10", "trainer.eval_every_n_steps=10"]
+
+
+@pytest.fixture(scope="module")
+def crash(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """An uninterrupted run; the same run with rank 1 crashing at step 15 under --max-restarts=1, which
+    torchrun restarts and which resumes from step 10 and finishes; then the same command once more
+    (the finished run resumed at its last step, which evaluates again). Both tests below read them."""
+    root = tmp_path_factory.mktemp("crash")
+    straight = torchrun([*SLOW_BASE, CPU, f"hydra.run.dir={root / 'straight'}"], cwd=root)
+    assert straight.returncode == 0, output(straight)
+    args = [*SLOW_BASE, CPU, f"hydra.run.dir={root / 'crashed'}"]
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1", TRAIN, *args]
+    fault = ["trainer.fault.rank=1", "trainer.fault.at_step=15"]
+    crashed = subprocess.run([*cmd, *fault], cwd=root, env=env(), capture_output=True, text=True, timeout=300)
+    assert crashed.returncode == 0, output(crashed)
+    finished = torch.load(root / "crashed" / "checkpoints" / "last.pt", weights_only=True)  # before the re-run
+    again = torchrun(args, cwd=root)
+    assert again.returncode == 0, output(again)
+    return {"root": root, "crashed": output(crashed), "again": output(again), "finished": finished}
 
 
 @pytest.mark.slow
-def test_crash_then_elastic_restart_ends_bit_identical(tmp_path: Path) -> None:
-    straight = torchrun([*SLOW_BASE, CPU, f"hydra.run.dir={tmp_path / 'straight'}"], cwd=tmp_path)
-    assert straight.returncode == 0, output(straight)
-    cmd = [
-        TORCHRUN,
-        "--standalone",
-        "--nproc_per_node=2",
-        "--max-restarts=1",
-        TRAIN,
-        *SLOW_BASE,
-        CPU,
-        "trainer.fault.rank=1",
-        "trainer.fault.at_step=15",
-        f"hydra.run.dir={tmp_path / 'crashed'}",
-    ]
-    crashed = subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
-    text = output(crashed)
-    assert crashed.returncode == 0, text
+def test_crash_then_elastic_restart_ends_bit_identical(crash: dict[str, Any]) -> None:
+    text = crash["crashed"]
     assert "injected fault" in text and "resumed from" in text and "at step 10" in text
-    a = torch.load(tmp_path / "straight" / "checkpoints" / "last.pt", weights_only=True)
-    b = torch.load(tmp_path / "crashed" / "checkpoints" / "last.pt", weights_only=True)
+    a = torch.load(crash["root"] / "straight" / "checkpoints" / "last.pt", weights_only=True)
+    b = crash["finished"]
     assert a["step"] == b["step"] == 30
     assert same(a["model"], b["model"]) and same(a["optimizer"]["state"][0], b["optimizer"]["state"][0])
+
+
+@pytest.mark.slow
+def test_crash_restart_and_rerun_leave_each_step_once_in_every_ranks_jsonl(crash: dict[str, Any]) -> None:
+    """30 steps, checkpoints and evaluations every 10, rank 1 crashing at step 15 (rows to step 14
+    written): the restarted job resumes at step 10 and finishes; the same command again resumes the
+    finished run at 30. Each rank's metrics/rank{r}.jsonl holds each step's rows once."""
+    assert "at step 30" in crash["again"]
+    expected = [(s, "train") for s in range(2, 31, 2)] + [(10, "eval"), (20, "eval"), (30, "eval")]
+    expected += [(10, "checkpoint"), (20, "checkpoint"), (30, "checkpoint")]  # each save's own row, once too
+    for rank in (0, 1):
+        found = steps_and_kinds(crash["root"] / "crashed" / "metrics" / f"rank{rank}.jsonl")
+        assert Counter(found) == Counter(expected), (rank, found)
+        assert found == sorted(found, key=lambda sk: sk[0])  # in step order
 
 
 @pytest.mark.slow
