@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import typing
 from pathlib import Path
@@ -12,7 +13,7 @@ from trainer.errors import ConfigError
 from trainer.scaling.costs import Link, Network, Topology, ring_s
 from trainer.scaling.networks import fit_link, parse_network
 from trainer.scaling.predict import buckets, layered, overlapped, predict
-from trainer.scaling.profile import RunProfile, Tensor
+from trainer.scaling.profile import RunProfile, Tensor, read_profile
 
 LINK = Link(alpha_s=10e-6, beta_Bps=1e9)
 FAST = Network.uniform("fast", 1e-6, 100e9)
@@ -184,3 +185,38 @@ def test_fsdp_units_follow_sync_wrap() -> None:
     assert fsdp_units(flat, "auto") == [8, 5, 4, 2] and fsdp_units(flat, "block") == [19]
     with pytest.raises(ConfigError, match="--fsdp-wrap='blocks'"):
         fsdp_units(profile, "blocks")
+
+
+def _summary(path: Path, strategy: str, ranks: list[dict[str, float]]) -> Path:
+    """A summary.json as train.py writes it, with only what read_profile reads."""
+    path.mkdir(parents=True)
+    rows = [{"rank": r, **{f"median_time/{k}_s": v for k, v in times.items()}} for r, times in enumerate(ranks)]
+    summary = {
+        "world_size": len(ranks),
+        "device": "cpu",
+        "sync": {"strategy": strategy},
+        "global_batch_size": 64 * len(ranks),
+        "model": {"parameter_tensors": [{"name": "net.0.weight", "bytes": 4096}]},
+        "ranks": rows,
+    }
+    (path / "summary.json").write_text(json.dumps(summary))
+    return path
+
+
+def test_a_strategys_own_run_profiles_its_compute_without_its_waits(tmp_path: Path) -> None:
+    """What a run waited for beyond its sync phase comes out of the phases in proportion; a sharded
+    strategy's optimizer phase is scaled back to the whole model's step."""
+    phases = {"data": 0.0, "forward": 0.02, "backward": 0.07, "optimizer": 0.01}  # 100 ms
+    # ddp: 30 ms waited for inside backward, no sync phase: 70 ms of compute left.
+    ddp = read_profile(_summary(tmp_path / "ddp", "ddp", [{**phases, "sync": 0.0, "comm_exposed": 0.03}] * 2))
+    assert ddp.compute_s == pytest.approx(0.07)
+    assert ddp.phase_s == pytest.approx({k: 0.7 * v for k, v in phases.items()})
+    # manual: every wait is its sync phase, which the phases never held.
+    manual = read_profile(_summary(tmp_path / "manual", "manual", [{**phases, "sync": 0.04, "comm_exposed": 0.04}]))
+    assert manual.phase_s == pytest.approx(phases)
+    # zero on 2 ranks: 20 ms waited beyond its 10 ms sync phase; its optimizer stepped half the model.
+    zero = read_profile(_summary(tmp_path / "zero", "zero", [{**phases, "sync": 0.01, "comm_exposed": 0.03}] * 2))
+    assert zero.phase_s == pytest.approx({**{k: 0.8 * v for k, v in phases.items()}, "optimizer": 2 * 0.8 * 0.01})
+    # No communication measured (sync=none, one rank): the phases as they are.
+    alone = read_profile(_summary(tmp_path / "none", "none", [phases]))
+    assert alone.phase_s == pytest.approx(phases) and alone.caveat() is None

@@ -4,6 +4,14 @@ Compute comes from the ranks' median phase times in summary.json (`time/data_s`,
 `time/backward_s`, `time/optimizer_s`, averaged over ranks); the sync phase is left out, as it is
 the strategy's communication. The gradients are summary.json's `model.parameter_tensors`, in
 registration order (backward produces them roughly in reverse).
+
+A run that communicated (a strategy on several ranks) can wait for its collectives inside those
+phases too: sync=ddp at the end of backward, zero's gathers in the next forward. What it waited for
+beyond its sync phase (`time/comm_exposed_s` less `time/sync_s`) is taken out of the phases, in
+proportion, so that what is left is the run's compute: its model's, plus the strategy's own work
+(DDP's copies into and out of its buckets, a sharded step's bookkeeping) and whatever the real
+collectives running meanwhile took from it. A sharded strategy's optimizer phase (zero, fsdp) steps
+1/N of the parameters; it is scaled back to the whole model's step, which the model divides again.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from typing import Any
 from trainer.errors import ConfigError
 
 PHASES = ("data", "forward", "backward", "optimizer")
+SHARDED = ("zero", "fsdp")  # strategies whose optimizer steps 1/N of the parameters (trainer/scaling/predict.py)
 
 
 @dataclass(frozen=True)
@@ -60,8 +69,9 @@ class RunProfile:
         if self.strategy == "none" and self.world_size == 1:
             return None
         return (
-            f"the compute comes from a sync={self.strategy} run on {self.world_size} rank(s), so it includes that "
-            "strategy's own work and waits; a 1-rank sync=none run measures compute alone"
+            f"the compute comes from a sync={self.strategy} run on {self.world_size} rank(s): its waits for "
+            "communication are taken out, but it includes that strategy's own work (predict that strategy from "
+            "it); a 1-rank sync=none run measures the model's compute alone"
         )
 
 
@@ -90,15 +100,33 @@ def read_profile(run_dir: Path) -> RunProfile:
             "layout (or the model has no trainable parameters); run the job again"
         )
     ranks = summary["ranks"]
+    world_size, strategy = int(summary["world_size"]), str(summary["sync"].get("strategy", "?"))
     return RunProfile(
         run_dir=run_dir,
-        world_size=int(summary["world_size"]),
+        world_size=world_size,
         device=str(summary["device"]),
-        strategy=str(summary["sync"].get("strategy", "?")),
-        batch_per_rank=int(summary["global_batch_size"]) // int(summary["world_size"]),
-        phase_s={p: _mean(ranks, f"median_time/{p}_s", path) for p in PHASES},
+        strategy=strategy,
+        batch_per_rank=int(summary["global_batch_size"]) // world_size,
+        phase_s=_compute_phases(ranks, path, strategy, world_size),
         tensors=tuple(Tensor(t["name"], int(t["bytes"]), t.get("block")) for t in layout),
     )
+
+
+def _compute_phases(ranks: list[dict[str, Any]], path: Path, strategy: str, world_size: int) -> dict[str, float]:
+    """The phases' compute: the waits for communication inside them taken out (module docstring)."""
+    phases = {p: _mean(ranks, f"median_time/{p}_s", path) for p in PHASES}
+    waited = _mean_or_zero(ranks, "median_time/comm_exposed_s") - _mean_or_zero(ranks, "median_time/sync_s")
+    total = sum(phases.values())
+    if waited > 0 and total > 0:
+        phases = {p: v * max(0.0, 1.0 - waited / total) for p, v in phases.items()}
+    if strategy in SHARDED:
+        phases["optimizer"] *= world_size
+    return phases
+
+
+def _mean_or_zero(ranks: list[dict[str, Any]], key: str) -> float:
+    values = [r[key] for r in ranks if r.get(key) is not None]
+    return sum(values) / len(values) if values else 0.0
 
 
 def measured_step_s(run_dir: Path) -> float:
