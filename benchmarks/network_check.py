@@ -1,20 +1,25 @@
 """The scaling model against the emulated network: python -m trainer.scaling's prediction for a
 strategy on a link, next to the same strategy run on that link emulated in the loop (network=...).
 
-    python benchmarks/network_check.py                 # ~5 min on 2 cores; the table in docs/network.md
+    python benchmarks/network_check.py                 # ~8 min on 2 cores; the table in docs/network.md
     python benchmarks/network_check.py --rounds 1 --steps 10 --strategies manual,ddp   # a quick look
 
 Each round runs, one after another: a profile run without emulation (sync=none, network=none, on
 the same 2 ranks as the others: with 2 ranks sharing 2 cores, its compute is what each emulated
-rank computes, which a 1-rank run would understate), then each strategy on the emulated link. Its
-prediction is what trainer.scaling gives from that round's profile for the same link, every time
-multiplied by the same network.time_scale, with overlap (the emulated link waits on a timer, so
-what it hides costs no cores). Rounds interleave, so the machine's drift reaches every strategy
-alike; the table gives each number's median over rounds and its spread (min-max). The ratio is
-predicted / measured step time (each rank's median time/step_s, averaged over ranks); the model's
-assumptions are listed in trainer/scaling/predict.py, and the columns after it say which one a
-miss comes from: the communication model (exposed ms, predicted against measured) or the compute
-(the emulated run's compute, its step less its exposed communication, against the profile's).
+rank computes, which a 1-rank run would understate), then each strategy twice: on loopback
+(network=none), and on the emulated link. Each emulated run is predicted by trainer.scaling for the
+same link, every time multiplied by the same network.time_scale, with overlap (the emulated link
+waits on a timer, so what it hides costs no cores), from two profiles of that round:
+- sync=none's: the model's compute alone, so the prediction leaves out the strategy's own work
+  (DDP's bucket copies, zero's sharded step) and what the real collectives take from compute;
+- the strategy's own loopback run: its compute with those in, its waits for communication taken
+  out (trainer/scaling/profile.py), under the same real traffic as the emulated run's.
+Rounds interleave, so the machine's drift reaches every strategy alike; the table gives each
+number's median over rounds and its spread (min-max). A ratio is predicted / measured step time
+(each rank's median time/step_s, averaged over ranks); the model's assumptions are listed in
+trainer/scaling/predict.py, and the columns after them say which one a miss comes from: the
+communication model (exposed ms, predicted against measured) or the compute (the emulated run's
+compute, its step less its exposed communication, against each profile's).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import os
 import statistics
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
@@ -49,6 +55,18 @@ def train(run_dir: Path, overrides: list[str], steps: int) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(run_dir / "torchrun.log", "w") as log:
         subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=log)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One emulated run of a strategy and its two predictions (seconds)."""
+
+    measured: float  # its step
+    exposed: float  # its communication the step waited for
+    model: Prediction  # from sync=none's profile
+    own: Prediction  # from the strategy's own loopback run
+    compute: float  # sync=none's profile's compute
+    own_compute: float  # the loopback run's compute, its waits taken out
 
 
 def scaled(preset: str, time_scale: float) -> Network:
@@ -83,7 +101,7 @@ def main() -> int:
     topo = Topology(2, 1, network, network)  # network.gpus_per_node=1: every rank its own node
     link = [f"network={args.network}", f"network.time_scale={args.time_scale:g}"]
     print(f"link: {network.describe()}; {args.rounds} rounds of {args.steps} steps, 2 ranks", flush=True)
-    rows: dict[str, list[tuple[float, Prediction, float, float]]] = {s: [] for s in strategies}
+    rows: dict[str, list[Row]] = {s: [] for s in strategies}
     computes: list[float] = []
     out = args.out.resolve()
     for round_ in range(1, args.rounds + 1):
@@ -92,30 +110,50 @@ def main() -> int:
         profile = read_profile(profile_dir)
         computes.append(profile.compute_s)
         for strategy in strategies:  # every strategy once per round: the rounds interleave
+            own_dir = out / f"round{round_}" / f"{strategy}-loopback"
+            train(own_dir, [f"sync={strategy}", "network=none"], args.steps)
+            own = read_profile(own_dir)
             run_dir = out / f"round{round_}" / strategy
             train(run_dir, [f"sync={strategy}", *link], args.steps)
-            measured = measured_step_s(run_dir)
-            exposed = rank_mean(run_dir, "median_time/comm_exposed_s")
-            guess = predict(profile, topo, strategy, overlap=True)
-            rows[strategy].append((measured, guess, exposed, profile.compute_s))
+            row = Row(
+                measured=measured_step_s(run_dir),
+                exposed=rank_mean(run_dir, "median_time/comm_exposed_s"),
+                model=predict(profile, topo, strategy, overlap=True),
+                own=predict(own, topo, strategy, overlap=True),
+                compute=profile.compute_s,
+                own_compute=own.compute_s,
+            )
+            rows[strategy].append(row)
             print(
-                f"round {round_} {strategy}: measured {measured * 1e3:.1f} ms, predicted {guess.step_s * 1e3:.1f} ms "
-                f"({guess.step_s / measured:.3f}); exposed {exposed * 1e3:.1f} against {guess.exposed_s * 1e3:.1f} ms",
+                f"round {round_} {strategy}: measured {row.measured * 1e3:.1f} ms, predicted from sync=none "
+                f"{row.model.step_s * 1e3:.1f} ms ({row.model.step_s / row.measured:.3f}), from its loopback run "
+                f"{row.own.step_s * 1e3:.1f} ms ({row.own.step_s / row.measured:.3f}); exposed "
+                f"{row.exposed * 1e3:.1f} against {row.model.exposed_s * 1e3:.1f} ms",
                 flush=True,
             )
     lines = [
         f"profile (sync=none, no emulation): compute {spread(computes)} ms per step",
-        "| strategy | measured step ms | predicted step ms | predicted / measured | measured exposed ms "
-        "| predicted exposed ms | measured compute ms | profile compute ms |",
-        "|---|---|---|---|---|---|---|---|",
+        "| strategy | measured step ms | predicted from sync=none ms | predicted / measured "
+        "| predicted from its loopback run ms | predicted / measured | measured exposed ms | predicted exposed ms "
+        "| measured compute ms | sync=none's compute ms | its loopback run's compute ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for strategy, runs in rows.items():
-        lines.append(
-            f"| {strategy} | {spread([m for m, _, _, _ in runs])} | {spread([p.step_s for _, p, _, _ in runs])} "
-            f"| {spread([p.step_s / m for m, p, _, _ in runs], 1, '.3f')} | {spread([e for _, _, e, _ in runs])} "
-            f"| {spread([p.exposed_s for _, p, _, _ in runs])} | {spread([m - e for m, _, e, _ in runs])} "
-            f"| {spread([c for _, _, _, c in runs])} |"
-        )
+        ratios = [spread([r.model.step_s / r.measured for r in runs], 1, ".3f")]
+        own_ratios = [spread([r.own.step_s / r.measured for r in runs], 1, ".3f")]
+        cells = [
+            spread([r.measured for r in runs]),
+            spread([r.model.step_s for r in runs]),
+            *ratios,
+            spread([r.own.step_s for r in runs]),
+            *own_ratios,
+            spread([r.exposed for r in runs]),
+            spread([r.model.exposed_s for r in runs]),
+            spread([r.measured - r.exposed for r in runs]),
+            spread([r.compute for r in runs]),
+            spread([r.own_compute for r in runs]),
+        ]
+        lines.append(f"| {strategy} | " + " | ".join(cells) + " |")
     print("\n".join(lines))
     return 0
 
