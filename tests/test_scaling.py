@@ -212,7 +212,7 @@ def test_a_strategys_own_run_profiles_its_compute_without_its_waits(tmp_path: Pa
     assert ddp.compute_s == pytest.approx(0.07)
     assert ddp.phase_s == pytest.approx({k: 0.7 * v for k, v in phases.items()})
     # manual: every wait is its sync phase, which the phases never held.
-    manual = read_profile(_summary(tmp_path / "manual", "manual", [{**phases, "sync": 0.04, "comm_exposed": 0.04}]))
+    manual = read_profile(_summary(tmp_path / "manual", "manual", [{**phases, "sync": 0.04, "comm_exposed": 0.04}] * 2))
     assert manual.phase_s == pytest.approx(phases)
     # zero on 2 ranks: 20 ms waited beyond its 10 ms sync phase; its optimizer stepped half the model.
     zero = read_profile(_summary(tmp_path / "zero", "zero", [{**phases, "sync": 0.01, "comm_exposed": 0.03}] * 2))
@@ -220,3 +220,12 @@ def test_a_strategys_own_run_profiles_its_compute_without_its_waits(tmp_path: Pa
     # No communication measured (sync=none, one rank): the phases as they are.
     alone = read_profile(_summary(tmp_path / "none", "none", [phases]))
     assert alone.phase_s == pytest.approx(phases) and alone.caveat() is None
+
+
+def test_one_rank_of_a_strategy_keeps_its_phases(tmp_path: Path) -> None:
+    """On one rank nothing is sent: a strategy's timed waits (DDP's reducer, alone) stay compute."""
+    phases = {"data": 0.0, "forward": 0.02, "backward": 0.07, "optimizer": 0.01}
+    one = read_profile(_summary(tmp_path / "ddp1", "ddp", [{**phases, "sync": 0.0, "comm_exposed": 0.001}]))
+    assert one.phase_s == pytest.approx(phases)
+    sharded = read_profile(_summary(tmp_path / "zero1", "zero", [{**phases, "sync": 0.0, "comm_exposed": 0.001}]))
+    assert sharded.phase_s == pytest.approx(phases)  # a shard of one rank is the whole model

@@ -5,7 +5,8 @@ Compute comes from the ranks' median phase times in summary.json (`time/data_s`,
 the strategy's communication. The gradients are summary.json's `model.parameter_tensors`, in
 registration order (backward produces them roughly in reverse).
 
-A run that communicated (a strategy on several ranks) can wait for its collectives inside those
+A run that communicated (a strategy on several ranks; on one rank nothing is sent, and the phases
+are taken as they are) can wait for its collectives inside those
 phases too: sync=ddp at the end of backward, zero's gathers in the next forward. What it waited for
 beyond its sync phase (`time/comm_exposed_s` less `time/sync_s`) is taken out of the phases, in
 proportion, so that what is left is the run's compute: its model's, plus the strategy's own work
@@ -115,6 +116,8 @@ def read_profile(run_dir: Path) -> RunProfile:
 def _compute_phases(ranks: list[dict[str, Any]], path: Path, strategy: str, world_size: int) -> dict[str, float]:
     """The phases' compute: the waits for communication inside them taken out (module docstring)."""
     phases = {p: _mean(ranks, f"median_time/{p}_s", path) for p in PHASES}
+    if world_size == 1:  # nothing was sent: what a strategy timed as waiting is its own work on one rank
+        return phases
     waited = _mean_or_zero(ranks, "median_time/comm_exposed_s") - _mean_or_zero(ranks, "median_time/sync_s")
     total = sum(phases.values())
     if waited > 0 and total > 0:
