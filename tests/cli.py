@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tests import forks
 from tests.compose import REPO
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
@@ -29,9 +30,16 @@ def torchrun_cmd(args: list[str], nproc: int = 2) -> list[str]:
 
 
 def torchrun(args: list[str], cwd: Path, nproc: int = 2, timeout_s: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        torchrun_cmd(args, nproc), cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout_s
-    )
+    """train.py under torchrun --standalone with nproc ranks (run_torchrun)."""
+    return run_torchrun(torchrun_cmd(args, nproc), cwd, timeout_s)
+
+
+def run_torchrun(cmd: list[str], cwd: Path, timeout_s: float = 240) -> subprocess.CompletedProcess[str]:
+    """A `torchrun ...` command line (cmd[0] is TORCHRUN), run as subprocess.run(cmd, capture_output=True,
+    text=True, timeout=timeout_s) would, with env(): its agent is torchrun's own main forked from
+    tests/forks.py's server (no fresh import of torch), what it starts new interpreters."""
+    assert cmd[0] == TORCHRUN, cmd
+    return forks.torchrun(cmd[1:], cwd, env(), timeout_s)
 
 
 def launch(args: list[str], cwd: Path, nproc: int = 2, timeout_s: float = 240) -> subprocess.CompletedProcess[str]:

@@ -1,11 +1,10 @@
-"""Run a function on N real gloo ranks: spawned processes meeting through a FileStore."""
+"""Run a function on N real gloo ranks: processes of their own (forked from tests/forks.py's server)
+meeting through a FileStore."""
 
 from __future__ import annotations
 
 import datetime as dt
 import gc
-import multiprocessing as mp
-import os
 import time
 import traceback
 from collections.abc import Callable
@@ -14,6 +13,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from tests import forks
 
 # Generous: under `make test`'s two workers a rank can wait long for a peer that shares its core
 # with another worker's torchrun job; a real hang still fails, within run_on_ranks' timeout_s.
@@ -25,14 +26,6 @@ _stopped: str | None = None
 _store: dist.Store | None = None  # the group's FileStore: a channel that a collective out of step cannot jam
 STOP = "dist_helpers/stop"
 GRACE_S = 90.0  # how long a rank that raised waits to hear from its peers (tests/test_harness.py shortens it)
-
-# Ranks start as forks of one server process per pytest worker that has imported these once, not
-# as fresh interpreters: importing torch and the trainer takes ~3 s a rank here, and the suite
-# starts a few hundred ranks. The server forks before any process group, thread pool or CUDA
-# context exists (DataLoader's workers rely on the same), so each rank still begins clean.
-PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "tests.train_helpers"]
-_context = mp.get_context("forkserver")
-_context.set_forkserver_preload(PRELOAD)
 
 
 def stop_collectives(reason: str) -> None:
@@ -82,11 +75,7 @@ def _run_rank(
     cwd: str,
 ) -> None:
     global _store
-    # A forked rank inherits the server's environment and directory, not the test's: take the test's,
-    # as a spawned process would.
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(cwd)
+    forks.take(env, cwd)
     torch.set_num_threads(1)
     store = _store = dist.FileStore(str(Path(workdir) / "store"), world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=TIMEOUT)
@@ -110,9 +99,8 @@ def run_on_ranks(
 ) -> list[Any]:
     """fn(rank, world_size, *args) on every rank; returns the results in rank order. fn must be importable."""
     workdir.mkdir(parents=True, exist_ok=False)  # a FileStore file must be new for every group
-    here = (dict(os.environ), os.getcwd())
     procs = [
-        _context.Process(target=_run_rank, args=(fn, r, world_size, str(workdir), args, *here))
+        forks.context.Process(target=_run_rank, args=(fn, r, world_size, str(workdir), args, *forks.here()))
         for r in range(world_size)
     ]
     for proc in procs:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli import TORCHRUN, env
+from tests.cli import TORCHRUN, env, run_torchrun
 from tests.compose import REPO
 from tests.text_helpers import write_corpus
 
@@ -36,7 +36,7 @@ def test_overhead_benchmark_quick_run(tmp_path: Path) -> None:
         "--baseline",
         "ddp",
     ]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
+    proc = run_torchrun(cmd, cwd=tmp_path, timeout_s=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "framework / hand-written [IQR]" in proc.stdout and "/ ddp [IQR]" in proc.stdout
     rows = json.loads(out.read_text())
@@ -60,7 +60,7 @@ def test_overhead_benchmark_on_a_language_model(tmp_path: Path) -> None:
     cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", str(REPO / "benchmarks" / "overhead.py"), "--quick"]
     cmd += ["--device", "cpu", "--models", "gpt", "--strategies", "ddp", "--json", str(out)]
     cmd += ["--set", "trainer.log_every_n_steps=1"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
+    proc = run_torchrun(cmd, cwd=tmp_path, timeout_s=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "the framework with trainer.log_every_n_steps=1" in proc.stdout
     (row,) = json.loads(out.read_text())
@@ -75,7 +75,7 @@ def test_overhead_benchmark_collective_cost_quick_run(tmp_path: Path) -> None:
     out = tmp_path / "cost.json"
     cmd = [TORCHRUN, "--standalone", "--nproc_per_node=1", str(REPO / "benchmarks" / "overhead.py")]
     cmd += ["--collective-cost", "--quick", "--json", str(out)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
+    proc = run_torchrun(cmd, cwd=tmp_path, timeout_s=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "network=none: the strategy's own Collectives, unchanged (no link, no branch" in proc.stdout
     assert "timer slack: waiting thread" in proc.stdout and "| ~0 link / none [IQR] |" in proc.stdout
@@ -132,13 +132,13 @@ def test_clip_cost_and_nanogpt_recipe_benchmarks_run(tmp_path: Path) -> None:
     """The recipe's two benchmarks still run end to end: their tables are for docs/, not for tests."""
     clip = [TORCHRUN, "--standalone", "--nproc_per_node=2", str(REPO / "benchmarks" / "clip_cost.py")]
     clip += ["--models", "mlp-tiny", "--strategies", "ddp,zero", "--rounds", "2", "--steps", "3"]
-    proc = subprocess.run(clip, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
+    proc = run_torchrun(clip, cwd=tmp_path, timeout_s=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "| mlp-tiny | ddp |" in proc.stdout and "| mlp-tiny | zero |" in proc.stdout
     recipe = [TORCHRUN, "--standalone", "--nproc_per_node=2", str(REPO / "benchmarks" / "nanogpt_recipe.py")]
     corpus = write_corpus(tmp_path / "corpus.txt", 20_000)  # not the stdlib default: its tokens take seconds
     recipe += ["--steps", "4", "--chunk", "2", "--val-windows", "8", "--path", str(corpus)]
-    proc = subprocess.run(recipe, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
+    proc = run_torchrun(recipe, cwd=tmp_path, timeout_s=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (line,) = [row for row in proc.stdout.splitlines() if row.startswith("| val loss at step 4 |")]
     ours, theirs = (float(cell) for cell in line.split("|")[2:4])

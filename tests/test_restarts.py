@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.cli import CPU, TORCHRUN, TRAIN, env, jsonl, output, torchrun, train_rows
+from tests.cli import CPU, TORCHRUN, TRAIN, env, jsonl, output, run_torchrun, torchrun, train_rows
 from tests.test_jsonl_resume import steps_and_kinds
 from tests.test_reliability import BASE, same
 from trainer.logger.wandb_files import find_runs
@@ -36,7 +36,7 @@ def crash(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     args = [*SLOW_BASE, CPU, f"hydra.run.dir={root / 'crashed'}"]
     cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1", TRAIN, *args]
     fault = ["trainer.fault.rank=1", "trainer.fault.at_step=15"]
-    crashed = subprocess.run([*cmd, *fault], cwd=root, env=env(), capture_output=True, text=True, timeout=300)
+    crashed = run_torchrun([*cmd, *fault], cwd=root, timeout_s=300)
     assert crashed.returncode == 0, output(crashed)
     finished = torch.load(root / "crashed" / "checkpoints" / "last.pt", weights_only=True)  # before the re-run
     again = torchrun(args, cwd=root)

@@ -10,13 +10,12 @@ restart resumes from 10 again and finishes at 20. Three attempts, so three offli
 from __future__ import annotations
 
 import json
-import subprocess
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from tests.cli import CPU, TORCHRUN, TRAIN, env, jsonl, output
+from tests.cli import CPU, TORCHRUN, TRAIN, jsonl, output, run_torchrun
 from tests.test_reliability import BASE
 from trainer.logger.wandb import run_id
 from trainer.logger.wandb_files import OfflineRun, find_runs
@@ -38,7 +37,7 @@ ARGS = [
 def _launch(run_dir: Path, at_step: int, restarts: int) -> str:
     cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", f"--max-restarts={restarts}", TRAIN, *ARGS]
     cmd += [f"trainer.fault.at_step={at_step}", f"hydra.run.dir={run_dir}"]
-    proc = subprocess.run(cmd, cwd=run_dir.parent, env=env(), capture_output=True, text=True, timeout=300)
+    proc = run_torchrun(cmd, cwd=run_dir.parent, timeout_s=300)
     text = output(proc)
     assert (proc.returncode == 0) == (restarts > 0), text
     return text
