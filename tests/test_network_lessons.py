@@ -35,8 +35,8 @@ RUN = [
     CPU,
     "logger=none",
     "trainer.progress_bar=false",
-    "trainer.max_steps=6",
-    "trainer.log_every_n_steps=1",  # a row (and a timed step) every step: 5 after the warm-up's
+    "trainer.max_steps=8",
+    "trainer.log_every_n_steps=2",
     "trainer.eval_every_n_steps=0",
     f"model.hidden_sizes=[{','.join(['256'] * 48)}]",
     "data.batch_size=2048",
