@@ -40,7 +40,9 @@ def _torchrun_main(argv: list[str], env: dict[str, str], cwd: str, out: str, err
     """torch.distributed.run's main (what the `torchrun` command runs) with argv, its output in files."""
     take(env, cwd)
     for fd, path in ((1, out), (2, err)):
-        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(opened, fd)
+        os.close(opened)  # fd 1 or 2 now holds the file; the agent's workers inherit only those
     from torch.distributed.run import main
 
     code: int | str | None = 0
