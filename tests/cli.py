@@ -29,17 +29,21 @@ def torchrun_cmd(args: list[str], nproc: int = 2) -> list[str]:
     return [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", TRAIN, *args]
 
 
-def torchrun(args: list[str], cwd: Path, nproc: int = 2, timeout_s: float = 240) -> subprocess.CompletedProcess[str]:
+def torchrun(
+    args: list[str], cwd: Path, nproc: int = 2, timeout_s: float = 240, fresh: bool = False
+) -> subprocess.CompletedProcess[str]:
     """train.py under torchrun --standalone with nproc ranks (run_torchrun)."""
-    return run_torchrun(torchrun_cmd(args, nproc), cwd, timeout_s)
+    return run_torchrun(torchrun_cmd(args, nproc), cwd, timeout_s, fresh)
 
 
-def run_torchrun(cmd: list[str], cwd: Path, timeout_s: float = 240) -> subprocess.CompletedProcess[str]:
+def run_torchrun(
+    cmd: list[str], cwd: Path, timeout_s: float = 240, fresh: bool = False
+) -> subprocess.CompletedProcess[str]:
     """A `torchrun ...` command line (cmd[0] is TORCHRUN), run as subprocess.run(cmd, capture_output=True,
-    text=True, timeout=timeout_s) would, with env(): its agent is torchrun's own main forked from
-    tests/forks.py's server (no fresh import of torch), what it starts new interpreters."""
+    text=True, timeout=timeout_s) would, with env(): torchrun's own main, forked from tests/forks.py's
+    server, which forks each rank of a python script too (fresh=True: each rank a new interpreter)."""
     assert cmd[0] == TORCHRUN, cmd
-    return forks.torchrun(cmd[1:], cwd, env(), timeout_s)
+    return forks.torchrun(cmd[1:], cwd, env(), timeout_s, fork_ranks=not fresh)
 
 
 def launch(args: list[str], cwd: Path, nproc: int = 2, timeout_s: float = 240) -> subprocess.CompletedProcess[str]:

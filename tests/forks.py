@@ -1,25 +1,48 @@
 """Processes the tests start, forked from a server that has imported torch once.
 
-Importing torch and the trainer takes a fresh interpreter ~2-3 s of CPU here, and the suite starts
-hundreds of processes: the spawned ranks of tests/dist_helpers.py and the torchrun agents of
-tests/cli.py. They fork instead from one multiprocessing forkserver per pytest worker that
+Importing torch and the trainer takes a fresh interpreter ~2-3 s of CPU here (and the first
+optimizer step ~1.5 s more, importing torch._dynamo), and the suite starts hundreds of processes:
+the spawned ranks of tests/dist_helpers.py, the torchrun agents of tests/cli.py and the ranks
+those agents start. They fork instead from one multiprocessing forkserver per pytest worker that
 imported these modules once. The server forks before any process group, thread pool or CUDA
 context exists (DataLoader's forked workers rely on the same), so each child still begins clean;
-it takes the test's environment and working directory, as a new process would. What torchrun
-starts (train.py's ranks) are fresh interpreters, as they are for a user.
+it takes the test's environment and working directory, as a new process would.
+
+The agent is torchrun's own code, started with the command line's arguments. Only where it would
+start `python -u script.py args` for each rank, it forks itself instead (torchrun's function
+entrypoint with --start-method=fork, `run_script` below) and the rank runs the script as the
+interpreter would: as __main__, with its argv and path, unbuffered output, default signal
+handlers, OMP_NUM_THREADS applied (torch read the server's at import), atexit handlers at its end
+and the exit code of its SystemExit. Two things differ and are left to launches that start fresh
+interpreters (`tests/cli.py`'s `fresh=True`, the make-train launcher, the launches a test signals
+with Popen): what only a fresh interpreter shows (an import the server happened to have done, an
+environment variable torch reads at import), and torchrun's failure report, which for forked
+ranks lists only the first failed rank (torch's multiprocessing stops the others itself).
 """
 
 from __future__ import annotations
 
+import atexit
+import io
 import multiprocessing as mp
 import os
+import runpy
+import signal
 import subprocess
 import sys
 import tempfile
 import traceback
 from pathlib import Path
+from typing import Any
 
-PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.run", "tests.train_helpers"]
+PRELOAD = [
+    "torch",
+    "torch._dynamo",  # what torch's optimizers and DDP import on first use
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "torch.distributed.run",
+    "tests.train_helpers",
+]
 context = mp.get_context("forkserver")
 context.set_forkserver_preload(PRELOAD)
 
@@ -36,14 +59,59 @@ def take(env: dict[str, str], cwd: str) -> None:
     os.chdir(cwd)
 
 
-def _torchrun_main(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
+def run_script(script: str, *args: str) -> None:
+    """A rank forked by the agent: `python -u script *args`, as that interpreter would run it."""
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)  # not the agent's handlers: a signal ends the rank as it would
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads:  # read by a fresh interpreter's torch at start-up; the server's torch had read its own
+        import torch
+
+        torch.set_num_threads(int(threads))
+    sys.argv = [script, *args]
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    for fd, name in ((1, "stdout"), (2, "stderr")):  # -u: nothing waits in a buffer
+        stream = io.TextIOWrapper(io.FileIO(fd, "wb", closefd=False), write_through=True, errors="backslashreplace")
+        setattr(sys, name, stream)
+    code: Any = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as stop:
+        code = stop.code
+    except BaseException:  # what the interpreter prints for an uncaught exception, then exit 1
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()  # the interpreter's own shutdown would; multiprocessing's exit does not
+    if code not in (0, None):
+        raise SystemExit(code)
+
+
+def _forking_config_from_args(original: Any) -> Any:
+    """torchrun's config_from_args, with `python -u script args` replaced by run_script, forked."""
+
+    def config_from_args(args: Any) -> Any:
+        config, cmd, cmd_args = original(args)
+        if cmd == sys.executable and cmd_args[:1] == ["-u"] and cmd_args[1:2] != ["-m"]:
+            config.start_method = "fork"
+            return config, run_script, cmd_args[1:]
+        return config, cmd, cmd_args
+
+    return config_from_args
+
+
+def _torchrun_main(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str, fork_ranks: bool) -> None:
     """torch.distributed.run's main (what the `torchrun` command runs) with argv, its output in files."""
     take(env, cwd)
     for fd, path in ((1, out), (2, err)):
         opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(opened, fd)
         os.close(opened)  # fd 1 or 2 now holds the file; the agent's workers inherit only those
+    import torch.distributed.run as torchrun_module
     from torch.distributed.run import main
+
+    if fork_ranks:
+        torchrun_module.config_from_args = _forking_config_from_args(torchrun_module.config_from_args)
 
     code: int | str | None = 0
     try:
@@ -59,12 +127,15 @@ def _torchrun_main(argv: list[str], env: dict[str, str], cwd: str, out: str, err
     raise SystemExit(code)
 
 
-def torchrun(argv: list[str], cwd: Path, env: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess[str]:
+def torchrun(
+    argv: list[str], cwd: Path, env: dict[str, str], timeout_s: float, fork_ranks: bool = True
+) -> subprocess.CompletedProcess[str]:
     """`torchrun *argv`, as subprocess.run(..., capture_output=True, text=True, timeout=timeout_s) would
-    run it: its exit code (negative for a signal), its stdout and stderr, TimeoutExpired after killing it."""
+    run it: its exit code (negative for a signal), its stdout and stderr, TimeoutExpired after killing it.
+    fork_ranks=False: the agent starts each rank as a fresh interpreter, as the command does."""
     with tempfile.TemporaryDirectory(prefix="torchrun-output-") as tmp:
         out, err = str(Path(tmp) / "stdout"), str(Path(tmp) / "stderr")
-        proc = context.Process(target=_torchrun_main, args=(argv, env, str(cwd), out, err))
+        proc = context.Process(target=_torchrun_main, args=(argv, env, str(cwd), out, err, fork_ranks))
         proc.start()
         proc.join(timeout_s)
         timed_out = proc.is_alive()

@@ -34,14 +34,16 @@ def _one_line_from_rank0(proc: subprocess.CompletedProcess[str], message: str) -
 
 
 def test_torchrun_out_of_range_value(tmp_path: Path) -> None:
-    proc = torchrun(["optim.lr=-7", CPU], cwd=tmp_path, timeout_s=120)
+    proc = torchrun(["optim.lr=-7", CPU], cwd=tmp_path, timeout_s=120, fresh=True)
     _one_line_from_rank0(proc, "optim.lr=-7.0 is invalid: accepted: a number > 0")
     _nothing_written(tmp_path)
 
 
 def test_torchrun_multirun_with_one_bad_value_runs_no_job(tmp_path: Path) -> None:
     # The first value is fine: without the check the first job would train before the second failed.
-    proc = torchrun(["-m", "sync.static_graph=false,maybe", CPU, "trainer.max_steps=2"], cwd=tmp_path, timeout_s=120)
+    proc = torchrun(
+        ["-m", "sync.static_graph=false,maybe", CPU, "trainer.max_steps=2"], cwd=tmp_path, timeout_s=120, fresh=True
+    )
     _one_line_from_rank0(proc, "sync.static_graph=maybe is invalid: accepted: true or false")
     _nothing_written(tmp_path)
 

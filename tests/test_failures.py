@@ -47,7 +47,9 @@ BAD_INPUTS = {
 def test_bad_input_fails_fast_on_every_rank_with_a_clear_message(tmp_path: Path, case: str) -> None:
     overrides, expected = BAD_INPUTS[case]
     started = time.monotonic()
-    proc = torchrun([*overrides, CPU, "logger=none", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout_s=120)
+    proc = torchrun(
+        [*overrides, CPU, "logger=none", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout_s=120, fresh=True
+    )
     elapsed = time.monotonic() - started
     text = output(proc)
     assert proc.returncode != 0, text
