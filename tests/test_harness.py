@@ -4,6 +4,7 @@ ranks pairing the wrong collectives and the whole spawn ending in a timeout far 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from tests import dist_helpers
+from tests.cli import TORCHRUN, output, run_torchrun
 from tests.dist_helpers import run_on_ranks
 from tests.train_helpers import case_results, train_each
 
@@ -61,3 +63,28 @@ def test_the_failing_case_reports_its_own_error(ranks: list[dict[str, Any]]) -> 
 def test_the_cases_after_it_say_why_they_did_not_run(ranks: list[dict[str, Any]]) -> None:
     for result in (r["after"] for r in ranks):
         assert result.startswith("not run: case 'one-rank-fails' raised on some ranks only"), result
+
+
+RANK_SCRIPT = """
+import os, sys, signal, torch
+print("rank", os.environ["RANK"], __name__, sys.argv[1:], sys.path[0] == os.path.dirname(__file__),
+      torch.get_num_threads(), signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)
+print("unflushed", os.environ["RANK"])  # kept only if output is unbuffered, as under python -u
+if os.environ["RANK"] == "1":
+    import time
+    time.sleep(1)  # rank 0 has printed: torch stops the other ranks once one fails
+    os._exit(3)
+os._exit(0)
+"""
+
+
+def test_a_forked_rank_runs_the_script_as_a_fresh_interpreter_would(tmp_path: Path) -> None:
+    # tests/forks.py's agent forks each rank; what the rank sees must be what `python -u script` gives it.
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    proc = run_torchrun([TORCHRUN, "--standalone", "--nproc_per_node=2", str(script), "a", "b"], cwd=tmp_path)
+    text = output(proc)
+    assert proc.returncode == 1, text  # torchrun's own exit code for a failed rank
+    assert "exitcode  : 3" in text, text  # rank 1's own code, in torchrun's report
+    assert "rank 0 __main__ ['a', 'b'] True 1 True" in proc.stdout, text  # OMP_NUM_THREADS=1 from tests.cli.env()
+    assert "unflushed 0" in proc.stdout, text
