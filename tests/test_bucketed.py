@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.dist_helpers import run_on_ranks
+from trainer.sync.bucket_timing import BucketTimer
 from trainer.sync.bucketed import BucketedSync
 
 
@@ -23,8 +24,11 @@ def _backward(model: nn.Module, rank: int) -> None:
     F.cross_entropy(model(torch.randn(6, 8)), torch.randint(0, 4, (6,))).backward()
 
 
-def _mechanism(rank: int, world_size: int, collective: str) -> dict[str, Any]:
-    sync = BucketedSync(bucket_cap_mb=300 / 2**20, collective=collective, time_every_n_steps=1)  # ~300 B buckets
+def _mechanism(rank: int, world_size: int, collective: str, timed: bool = True) -> dict[str, Any]:
+    timer = BucketTimer if timed else None  # None: sync.bucket_timer=null, nothing timed
+    sync = BucketedSync(
+        bucket_cap_mb=300 / 2**20, collective=collective, time_every_n_steps=1, bucket_timer=timer
+    )  # ~300 B buckets
     model = sync.wrap(_model(seed=rank))  # rank 1's different draw is replaced by rank 0's
     buckets = sync.describe()["num_buckets"]
     # Step 1 learns each parameter's hook calls per backward: its buckets start in after_backward.
@@ -70,8 +74,10 @@ def _mechanism(rank: int, world_size: int, collective: str) -> dict[str, Any]:
 
 
 def _both(rank: int, world_size: int) -> dict[str, dict[str, Any]]:
-    """_mechanism with each collective on one pair of ranks: a spawn costs more than both."""
-    return {collective: _mechanism(rank, world_size, collective) for collective in ("all_reduce", "rs_ag")}
+    """_mechanism with each collective on one pair of ranks (a spawn costs more than all three), and
+    all_reduce once more without a bucket timer composed in."""
+    runs = {collective: _mechanism(rank, world_size, collective) for collective in ("all_reduce", "rs_ag")}
+    return {**runs, "untimed": _mechanism(rank, world_size, "all_reduce", timed=False)}
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +100,20 @@ def test_buckets_start_during_backward_and_average_in_place(mechanism: list[dict
     grad_bytes = sum(p.numel() * 4 for p in rank0["params"])
     assert counts.bytes == grad_bytes and counts.kinds["all_reduce"] == [grad_bytes, rank0["buckets"]]
     assert counts.timed_steps == 1 and counts.seconds > 0 and 0 <= counts.exposed_seconds <= counts.seconds + 1e-3
+
+
+def test_without_a_bucket_timer_the_same_buckets_leave_and_nothing_is_timed(
+    mechanism: list[dict[str, dict[str, Any]]],
+) -> None:
+    # sync.bucket_timer=null: the launcher's Untimed starts each bucket as it is, notes nothing.
+    for by_collective in mechanism:
+        timed, untimed = by_collective["all_reduce"], by_collective["untimed"]
+        assert untimed["started_by_hooks"] == untimed["buckets"] == timed["buckets"]
+        assert untimed["in_flight_at_first_layer"] == timed["in_flight_at_first_layer"]
+        assert all(torch.equal(a, b) for a, b in zip(untimed["averaged"], timed["averaged"], strict=True))
+        counts = untimed["counts"]
+        assert counts.kinds == timed["counts"].kinds
+        assert (counts.timed_steps, counts.seconds, counts.exposed_seconds) == (0, 0.0, 0.0)
 
 
 def test_last_layers_buckets_leave_before_the_first_layer_has_its_gradients(

@@ -32,7 +32,7 @@ import pytest
 
 from trainer.setup.precheck import EXIT_CODE, check_command_line
 from trainer.setup.schema import SCHEMAS
-from trainer.setup.schema.declare import Key, key_of
+from trainer.setup.schema.declare import Key, key_of, nested_schema
 
 
 class Row(NamedTuple):
@@ -100,6 +100,7 @@ TABLE: list[Row] = [
     Row("sync=bucketed", "sync.bucket_cap_mb=-1", "low", "sync.bucket_cap_mb=-1"),
     Row("sync=bucketed", "sync.bucket_cap_mb=max", "choice", "sync.bucket_cap_mb='max'"),
     Row("sync=bucketed", "sync.time_every_n_steps=0", "low", "sync.time_every_n_steps=0"),
+    Row("sync=bucketed", "sync.bucket_timer._partial_=false", "choice", "sync.bucket_timer._partial_=False"),
     Row("sync=bucketed", "sync.auto_candidates_mb=[0]", "low", "sync.auto_candidates_mb=[0.0]"),
     Row("sync=bucketed", "sync.auto_steps_per_trial=0", "low", "sync.auto_steps_per_trial=0"),
     Row("sync=bucketed", "sync.auto_warmup_steps=0", "low", "sync.auto_warmup_steps=0"),
@@ -112,6 +113,7 @@ TABLE: list[Row] = [
     Row("sync=zero", "sync.stage=0", "choice", "sync.stage=0"),
     Row("sync=zero", "sync.bucket_cap_mb=0", "low", "sync.bucket_cap_mb=0.0"),
     Row("sync=zero", "sync.time_every_n_steps=0", "low", "sync.time_every_n_steps=0"),
+    Row("sync=zero", "sync.bucket_timer._partial_=false", "choice", "sync.bucket_timer._partial_=False"),
     # optim
     Row("optim=sgd", "optim._partial_=false", "choice", "optim._partial_=False"),
     Row("optim=sgd", "optim.lr=0", "low", "optim.lr=0.0"),
@@ -198,8 +200,9 @@ def _leaves(schema: type, prefix: str) -> list[tuple[str, Key]]:
     hints = typing.get_type_hints(schema)
     found: list[tuple[str, Key]] = []
     for field in dataclasses.fields(schema):
-        if dataclasses.is_dataclass(hints[field.name]):
-            found += _leaves(hints[field.name], f"{prefix}{field.name}.")
+        nested = nested_schema(hints[field.name])  # trainer.fault, sync.bucket_timer (which may be null)
+        if nested is not None:
+            found += _leaves(nested, f"{prefix}{field.name}.")
         else:
             found.append((f"{prefix}{field.name}", key_of(schema, field.name)))
     return found

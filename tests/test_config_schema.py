@@ -18,7 +18,7 @@ from tests.compose import CONF_DIR, compose_config
 from trainer.errors import ConfigError
 from trainer.setup.precheck import check_overrides
 from trainer.setup.schema import MODULES, SCHEMAS
-from trainer.setup.schema.declare import Key, key_of
+from trainer.setup.schema.declare import Key, key_of, nested_schema
 
 # Groups whose options are not typed nodes of their own: they set keys of the typed groups.
 UNTYPED_GROUPS = {
@@ -112,8 +112,9 @@ def leaves(schema: type, prefix: str) -> list[tuple[str, Any, Key]]:
     found = []
     hints = typing.get_type_hints(schema)
     for field in dataclasses.fields(schema):
-        if dataclasses.is_dataclass(hints[field.name]):
-            found += leaves(hints[field.name], f"{prefix}{field.name}.")
+        nested = nested_schema(hints[field.name])  # trainer.fault, sync.bucket_timer (which may be null)
+        if nested is not None:
+            found += leaves(nested, f"{prefix}{field.name}.")
         else:
             found.append((f"{prefix}{field.name}", hints[field.name], key_of(schema, field.name)))
     return found

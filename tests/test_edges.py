@@ -17,7 +17,7 @@ from tests.dist_helpers import run_on_ranks
 from tests.edge_models import Case, batch, make, optimizer_for, reference, train
 from tests.test_fsdp import real_collectives
 from trainer.sync import zero_grads
-from trainer.sync.bucket_timing import Stopwatch, timed
+from trainer.sync.bucket_timing import BucketTimer, Stopwatch, timed
 from trainer.sync.bucketed import BucketedSync
 from trainer.sync.collectives import Collectives
 from trainer.sync.ddp import DDPSync
@@ -63,7 +63,9 @@ CASES: dict[str, Case] = {
     "reused-bucketed": Case("reused", partial(BucketedSync, bucket_cap_mb=TINY_MB)),
     "reused-bucketed-one-bucket": Case("reused", BucketedSync),
     "reused-bucketed-rs_ag": Case("reused", partial(BucketedSync, bucket_cap_mb=TINY_MB, collective="rs_ag")),
-    "reused-bucketed-timed": Case("reused", partial(BucketedSync, bucket_cap_mb=TINY_MB, time_every_n_steps=1)),
+    "reused-bucketed-timed": Case(
+        "reused", partial(BucketedSync, bucket_cap_mb=TINY_MB, time_every_n_steps=1, bucket_timer=BucketTimer)
+    ),
     "reused-nonreentrant-bucketed": Case("reused-nonreentrant", partial(BucketedSync, bucket_cap_mb=TINY_MB)),
     "reused-ddp-static": Case("reused", partial(DDPSync, static_graph=True)),
     "reused-zero": Case("reused", ZeroSync),
@@ -71,7 +73,9 @@ CASES: dict[str, Case] = {
     "reused-fsdp-root": Case("reused", partial(FSDPSync, wrap="block")),  # no blocks: the root reduces once
     "reused-nonreentrant-fsdp": Case("reused-nonreentrant", FSDPSync),
     "frozen-twice-fsdp": Case("frozen", FSDPSync),  # a unit run twice without grad, but frozen: not refused
-    "reused-zero-stage1": Case("reused", partial(ZeroSync, stage=1, bucket_cap_mb=TINY_MB, time_every_n_steps=1)),
+    "reused-zero-stage1": Case(
+        "reused", partial(ZeroSync, stage=1, bucket_cap_mb=TINY_MB, time_every_n_steps=1, bucket_timer=BucketTimer)
+    ),
     **{f"unused-all-{n}": Case(m, s) for n, (s, m) in MANUAL_GROUPINGS.items()},
     **{f"unused-one-{n}": Case(m, s, branch_ranks=(1,)) for n, (s, m) in MANUAL_GROUPINGS.items()},
     "unused-all-fsdp": Case("branchy", FSDPSync),

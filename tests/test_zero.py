@@ -34,6 +34,7 @@ from trainer.loop.metrics import optimizer_state_mb
 from trainer.reliability.checkpoint import load_checkpoint
 from trainer.setup.build import build_parts, instantiate
 from trainer.setup.precheck import check_overrides
+from trainer.sync.bucket_timing import BucketTimer
 from trainer.sync.zero import ZeroSync
 
 # As test_equivalence's COMMON, but hidden sizes whose 2399 parameters do not split evenly over 2
@@ -126,7 +127,7 @@ def _mechanism(rank: int, world_size: int, stage: int, cap_mb: float) -> dict[st
     """The strategy alone on a toy model of 23 parameters: views, counts, checks, refusals."""
     torch.manual_seed(rank)  # each rank draws other weights: wrap() must replace them with rank 0's
     model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
-    sync = ZeroSync(stage=stage, bucket_cap_mb=cap_mb, time_every_n_steps=1)
+    sync = ZeroSync(stage=stage, bucket_cap_mb=cap_mb, time_every_n_steps=1, bucket_timer=BucketTimer)
     sync.wrap(model)
     optimizer = sync.build_optimizer(model, partial(torch.optim.SGD, lr=0.1))
     flat = sync._params

@@ -21,19 +21,19 @@ from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
 from trainer.errors import ConfigError, check
-from trainer.setup.schema.declare import accepted, adapter, declared_of
+from trainer.setup.schema.declare import accepted, adapter, declared_of, nested_schema
 
 
 def _refusal(error: ErrorDetails, declared: type, node: DictConfig, prefix: str) -> tuple[bool, str]:
     """One of pydantic's errors as (the value is copied from another key, the one-line message).
 
-    pydantic's location is followed through the nested schemas (trainer.fault) to the key's field;
+    pydantic's location is followed through the nested schemas (trainer.fault, sync.bucket_timer) to the key's field;
     what follows it (a list's index, a union's member) is the value's, which is named whole.
     """
     loc = list(error["loc"])
     while len(loc) > 1 and isinstance(loc[0], str) and loc[0] in node:
-        inner = typing.get_type_hints(declared).get(loc[0])
-        if not (isinstance(inner, type) and dataclasses.is_dataclass(inner)):
+        inner = nested_schema(typing.get_type_hints(declared).get(loc[0]))
+        if inner is None:
             break
         prefix, node, declared, loc = f"{prefix}{loc[0]}.", node[loc[0]], inner, loc[1:]
     name = str(loc[0]) if loc else ""

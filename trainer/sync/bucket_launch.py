@@ -14,8 +14,10 @@ error. Not strict (zero): the count is the most any rank saw, and buckets still 
 backward start then, in order (a missing gradient counts as zero; every rank still pairs up).
 `in_backward=False`: no bucket starts during backward (a graph whose parameters come and go).
 
-Each launch goes through the launcher's BucketTimer (bucket_timing.py), which times one step in
-`time_every_n_steps`; the strategy reads it at rows and times by hand what it starts itself.
+Each launch goes through the launcher's `timer`, composed in by the strategy's config
+(`sync.bucket_timer`: bucket_timing.py's BucketTimer, which times one step in `time_every_n_steps`);
+without one, `Untimed` launches each collective as it is and notes nothing. The strategy reads the
+timer at rows and times by hand what it starts itself.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,12 +33,41 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from trainer.errors import ConfigError
-from trainer.sync.bucket_timing import BucketTimer
-from trainer.sync.collectives import Waitable
+from trainer.sync.collectives import CommCounters, Waitable
 
 # on_grad(bucket index, index in the bucket, parameter, first call in this backward)
 OnGrad = Callable[[int, int, nn.Parameter, bool], None]
 Start = Callable[[int], dist.Work]
+
+
+class Untimed:
+    """The launcher's timer when none is composed in: collectives leave as they are, nothing is noted."""
+
+    def launched(self, start: Start, bucket: int) -> Waitable:
+        return start(bucket)
+
+    def backward_ended(self) -> None:
+        pass
+
+    def now(self) -> Any:
+        """A mark for a collective timed by hand (None: not timed)."""
+        return None
+
+    def note(self, started: Any) -> None:
+        pass
+
+    def note_after(self, started: Any, waited_from: Any) -> None:
+        pass
+
+    def end_step(self) -> None:
+        pass
+
+    def add_to(self, counts: CommCounters) -> None:
+        pass
+
+
+# (device, time_every_n_steps, the step ends at the next forward) -> the timer: sync.bucket_timer
+TimerFactory = Callable[[torch.device, int, bool], Untimed]
 
 
 class BucketLauncher:
@@ -46,15 +78,14 @@ class BucketLauncher:
         strategy: str,
         params: Sequence[nn.Parameter],
         names: Sequence[str],
-        time_every_n_steps: int,
+        timer: Untimed,
         strict: bool = True,
         in_backward: bool = True,
-        ends_at_next_forward: bool = False,
     ) -> None:
         self.strategy = strategy
         self.params, self.names = list(params), list(names)
         self.strict, self.in_backward = strict, in_backward
-        self.timer = BucketTimer(self.params[0].device, time_every_n_steps, ends_at_next_forward)
+        self.timer = timer
         self.expected: list[int] | None = None  # per parameter, hook calls per backward (learned in step 1)
         self.accumulating = False  # no_sync: the hooks do nothing, gradients accumulate locally
         self.works: list[Waitable] = []  # per started bucket, in order

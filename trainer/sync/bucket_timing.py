@@ -1,5 +1,7 @@
 """Timing the bucket collectives of `bucketed` and `zero`, one step in `time_every_n_steps`: when
-each one left and when its result arrived, against the end of backward.
+each one left and when its result arrived, against the end of backward. Composed in by their
+config (`sync.bucket_timer`, a partial of BucketTimer); the launcher knows only the `Untimed`
+interface it implements.
 
 Marks are host clocks on CPU (gloo completes a collective's future when the data is there) or CUDA
 events on GPU, turned into seconds only when a logged row reads them. A collective after the sync
@@ -21,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainer.sync.bucket_launch import Start, Untimed
 from trainer.sync.collectives import CommCounters, Waitable, busy_time
 
 Spans = list[tuple[Any, Any]]  # (launch, arrival) per collective
@@ -89,7 +92,7 @@ class _WaitThenNote:
         return True
 
 
-class BucketTimer:
+class BucketTimer(Untimed):
     """This step's marks, if it is a timed one; the timed steps since the last row, for the row.
 
     `ends_at_next_forward`: the step ends when its last collectives are waited for, just before the next
@@ -110,7 +113,7 @@ class BucketTimer:
         # Since the last row, per timed step: (origin, backward's end, spans, spans after).
         self._timed: list[tuple[Any, Any, Spans, Waited]] = []
 
-    def launched(self, start: Callable[[int], dist.Work], bucket: int) -> Waitable:
+    def launched(self, start: Start, bucket: int) -> Waitable:
         """Start a bucket's collective; on a timed step, noting its launch and its arrival."""
         if not self.timing:
             return start(bucket)

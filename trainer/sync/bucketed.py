@@ -16,7 +16,7 @@ parameter, communication while backward goes on.
 The hooks and their rules (a parameter without a gradient, a layer reused under checkpointing
 firing its hook more than once) are trainer/sync/bucket_launch.py's, shared with `zero`; here
 strict: what would leave a bucket incomplete is refused with a ConfigError naming the parameter.
-One step in `time_every_n_steps` is timed (bucket_timing.py).
+The timing of the buckets (one step in `time_every_n_steps`) is composed in: `bucket_timer`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from torch.optim import Optimizer
 
 from trainer.sync.autotune import DEFAULT_CANDIDATES_MB, CapTuner
 from trainer.sync.base import SyncStrategy
-from trainer.sync.bucket_launch import BucketLauncher
+from trainer.sync.bucket_launch import BucketLauncher, TimerFactory, Untimed
 from trainer.sync.collectives import CommCounters, Waitable, broadcast_from_rank0
 from trainer.sync.flat import FlatGrads, group_by_size, names_of
 
@@ -47,6 +47,7 @@ class BucketedSync(SyncStrategy):
         auto_candidates_mb: Sequence[float] = DEFAULT_CANDIDATES_MB,
         auto_steps_per_trial: int = 3,
         auto_warmup_steps: int = 2,
+        bucket_timer: TimerFactory | None = None,
     ) -> None:
         super().__init__()
         self.bucket_cap_mb = bucket_cap_mb if bucket_cap_mb == "auto" else float(bucket_cap_mb)
@@ -55,6 +56,7 @@ class BucketedSync(SyncStrategy):
         self.auto_warmup_steps = auto_warmup_steps
         self.collective = collective
         self.time_every_n_steps = time_every_n_steps
+        self.bucket_timer = bucket_timer  # conf/sync: bucket_timing.BucketTimer; None: nothing timed
         self._tuner: CapTuner | None = None
         self._cap_mb = 0.0  # the cap the buckets were built with
         self._params: list[nn.Parameter] = []
@@ -67,9 +69,10 @@ class BucketedSync(SyncStrategy):
         self._world_size = dist.get_world_size()
         self._params = [p for p in model.parameters() if p.requires_grad]
         names = names_of(model, self._params)
-        self._launcher = BucketLauncher("bucketed", self._params, names, self.time_every_n_steps)
+        device = self._params[0].device
+        timer = Untimed() if self.bucket_timer is None else self.bucket_timer(device, self.time_every_n_steps, False)
+        self._launcher = BucketLauncher("bucketed", self._params, names, timer)
         if self.bucket_cap_mb == "auto":
-            device = self._params[0].device
             self._tuner = CapTuner(self.auto_candidates_mb, self.auto_steps_per_trial, self.auto_warmup_steps, device)
             self.rebuild(self._tuner.cap_mb)
         else:
@@ -150,7 +153,7 @@ class BucketedSync(SyncStrategy):
             "strategy": "bucketed",
             "bucket_cap_mb": self.bucket_cap_mb,
             "collective": self.collective,
-            "comm_timing": f"per bucket, 1 step in {self.time_every_n_steps}",
+            "comm_timing": "none" if self.bucket_timer is None else f"per bucket, 1 step in {self.time_every_n_steps}",
         }
         if self._tuner is not None:
             info["auto_trials"] = self._tuner.table()

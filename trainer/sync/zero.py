@@ -39,7 +39,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from trainer.sync.base import DecayGroups, OptimizerFactory, SyncStrategy
-from trainer.sync.bucket_launch import BucketLauncher
+from trainer.sync.bucket_launch import BucketLauncher, TimerFactory, Untimed
 from trainer.sync.collectives import CommCounters, broadcast_from_rank0
 from trainer.sync.flat import group_by_size, names_of
 from trainer.sync.unused import UsedParams
@@ -73,11 +73,13 @@ class ZeroSync(SyncStrategy):
         bucket_cap_mb: float = 25.0,
         find_unused_parameters: bool = False,
         time_every_n_steps: int = 10,
+        bucket_timer: TimerFactory | None = None,
     ) -> None:
         super().__init__()
         self.stage, self.bucket_cap_mb = stage, float(bucket_cap_mb)
         self.find_unused_parameters = find_unused_parameters
         self.time_every_n_steps = time_every_n_steps
+        self.bucket_timer = bucket_timer  # conf/sync: bucket_timing.BucketTimer; None: nothing timed
         self._used: UsedParams | None = None
         self._unused: list[tuple[int, int]] = []  # this step: shard slices [lo, hi) of parameters no rank used
         self._pieces: list[nn.Parameter] = []  # the optimizer's parameters: one piece of the shard per group
@@ -130,14 +132,12 @@ class ZeroSync(SyncStrategy):
         self._full_groups = [[position[id(p)] for p in group] for group, _ in groups]
         self._grads = ShardedGrads(self.stage, buckets, layout, self._rank, self.net)
         names = names_of(model, params)
+        # Its step ends when the gathers are waited for, before the next forward (True): the timer's lag.
+        timer = (
+            Untimed() if self.bucket_timer is None else self.bucket_timer(flat.device, self.time_every_n_steps, True)
+        )
         self._launcher = BucketLauncher(
-            "zero",
-            params,
-            names,
-            self.time_every_n_steps,
-            strict=False,
-            in_backward=not self.find_unused_parameters,
-            ends_at_next_forward=True,  # its step ends when the gathers are waited for, before the next forward
+            "zero", params, names, timer, strict=False, in_backward=not self.find_unused_parameters
         )
         self._launcher.build(buckets, self._grads.on_grad, self._grads.start)
         self._used = UsedParams(params, names, self.find_unused_parameters, "zero")
@@ -282,7 +282,7 @@ class ZeroSync(SyncStrategy):
             "strategy": "zero",
             "stage": self.stage,
             "bucket_cap_mb": self.bucket_cap_mb,
-            "comm_timing": f"per bucket, 1 step in {self.time_every_n_steps}",
+            "comm_timing": "none" if self.bucket_timer is None else f"per bucket, 1 step in {self.time_every_n_steps}",
         }
         if self._grads is not None:
             grads = self._grads

@@ -156,9 +156,21 @@ def key_of(schema: type, name: str) -> Key:
     """What field `name` of a schema (declared, or its ConfigStore twin) accepts."""
     declared = declared_of(schema) or schema
     annotation = typing.get_type_hints(declared, include_extras=True)[name]
-    if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
-        return Key(kind="")
+    if nested_schema(annotation) is not None:  # its own keys say the rest (trainer.fault, sync.bucket_timer)
+        notes = [m.description for m in typing.get_args(annotation)[1:] if getattr(m, "description", None)]
+        inner = typing.get_args(annotation)[0] if typing.get_origin(annotation) is Annotated else annotation
+        return Key(kind="", nullable=type(None) in typing.get_args(inner), note=notes[0] if notes else "")
     return Key(**_read(TypeAdapter(annotation).json_schema()))
+
+
+def nested_schema(annotation: Any) -> type | None:
+    """The schema of a nested node (trainer.fault), or of one that may be null (sync.bucket_timer); else None."""
+    if typing.get_origin(annotation) is Annotated:
+        annotation = typing.get_args(annotation)[0]
+    members = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
+    if len(members) == 1 and isinstance(members[0], type) and dataclasses.is_dataclass(members[0]):
+        return members[0]
+    return None
 
 
 _KINDS = {"integer": "an integer", "number": "a number", "boolean": "true or false", "string": "a string"}
