@@ -54,6 +54,15 @@ TWO_RANKS = {
     "buckets": ["sync=ddp", "sync.bucket_cap_mb=0.001", *SMALL, "trainer.max_steps=4"],
     "rows-manual": ["sync=manual", *SMALL, "trainer.max_steps=6", "trainer.log_every_n_steps=3"],
     "rows-ddp": ["sync=ddp", *SMALL, "trainer.max_steps=6", "trainer.log_every_n_steps=3", "sync.time_buckets=true"],
+    "rows-bucketed": ["sync=bucketed", *SMALL, "trainer.max_steps=6", "trainer.log_every_n_steps=3"],
+    "rows-zero": ["sync=zero", *SMALL, "trainer.max_steps=6", "trainer.log_every_n_steps=3"],
+    "untimed-zero": [
+        "sync=zero",
+        *SMALL,
+        "trainer.max_steps=6",
+        "trainer.log_every_n_steps=3",
+        "sync.bucket_timer=null",
+    ],
     "sampled-None": SAMPLED,
     "sampled-100": [*SAMPLED, "sync.time_every_n_steps=100"],
 }
@@ -111,7 +120,7 @@ def param_bytes(rank: int, world_size: int) -> int:
     return sum(p.numel() * p.element_size() for p in build_parts(cfg, instantiate(cfg.trainer)).model.parameters())
 
 
-@pytest.mark.parametrize("sync", ["manual", "ddp"])
+@pytest.mark.parametrize("sync", ["manual", "ddp", "bucketed", "zero"])
 def test_rows_account_for_communication_and_phases_add_up(two_ranks: Runs, sync: str) -> None:
     run_dir, _ = results_of(two_ranks, f"rows-{sync}")
     expected = param_bytes(0, 1)
@@ -126,8 +135,17 @@ def test_rows_account_for_communication_and_phases_add_up(two_ranks: Runs, sync:
         if sync == "manual":
             # The default coalescing puts this small model's 6 gradients into one all_reduce.
             assert row["time/comm_s"] == row["time/sync_s"] and row["comm/collectives_per_step"] == 1
-        else:
+        elif sync == "ddp":
             assert row["time/comm_s"] <= row["time/backward_s"]  # DDP communicates inside backward
+
+
+def test_without_a_bucket_timer_rows_carry_no_communication_time(two_ranks: Runs) -> None:
+    # sync.bucket_timer=null: zero's launcher gets no timer composed in; bytes are still counted.
+    run_dir, results = results_of(two_ranks, "untimed-zero")
+    train = [r for r in rows(run_dir) if "train/loss" in r]
+    assert len(train) == 2 and all(r["comm/bytes_per_step"] == param_bytes(0, 1) for r in train)
+    assert not [key for r in train for key in r if key.startswith("time/comm") or key == "comm/overlap_fraction"]
+    assert results[0]["summary"]["sync"]["comm_timing"] == "none"
 
 
 def test_sync_none_sends_nothing(tmp_path: Path) -> None:
