@@ -113,6 +113,18 @@ def test_step_costs_counts_every_piece_of_the_step_path(tmp_path: Path) -> None:
     assert abs(sum(pieces) - float(cells["total"])) <= 0.05 * len(pieces) + 1e-9
 
 
+def test_row_cost_benchmark_times_each_variant_against_the_loop(tmp_path: Path) -> None:
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", str(REPO / "benchmarks" / "row_cost.py"), "--quick"]
+    proc = run_torchrun(cmd, cwd=tmp_path, timeout_s=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    table = [line.strip("| ").split(" | ") for line in proc.stdout.splitlines() if line.startswith("| ")][1:]
+    variants = ["framework", "no non-finite agreement", "no rows", "hand-written"]
+    assert [row[0] for row in table] == [*variants, "hand-written + 1 collective / 10 steps"], proc.stdout
+    for _, us, ratio, cpu_us in table:
+        assert float(us) > 0 and float(cpu_us) > 0 and float(ratio.split()[0]) > 0
+    assert dict((row[0], row[2]) for row in table)["hand-written"] == "1.000 [1.00–1.00]"
+
+
 def test_activation_memory_benchmark_quick_run(tmp_path: Path) -> None:
     """Both variants measured side by side: checkpointing keeps fewer bytes for backward, and the
     time ratio sits inside its own spread."""

@@ -1,0 +1,138 @@
+"""What a logged row costs the step at 2 ranks, piece by piece, against the hand-written loop.
+
+    torchrun --nproc_per_node=2 benchmarks/row_cost.py              # mlp-tiny, sync=none (~2 min here)
+    torchrun --nproc_per_node=2 benchmarks/row_cost.py --sync ddp --rounds 21
+    torchrun --nproc_per_node=2 benchmarks/row_cost.py --quick      # a smoke run
+
+The overhead benchmark compares whole steps; on a sub-millisecond step the framework's rows (one
+every trainer.log_every_n_steps) are most of its gap. This script times, in the same rounds
+(interleaved, the order reversed every other round, after a barrier), the framework as it runs,
+the framework without one piece of its rows, and the hand-written loop with and without one
+collective of the kind the row sends, so that each piece's cost reads as a difference measured
+side by side:
+
+- `framework`: as train.py builds it (a row every 10 steps).
+- `no non-finite agreement`: the same, with trainer.on_nonfinite=raise's per-row all_gather (the
+  ranks agree whether any saw a non-finite loss) taken out, by hand: the only collective of a row.
+- `no rows`: trainer.log_every_n_steps past the run's end: the step path alone.
+- `hand-written`: benchmarks/overhead_loops.py's tutorial loop.
+- `hand-written + 1 collective / 10 steps`: that loop, launching a one-element all_gather every 10
+  steps and waiting for it 10 steps later, as the row's agreement does.
+
+A job's time per step is its slowest rank's; medians over rounds, each with the interquartile range
+of its per-round ratio to the hand-written loop. "CPU µs/step" is the process's CPU time (every
+thread: gloo's included) per step, the larger of the two ranks': what a collective costs the
+cores besides the wait.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+from benchmarks.overhead import MODELS, iqr  # noqa: E402
+from benchmarks.overhead_loops import Framework, HandWritten  # noqa: E402
+from trainer.setup import dist as ddist  # noqa: E402
+
+ROW_EVERY = 10  # the framework's default trainer.log_every_n_steps
+
+
+def with_collective(loop: HandWritten) -> Callable[[int], None]:
+    """The loop, plus one small async all_gather every ROW_EVERY steps, waited for at the next."""
+    pending: list[dist.Work] = []
+
+    def run(steps: int) -> None:
+        for _ in range(steps // ROW_EVERY):
+            loop.run(ROW_EVERY)
+            mine = torch.tensor([-1], dtype=torch.int64)
+            gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+            work = dist.all_gather(gathered, mine, async_op=True)
+            if pending:
+                pending.pop().wait()
+            pending.append(work)
+        while pending:
+            pending.pop().wait()
+
+    return run
+
+
+def variants(model: str, sync: str, ctx: ddist.DistContext, out: Path) -> dict[str, Callable[[int], None]]:
+    overrides = MODELS[model]
+    framework = Framework(overrides, sync, ctx, out / "framework")
+    unchecked = Framework(overrides, sync, ctx, out / "unchecked")
+    unchecked.trainer._check_finite = lambda *_: None  # type: ignore[method-assign]  # the agreement taken out
+    rowless = Framework(overrides, sync, ctx, out / "rowless", extra=["trainer.log_every_n_steps=1000000000"])
+    loop = HandWritten(overrides, sync, ctx)
+    return {
+        "framework": framework.run,
+        "no non-finite agreement": unchecked.run,
+        "no rows": rowless.run,
+        "hand-written": loop.run,
+        "hand-written + 1 collective / 10 steps": with_collective(loop),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="mlp-tiny", choices=sorted(MODELS))
+    parser.add_argument(
+        "--sync", default="none", help="the framework's sync option (and the loop's, as overhead.py maps it)"
+    )
+    parser.add_argument("--rounds", type=int, default=13)
+    parser.add_argument("--steps", type=int, default=300, help="timed steps per round and variant (a multiple of 10)")
+    parser.add_argument("--quick", action="store_true", help="2 rounds of 20 steps")
+    args = parser.parse_args()
+    rounds, steps = (2, 20) if args.quick else (args.rounds, args.steps)
+    env = ddist.read_launch_env()
+    ctx = ddist.init_process_group(env, ddist.job_store(env), ddist.resolve_device("cpu", env), 600, "ddplab/row_cost/")
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            runs = variants(args.model, args.sync, ctx, Path(tmp))
+            for run in runs.values():
+                run(2 * ROW_EVERY)  # warm: the first steps allocate, DDP rebuilds its buckets
+            wall: dict[str, list[float]] = {name: [] for name in runs}
+            cpu: dict[str, list[float]] = {name: [] for name in runs}
+            names = list(runs)
+            for r in range(rounds):
+                for name in names if r % 2 == 0 else names[::-1]:
+                    dist.barrier()
+                    cpu0, wall0 = time.process_time(), time.perf_counter()
+                    runs[name](steps)
+                    wall[name].append((time.perf_counter() - wall0) / steps)
+                    cpu[name].append((time.process_time() - cpu0) / steps)
+        gathered: list[tuple[dict[str, list[float]], dict[str, list[float]]] | None] = [None] * ctx.world_size
+        dist.all_gather_object(gathered, (wall, cpu))
+        if ctx.is_main_process:
+            report(args, ctx.world_size, rounds, steps, [g for g in gathered if g is not None])
+    finally:
+        ddist.destroy_process_group()
+
+
+def report(args: argparse.Namespace, world_size: int, rounds: int, steps: int, ranks: list) -> None:
+    def slowest(which: int, name: str) -> list[float]:  # per round, the slowest rank's
+        return [max(values) for values in zip(*(rank[which][name] for rank in ranks), strict=True)]
+
+    loop = slowest(0, "hand-written")
+    print(f"{args.model}, sync={args.sync}, {world_size} ranks, gloo on cpu, {rounds} rounds x {steps} steps")
+    print("| variant | µs/step | / hand-written [IQR] | CPU µs/step |\n|---|---|---|---|")
+    for name in ranks[0][0]:
+        times = slowest(0, name)
+        ratios = [t / h for t, h in zip(times, loop, strict=True)]
+        low, high = iqr(ratios)
+        cpu_us = statistics.median(slowest(1, name)) * 1e6
+        spread = f"{statistics.median(ratios):.3f} [{low:.2f}–{high:.2f}]"
+        print(f"| {name} | {statistics.median(times) * 1e6:.0f} | {spread} | {cpu_us:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
