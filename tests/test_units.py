@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from torch import nn
@@ -24,6 +26,7 @@ from trainer.loop.steps import (
 )
 from trainer.loop.summary import format_report, job_throughput, rank_timing
 from trainer.loop.timing import PHASES, StepTimer
+from trainer.reliability.save_cost import ResidentMemory
 from trainer.setup.dist import choose_device
 from trainer.setup.precheck import check_overrides
 from trainer.sync.collectives import Collectives, CommCounters, busy_time, exposed_time
@@ -275,3 +278,23 @@ def test_time_every_n_steps_must_be_a_positive_integer(sync: str) -> None:
             ConfigError, match=r"sync\.time_every_n_steps=.* is invalid: (must be|accepted:) an integer >= 1"
         ):
             check_overrides([f"sync={sync}", f"sync.time_every_n_steps={bad}"])
+
+
+@pytest.mark.slow  # forks a process
+def test_resident_memory_reads_this_process_as_psutil_does_also_after_a_fork() -> None:
+    rss = ResidentMemory()
+    assert abs(rss.bytes() - psutil.Process().memory_info().rss) < 16 * 2**20  # the same number, read ~together
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child grows by 128 MiB: the instance opened in the parent must see the child's own
+        try:
+            first = rss.bytes()
+            ballast = bytearray(128 * 2**20)
+            ballast[::4096] = b"x" * len(ballast[::4096])  # every page touched
+            os.write(write, f"{first} {rss.bytes()} {psutil.Process().memory_info().rss}".encode())
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    first, grown, by_psutil = (int(n) for n in os.read(read, 128).split())
+    assert grown - first >= 120 * 2**20 and abs(grown - by_psutil) < 16 * 2**20
+    assert abs(rss.bytes() - psutil.Process().memory_info().rss) < 16 * 2**20  # the parent still reads its own

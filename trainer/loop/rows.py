@@ -11,8 +11,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import psutil
-
 from trainer.logger.base import MetricLogger
 from trainer.loop.comm_metrics import comm_metrics
 from trainer.loop.lm import TokenRates
@@ -20,7 +18,7 @@ from trainer.loop.metrics import Window, optimizer_state_mb
 from trainer.loop.step import StepRunner
 from trainer.loop.summary import rank_timing
 from trainer.loop.timing import StepTimer
-from trainer.reliability.save_cost import cuda_peak_mb
+from trainer.reliability.save_cost import ResidentMemory, cuda_peak_mb
 from trainer.setup.dist import DistContext, hostname
 from trainer.sync.base import SyncStrategy
 
@@ -74,7 +72,7 @@ class TrainRows:
         self._samples = 0  # trained on, over every window (evaluation and checkpoints excluded)
         self._tokens = 0  # the same windows' tokens (token data: the whole-run tokens/s and MFU)
         self._seconds = 0.0
-        self._process = psutil.Process()
+        self._rss = ResidentMemory()
         self._saves: list[dict[str, float]] = []  # each checkpoint's cost to this rank
 
     def log(
@@ -104,7 +102,7 @@ class TrainRows:
             **{f"time/{phase}_s": seconds for phase, seconds in phases.items()},
             "throughput/samples_per_s": window.samples / elapsed,
             **(self.rates.row(window.tokens, elapsed) if self.rates else {}),
-            "memory/rss_mb": self._process.memory_info().rss / 2**20,
+            "memory/rss_mb": self._rss.bytes() / 2**20,
             "memory/optimizer_state_mb": optimizer_state_mb(steps.optimizer),
             **({"train/skipped_steps": steps.skipped_steps} if steps.skipped_steps else {}),
             # fp16: the loss scale in use, and the steps its overflows skipped so far.

@@ -10,6 +10,8 @@ stays the peak since the start of the run.
 
 from __future__ import annotations
 
+import io
+import os
 import threading
 import time
 from types import TracebackType
@@ -27,12 +29,44 @@ def cuda_peak_mb(device: torch.device) -> float:
     return max(torch.cuda.max_memory_allocated(device), _cuda_peak_before.get(index, 0)) / 2**20
 
 
+class ResidentMemory:
+    """This process's resident set size in bytes, read where it is cheap.
+
+    Read at every logged row and by the save's sampling thread: on Linux from /proc/self/statm, kept
+    open and re-read with one pread, where psutil opens and parses the file at every call (what
+    each costs: docs/performance.md); elsewhere from psutil. The file is reopened in a process
+    forked after it was opened: /proc/self was the parent's then.
+    """
+
+    def __init__(self) -> None:
+        self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 0
+        self._statm: io.FileIO | None = None
+        self._process: psutil.Process | None = None
+        self._pid = 0  # the process the file (or psutil's handle) was opened in
+
+    def bytes(self) -> int:
+        if self._pid != os.getpid():
+            self._open()
+        if self._statm is None:
+            assert self._process is not None
+            return int(self._process.memory_info().rss)
+        return int(os.pread(self._statm.fileno(), 64, 0).split()[1]) * self._page  # size, resident, ...
+
+    def _open(self) -> None:
+        self._pid = os.getpid()
+        self._process = psutil.Process(self._pid)
+        try:
+            self._statm = open("/proc/self/statm", "rb", buffering=0)  # noqa: SIM115  # kept open on purpose
+        except OSError:  # not Linux
+            self._statm = None
+
+
 class SaveCost:
     """`with SaveCost(device) as cost:` around a save; then cost.metrics() for its row."""
 
     def __init__(self, device: torch.device) -> None:
         self._device = device
-        self._process = psutil.Process()
+        self._rss = ResidentMemory()
         self._stop = threading.Event()
         self._peak_rss = 0
         self._seconds = 0.0
@@ -40,10 +74,10 @@ class SaveCost:
 
     def _sample(self) -> None:
         while not self._stop.wait(SAMPLE_S):
-            self._peak_rss = max(self._peak_rss, self._process.memory_info().rss)
+            self._peak_rss = max(self._peak_rss, self._rss.bytes())
 
     def __enter__(self) -> SaveCost:
-        self._peak_rss = self._process.memory_info().rss
+        self._peak_rss = self._rss.bytes()
         if self._device.type == "cuda":
             index = self._device.index if self._device.index is not None else torch.cuda.current_device()
             _cuda_peak_before[index] = max(
@@ -59,7 +93,7 @@ class SaveCost:
         self._seconds = time.perf_counter() - self._started
         self._stop.set()
         self._thread.join()
-        self._peak_rss = max(self._peak_rss, self._process.memory_info().rss)
+        self._peak_rss = max(self._peak_rss, self._rss.bytes())
         if self._device.type == "cuda":
             self._cuda_peak = torch.cuda.max_memory_allocated(self._device)
 
