@@ -130,7 +130,11 @@ def test_rows_account_for_communication_and_phases_add_up(two_ranks: Runs, sync:
         assert row["comm/bytes_per_step"] == expected  # every gradient, once per step
         phases = sum(row[f"time/{p}_s"] for p in ("data", "forward", "backward", "sync", "optimizer"))
         assert phases == pytest.approx(row["time/step_s"], rel=1e-6)
-        assert 0 < row["time/comm_exposed_s"] <= row["time/comm_s"] + 1e-9
+        assert 0 <= row["time/comm_exposed_s"] <= row["time/comm_s"] + 1e-9 and row["time/comm_s"] > 0
+        if sync in ("manual", "ddp"):  # their collectives (all, or DDP's last bucket) finish after backward
+            assert row["time/comm_exposed_s"] > 0
+        # bucketed and zero launch while backward runs: every bucket may be back before backward
+        # ends (full overlap, nothing exposed), as a loaded machine showed once.
         assert row["comm/busbw_GBps"] > 0 and 0.0 <= row["comm/overlap_fraction"] <= 1.0
         if sync == "manual":
             # The default coalescing puts this small model's 6 gradients into one all_reduce.
