@@ -23,6 +23,11 @@ A job's time per step is its slowest rank's; medians over rounds, each with the 
 of its per-round ratio to the hand-written loop. "CPU µs/step" is the process's CPU time (every
 thread: gloo's included) per step, the larger of the two ranks': what a collective costs the
 cores besides the wait.
+
+A second table takes one row apart where it runs: in the loop, every step timed alone and the
+row's parts timed in place (each wrapped with a clock), the larger rank's median. A micro-benchmark
+that calls the same code 20,000 times in a row (benchmarks/step_costs.py) finds it warm; once every
+10 steps it runs with the step's data in the caches instead, and so does the step after it.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -82,6 +88,52 @@ def variants(model: str, sync: str, ctx: ddist.DistContext, out: Path) -> dict[s
     }
 
 
+# The row's parts, timed where they run: (label, the object holding it, its attribute).
+def row_parts(framework: Framework) -> list[tuple[str, Any, str]]:
+    trainer = framework.trainer
+    return [
+        ("the logged step's gradient norm (train/grad_norm)", trainer.sync, "grad_norm"),
+        ("the window's totals (its one host sync)", trainer._window, "totals"),
+        ("the non-finite agreement (trainer.on_nonfinite=raise)", trainer, "_check_finite"),
+        ("the row (TrainRows.log)", trainer._rows, "log"),
+        ("  of which the phase clocks' means", trainer._timer, "collect"),
+        ("  of which the RSS", trainer._rows._rss, "bytes"),
+        ("  of which the JSONL line", trainer._rows.loggers[0], "log"),
+    ]
+
+
+BETWEEN, LOGGED, AFTER = "a step between rows", "the logged step, its row included", "the step after a row"
+
+
+def in_place(framework: Framework, steps: int) -> dict[str, float]:
+    """Median µs of each step position in the row window, and of each row part, over `steps` steps."""
+    trainer = framework.trainer
+    parts: dict[str, list[float]] = {}
+    for label, owner, name in row_parts(framework):
+        parts[label] = []
+        setattr(owner, name, _clocked(getattr(owner, name), parts[label]))
+    positions: dict[str, list[float]] = {BETWEEN: [], LOGGED: [], AFTER: []}
+    trainer.train(trainer.step + 1)  # train()'s own set-up, once, outside the timed steps
+    for _ in range(steps):
+        started = time.perf_counter()
+        trainer.run_iteration()
+        elapsed = time.perf_counter() - started
+        at = trainer.step % trainer.settings.log_every_n_steps
+        positions[LOGGED if at == 0 else AFTER if at == 1 else BETWEEN].append(elapsed)
+    return {label: statistics.median(times) * 1e6 for label, times in {**positions, **parts}.items() if times}
+
+
+def _clocked(method: Callable[..., Any], into: list[float]) -> Callable[..., Any]:
+    def clocked(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            into.append(time.perf_counter() - started)
+
+    return clocked
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="mlp-tiny", choices=sorted(MODELS))
@@ -110,10 +162,17 @@ def main() -> None:
                     runs[name](steps)
                     wall[name].append((time.perf_counter() - wall0) / steps)
                     cpu[name].append((time.process_time() - cpu0) / steps)
+            apart = Framework(MODELS[args.model], args.sync, ctx, Path(tmp) / "apart")
+            apart.run(2 * ROW_EVERY)
+            dist.barrier()
+            placed = in_place(apart, max(rounds * steps, 20 * ROW_EVERY))  # --quick too: 20 rows at least
         gathered: list[tuple[dict[str, list[float]], dict[str, list[float]]] | None] = [None] * ctx.world_size
         dist.all_gather_object(gathered, (wall, cpu))
+        parts: list[dict[str, float] | None] = [None] * ctx.world_size
+        dist.all_gather_object(parts, placed)
         if ctx.is_main_process:
             report(args, ctx.world_size, rounds, steps, [g for g in gathered if g is not None])
+            report_parts(max(rounds * steps, 20 * ROW_EVERY), [p for p in parts if p is not None])
     finally:
         ddist.destroy_process_group()
 
@@ -132,6 +191,17 @@ def report(args: argparse.Namespace, world_size: int, rounds: int, steps: int, r
         cpu_us = statistics.median(slowest(1, name)) * 1e6
         spread = f"{statistics.median(ratios):.3f} [{low:.2f}–{high:.2f}]"
         print(f"| {name} | {statistics.median(times) * 1e6:.0f} | {spread} | {cpu_us:.0f} |")
+
+
+def report_parts(steps: int, ranks: list[dict[str, float]]) -> None:
+    """The second table: the larger rank's median of each, and what a row adds per step on average."""
+    larger = {label: max(rank[label] for rank in ranks) for label in ranks[0]}
+    per_step = (larger[LOGGED] + larger[AFTER] - 2 * larger[BETWEEN]) / ROW_EVERY
+    print(f"\none row taken apart in the running loop ({steps} steps; the larger rank's median)")
+    print("| in the loop | µs |\n|---|---|")
+    for label, us in larger.items():
+        print(f"| {label} | {us:.0f} |")
+    print(f"| a row per step: the excess of the logged step and the next, / {ROW_EVERY} | {per_step:.0f} |")
 
 
 if __name__ == "__main__":

@@ -117,12 +117,27 @@ def test_row_cost_benchmark_times_each_variant_against_the_loop(tmp_path: Path) 
     cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", str(REPO / "benchmarks" / "row_cost.py"), "--quick"]
     proc = run_torchrun(cmd, cwd=tmp_path, timeout_s=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    table = [line.strip("| ").split(" | ") for line in proc.stdout.splitlines() if line.startswith("| ")][1:]
+    first, second = proc.stdout.split("one row taken apart")
+    table = [line.strip("| ").split(" | ") for line in first.splitlines() if line.startswith("| ")][1:]
     variants = ["framework", "no non-finite agreement", "no rows", "hand-written"]
     assert [row[0] for row in table] == [*variants, "hand-written + 1 collective / 10 steps"], proc.stdout
     for _, us, ratio, cpu_us in table:
         assert float(us) > 0 and float(cpu_us) > 0 and float(ratio.split()[0]) > 0
     assert dict((row[0], row[2]) for row in table)["hand-written"] == "1.000 [1.00–1.00]"
+    # The row's parts, each timed where it runs: inside the logged step, the JSONL line inside the
+    # row (every sample of a part lies inside its container's sample, so their medians keep the order).
+    apart = {
+        label.strip(): float(us)
+        for label, us in (line.strip("| ").split(" | ") for line in second.splitlines() if line.startswith("| "))
+        if us != "µs"
+    }
+    logged, row = apart["the logged step, its row included"], apart["the row (TrainRows.log)"]
+    inside = ["gradient norm", "window's totals", "non-finite agreement", "TrainRows.log"]
+    assert all(any(word in label for label in apart) for word in inside), proc.stdout
+    assert 0 < apart["a step between rows"] < logged  # the logged step carries a row: ~2 steps' time here
+    assert all(logged >= us for label, us in apart.items() if any(word in label for word in inside)), proc.stdout
+    assert all(row >= us for label, us in apart.items() if label.startswith("of which")), proc.stdout
+    assert sum(label.startswith("of which") for label in apart) == 3, proc.stdout
 
 
 def test_activation_memory_benchmark_quick_run(tmp_path: Path) -> None:
