@@ -88,8 +88,8 @@ def variants(model: str, sync: str, ctx: ddist.DistContext, out: Path) -> dict[s
     }
 
 
-# The row's parts, timed where they run: (label, the object holding it, its attribute).
 def row_parts(framework: Framework) -> list[tuple[str, Any, str]]:
+    """The row's parts, timed where they run: (label, the object holding it, its attribute)."""
     trainer = framework.trainer
     return [
         ("the logged step's gradient norm (train/grad_norm)", trainer.sync, "grad_norm"),
@@ -145,6 +145,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2 rounds of 20 steps")
     args = parser.parse_args()
     rounds, steps = (2, 20) if args.quick else (args.rounds, args.steps)
+    apart_steps = max(rounds * steps, 20 * ROW_EVERY)  # the second table's; --quick too: 20 rows at least
     env = ddist.read_launch_env()
     ctx = ddist.init_process_group(env, ddist.job_store(env), ddist.resolve_device("cpu", env), 600, "ddplab/row_cost/")
     try:
@@ -165,14 +166,14 @@ def main() -> None:
             apart = Framework(MODELS[args.model], args.sync, ctx, Path(tmp) / "apart")
             apart.run(2 * ROW_EVERY)
             dist.barrier()
-            placed = in_place(apart, max(rounds * steps, 20 * ROW_EVERY))  # --quick too: 20 rows at least
+            placed = in_place(apart, apart_steps)
         gathered: list[tuple[dict[str, list[float]], dict[str, list[float]]] | None] = [None] * ctx.world_size
         dist.all_gather_object(gathered, (wall, cpu))
         parts: list[dict[str, float] | None] = [None] * ctx.world_size
         dist.all_gather_object(parts, placed)
         if ctx.is_main_process:
             report(args, ctx.world_size, rounds, steps, [g for g in gathered if g is not None])
-            report_parts(max(rounds * steps, 20 * ROW_EVERY), [p for p in parts if p is not None])
+            report_parts(apart_steps, [p for p in parts if p is not None])
     finally:
         ddist.destroy_process_group()
 
