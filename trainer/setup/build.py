@@ -275,7 +275,7 @@ def build_trainer(
     if parts.link is not None and parts.sync.not_emulated:
         network = f"{network}; not emulated: {parts.sync.not_emulated}"
     elif parts.link is not None:  # before the trainer's wrap(): DDP picks its hook then
-        parts.sync.net = EmulatedCollectives(parts.link)
+        parts.sync.comm = EmulatedCollectives(parts.link)
     return Trainer(
         settings=settings,
         ctx=ctx,

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainer.sync.collectives import Collectives
+
 log = logging.getLogger(__name__)
 
 DEFAULT_CANDIDATES_MB = (1.0, 5.0, 25.0, 100.0)
@@ -52,6 +54,7 @@ class CapTuner:
         warmup_steps: int,
         device: torch.device,
         clock: Callable[[], float] = time.perf_counter,
+        comm: Collectives | None = None,
     ) -> None:
         if not candidates_mb or steps_per_trial < 1 or warmup_steps < 1:
             raise ValueError("CapTuner needs candidates, steps_per_trial >= 1 and warmup_steps >= 1")
@@ -63,6 +66,7 @@ class CapTuner:
         self.trials: list[Trial] = []
         self.chosen_mb: float | None = None  # set once every candidate was tried
         self._clock = clock
+        self.comm = Collectives() if comm is None else comm  # the strategy's: its votes counted as control traffic
         self._synchronize = device.type == "cuda"
         self._step = 0  # steps run with the current candidate
         self._last = 0.0  # the clock at the previous call
@@ -99,7 +103,7 @@ class CapTuner:
     def _end_trial(self) -> None:
         # Every rank reaches this collective at the same step: trials have a fixed number of steps.
         slowest = torch.tensor(self._times, dtype=torch.float64, device=self.device)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        self.comm.agree(slowest, dist.ReduceOp.MAX)
         trial = Trial(self.cap_mb, statistics.median(slowest.tolist()), len(self._times))
         self.trials.append(trial)
         self._step, self._times = 0, []
@@ -115,7 +119,7 @@ class CapTuner:
         """Global rank 0 picks the fastest trial; everyone takes its pick."""
         fastest = min(range(len(self.trials)), key=lambda i: self.trials[i].median_step_s)
         index = torch.tensor([fastest], dtype=torch.int64, device=self.device)
-        dist.broadcast(index, src=0)
+        self.comm.agree_from(index, 0)
         chosen = self.trials[int(index.item())].cap_mb
         if dist.get_rank() == 0:
             log.info("bucket cap chosen: %g MiB (fastest of %s MiB)", chosen, [t.cap_mb for t in self.trials])

@@ -66,7 +66,7 @@ class DecayGroups:
 class SyncStrategy(ABC):
     """How the replicas' gradients become one averaged gradient.
 
-    A strategy sends through `self.net` (trainer/sync/collectives.py), which counts every collective;
+    A strategy sends through `self.comm` (trainer/sync/collectives.py), which counts every collective;
     the trainer reads the counts at logged rows through pop_comm_counts(). `comm_in_sync_phase`
     says that all its communication happens inside after_backward, so the trainer's timing of
     that phase is its communication time.
@@ -77,7 +77,7 @@ class SyncStrategy(ABC):
     `one_model` says the ranks train one model between them (False for sync=none, where each
     trains its own): only then does a checkpoint continue at another world size.
     `not_emulated` says why an emulated network cannot delay its collectives, if it cannot (they do
-    not go through self.net).
+    not go through self.comm).
     """
 
     comm_in_sync_phase: bool = False
@@ -87,7 +87,7 @@ class SyncStrategy(ABC):
     not_emulated: str | None = None  # why network=<preset> cannot reach its collectives (fsdp); None: it can
 
     def __init__(self) -> None:
-        self.net = Collectives()  # network=<preset>: build_trainer swaps in an emulated link's, before wrap()
+        self.comm = Collectives()  # network=<preset>: build_trainer swaps in an emulated link's, before wrap()
 
     @abstractmethod
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -141,7 +141,7 @@ class SyncStrategy(ABC):
         if not self.grads_sharded:
             return norm
         squares = norm.to(torch.float32) ** 2
-        self.net.all_reduce(squares, grad_bytes=0).wait()  # counted and named like any collective; no gradient bytes
+        self.comm.all_reduce(squares, grad_bytes=0).wait()  # counted and named like any collective; no gradient bytes
         return squares.sqrt()
 
     def scale_grads(self, optimizer: Optimizer, factor: torch.Tensor) -> None:
@@ -175,7 +175,7 @@ class SyncStrategy(ABC):
 
     def pop_comm_counts(self) -> CommCounters:
         """What was sent (and, if measured, how long it took) since the last call: at logged rows."""
-        return self.net.counts.pop()
+        return self.comm.counts.pop()
 
     def row_metrics(self) -> dict[str, float]:
         """Extra fields the strategy reports in every logged row (e.g. DDP's bucket cap in use); read at rows only."""

@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from trainer.errors import ConfigError
-from trainer.sync.collectives import CommCounters, Waitable
+from trainer.sync.collectives import Collectives, CommCounters, Waitable
 
 # on_grad(bucket index, index in the bucket, parameter, first call in this backward)
 OnGrad = Callable[[int, int, nn.Parameter, bool], None]
@@ -79,6 +79,7 @@ class BucketLauncher:
         params: Sequence[nn.Parameter],
         names: Sequence[str],
         timer: Untimed,
+        comm: Collectives,
         strict: bool = True,
         in_backward: bool = True,
     ) -> None:
@@ -86,6 +87,7 @@ class BucketLauncher:
         self.params, self.names = list(params), list(names)
         self.strict, self.in_backward = strict, in_backward
         self.timer = timer
+        self.comm = comm  # the strategy's: the first step's count agreement goes through it
         self.expected: list[int] | None = None  # per parameter, hook calls per backward (learned in step 1)
         self.accumulating = False  # no_sync: the hooks do nothing, gradients accumulate locally
         self.works: list[Waitable] = []  # per started bucket, in order
@@ -154,7 +156,7 @@ class BucketLauncher:
         device = self.params[0].device
         counts = torch.tensor(self._calls, dtype=torch.int64, device=device)
         both = torch.cat([counts, -counts])
-        dist.all_reduce(both, op=dist.ReduceOp.MAX)  # every rank must reach this: [max count, -min count]
+        self.comm.agree(both, dist.ReduceOp.MAX)  # every rank must reach this: [max count, -min count]
         most, least = both[: len(counts)].tolist(), (-both[len(counts) :]).tolist()
         if self.strict:
             unused = [self.names[i] for i, n in enumerate(least) if n == 0]

@@ -32,7 +32,7 @@ from torch.optim import Optimizer
 from trainer.sync.autotune import DEFAULT_CANDIDATES_MB, CapTuner
 from trainer.sync.base import SyncStrategy
 from trainer.sync.bucket_launch import BucketLauncher, TimerFactory, Untimed
-from trainer.sync.collectives import CommCounters, Waitable, broadcast_from_rank0
+from trainer.sync.collectives import CommCounters, Waitable
 from trainer.sync.flat import FlatGrads, group_by_size, names_of
 
 
@@ -65,15 +65,17 @@ class BucketedSync(SyncStrategy):
         self._world_size = 1
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        broadcast_from_rank0(model)
+        self.comm.broadcast_parameters(model)
         self._world_size = dist.get_world_size()
         self._params = [p for p in model.parameters() if p.requires_grad]
         names = names_of(model, self._params)
         device = self._params[0].device
         timer = Untimed() if self.bucket_timer is None else self.bucket_timer(device, self.time_every_n_steps, False)
-        self._launcher = BucketLauncher("bucketed", self._params, names, timer)
+        self._launcher = BucketLauncher("bucketed", self._params, names, timer, self.comm)
         if self.bucket_cap_mb == "auto":
-            self._tuner = CapTuner(self.auto_candidates_mb, self.auto_steps_per_trial, self.auto_warmup_steps, device)
+            self._tuner = CapTuner(
+                self.auto_candidates_mb, self.auto_steps_per_trial, self.auto_warmup_steps, device, comm=self.comm
+            )
             self.rebuild(self._tuner.cap_mb)
         else:
             self.rebuild(float(self.bucket_cap_mb))
@@ -102,8 +104,8 @@ class BucketedSync(SyncStrategy):
         assert self._flat is not None
         bucket = self._flat.buckets[index]
         if self.collective == "all_reduce":
-            return self.net.all_reduce(bucket.grads, index)
-        return self.net.reduce_scatter(bucket.shard, bucket.buffer, index, grad_bytes=bucket.nbytes)
+            return self.comm.all_reduce(bucket.grads, index)
+        return self.comm.reduce_scatter(bucket.shard, bucket.buffer, index, grad_bytes=bucket.nbytes)
 
     def after_backward(self, model: nn.Module) -> None:
         assert self._flat is not None and self._launcher is not None
@@ -116,7 +118,7 @@ class BucketedSync(SyncStrategy):
                 bucket.grads.div_(self._world_size)
             else:  # this rank's shard of the sum: average it, then every rank gets every shard back
                 bucket.shard.div_(self._world_size)
-                gathers.append((timer.now(), self.net.all_gather(bucket.buffer, bucket.shard, index)))
+                gathers.append((timer.now(), self.comm.all_gather(bucket.buffer, bucket.shard, index)))
         for started, gather in gathers:
             gather.wait()
             timer.note(started)
@@ -140,7 +142,7 @@ class BucketedSync(SyncStrategy):
         self._flat.zero()
 
     def pop_comm_counts(self) -> CommCounters:
-        counts = self.net.counts.pop()
+        counts = self.comm.counts.pop()
         assert self._launcher is not None
         self._launcher.timer.add_to(counts)
         return counts

@@ -1,8 +1,10 @@
 """The collectives a strategy issues, in one place: each launched asynchronously, counted for the
 comm/* metrics, and named in the profiler's trace while trainer.profile records.
 
-Every strategy sends through its `self.net` (a Collectives, trainer/sync/base.py), so its own file
-says only what is sent and when; the books are kept here.
+Every strategy sends through its `self.comm` (a Collectives, trainer/sync/base.py), so its own file
+says only what is sent and when; the books are kept here. Control collectives (the agreements of
+a few bytes that keep the ranks in step: unused-parameter flags, the non-finite check, the cap
+tuner's vote) go through it too, through `agree` and `agree_from`, counted apart from gradients.
 
 The names: while the profiler records (`recording`, a module flag trainer/loop/profiling.py sets),
 each launch runs inside a range such as `bucket 3 all_reduce 4.0 MiB` around c10d's op, and the
@@ -31,13 +33,6 @@ all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_
 reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def broadcast_from_rank0(model: nn.Module) -> None:
-    """Same seed is not enough to trust: every replica starts from rank 0's parameters and buffers."""
-    with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor, src=0)
-
-
 class Waitable(Protocol):
     """A collective in flight: a dist.Work, or a future chained to one."""
 
@@ -60,6 +55,9 @@ class CommCounters:
     timed_steps: int = 0  # how many steps seconds/exposed_seconds were measured over (0: untimed)
     # Per kind of collective ("all_reduce", "reduce_scatter", ...): [bytes of the buffer, calls].
     kinds: dict[str, list[int]] = field(default_factory=dict)
+    # Control collectives (agreements of a few bytes: unused-parameter flags, the non-finite check,
+    # the cap tuner's vote, hook counts): [bytes, calls], kept apart from the gradient traffic above.
+    control: list[int] = field(default_factory=lambda: [0, 0])
 
     def add(self, kind: str, nbytes: int) -> None:
         """One collective of `kind` on a buffer of `nbytes` (nccl-tests' size: the whole buffer)."""
@@ -71,10 +69,10 @@ class CommCounters:
     def pop(self) -> CommCounters:
         """The counts so far; the counters start again from zero."""
         popped = CommCounters(
-            self.bytes, self.collectives, self.seconds, self.exposed_seconds, self.timed_steps, self.kinds
+            self.bytes, self.collectives, self.seconds, self.exposed_seconds, self.timed_steps, self.kinds, self.control
         )
         self.bytes, self.collectives, self.seconds, self.exposed_seconds, self.timed_steps = 0, 0, 0.0, 0.0, 0
-        self.kinds = {}
+        self.kinds, self.control = {}, [0, 0]
         return popped
 
 
@@ -131,11 +129,48 @@ class Collectives:
         nbytes = self._count("broadcast", tensor, 0)
         return _launch("broadcast", nbytes, bucket, dist.broadcast, tensor, src=src, async_op=True)
 
+    def agree(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+        """A control collective: `tensor` all-reduced with `op` in place and waited for (every rank
+        must call it). Counted under `control`, never as gradient traffic; named and, on an emulated
+        link, delayed like any other collective."""
+        nbytes = self._control(tensor)
+        work = _launch("control all_reduce", nbytes, None, dist.all_reduce, tensor, op=op, async_op=True)
+        self.delayed(work, "all_reduce", nbytes).wait()
+        return tensor
+
+    def agree_from(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """A control broadcast: every rank takes `src`'s `tensor` (a decision one rank made)."""
+        nbytes = self._control(tensor)
+        work = _launch("control broadcast", nbytes, None, dist.broadcast, tensor, src=src, async_op=True)
+        self.delayed(work, "broadcast", nbytes).wait()
+        return tensor
+
+    def broadcast_parameters(self, model: nn.Module) -> None:
+        """Same seed is not enough to trust: every replica starts from rank 0's parameters and buffers.
+        Counted as control traffic (set-up, once), not as a step's gradient bytes."""
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                self.agree_from(tensor, 0)
+
+    def delayed(self, work: dist.Work, kind: str, nbytes: int) -> dist.Work:
+        """The Work as the link hands it on: here at once; network=<preset>'s subclass delays it."""
+        return work
+
+    def _control(self, tensor: torch.Tensor) -> int:
+        nbytes = _nbytes(tensor)
+        self.counts.control[0] += nbytes
+        self.counts.control[1] += 1
+        return nbytes
+
     def _count(self, kind: str, tensor: torch.Tensor, grad_bytes: int | None) -> int:
         nbytes = tensor.numel() * tensor.element_size()
         self.counts.bytes += nbytes if grad_bytes is None else grad_bytes
         self.counts.add(kind, nbytes)
         return nbytes
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def mib(nbytes: int) -> str:

@@ -88,14 +88,16 @@ class DDPSync(SyncStrategy):
             )
         self._module = model
         self._grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-        link = getattr(self.net, "link", None)  # network=<preset>: it reaches DDP's collectives through a hook
+        link = getattr(self.comm, "link", None)  # network=<preset>: it reaches DDP's collectives through a hook
         if self.time_buckets:
-            self._timed_hook = TimedAllReduceHook(dist.get_world_size(), link)
+            self._timed_hook = TimedAllReduceHook(dist.get_world_size(), self.comm)
         elif self.comm_hook != "none" or link is not None:
             self._hook = CountedHook(self.comm_hook, self.powersgd_rank, self.powersgd_start_step, link)
         if self.bucket_cap_mb != "auto":
             return self._build(float(self.bucket_cap_mb))
-        self._tuner = CapTuner(self.auto_candidates_mb, self.auto_steps_per_trial, self.auto_warmup_steps, device)
+        self._tuner = CapTuner(
+            self.auto_candidates_mb, self.auto_steps_per_trial, self.auto_warmup_steps, device, comm=self.comm
+        )
         self._proxy = SwappableDDP(self._build(self._tuner.cap_mb))
         return self._proxy
 
@@ -138,15 +140,12 @@ class DDPSync(SyncStrategy):
 
     def after_backward(self, model: nn.Module) -> None:
         # DDP has already reduced every bucket (backward waits for them); only the accounting is left.
-        timed, hook, counts = self._timed_hook, self._hook, self.net.counts
+        timed, hook, counts = self._timed_hook, self._hook, self.comm.counts
         if timed is not None:
-            intervals, timed.intervals = timed.intervals, []
-            counts.bytes += timed.bytes
-            counts.collectives += timed.calls
+            intervals, timed.intervals = timed.intervals, []  # its all_reduces are counted by self.comm
             counts.seconds += busy_time(intervals)
             counts.exposed_seconds += exposed_time(intervals)
             counts.timed_steps += 1
-            timed.bytes, timed.calls = 0, 0
         elif hook is not None:
             counts.bytes += hook.bytes
             counts.collectives += hook.calls
@@ -161,7 +160,7 @@ class DDPSync(SyncStrategy):
 
     def pop_comm_counts(self) -> CommCounters:
         self._count_untimed_collectives()
-        counts = self.net.counts.pop()
+        counts = self.comm.counts.pop()
         sample = self._stats.take() if self._stats is not None else None
         if sample is not None:
             counts.seconds, counts.exposed_seconds = sample
@@ -171,7 +170,7 @@ class DDPSync(SyncStrategy):
     def _count_untimed_collectives(self) -> None:
         """Without a hook, one all_reduce per bucket per step; the layout is read here, not on the step path."""
         if self._steps_since_row:
-            self.net.counts.collectives += self._steps_since_row * len(self._bucket_layout()[0])
+            self.comm.counts.collectives += self._steps_since_row * len(self._bucket_layout()[0])
             self._steps_since_row = 0
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager[Any]:

@@ -16,6 +16,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
+from trainer.sync.collectives import Collectives
+
 
 class Link(Protocol):
     """network=<preset>'s link (trainer/sync/network.py's EmulatedLink), as the hooks delay a future on it."""
@@ -32,22 +34,18 @@ class TimedAllReduceHook:
     mean that on CPU, where gloo completes the future when the data is there.
     """
 
-    def __init__(self, world_size: int, link: Link | None = None) -> None:
+    def __init__(self, world_size: int, comm: Collectives) -> None:
         self.world_size = world_size
-        self.link = link  # network=<preset>: the bucket arrives no earlier than the emulated link brings it
-        self.bytes = 0
-        self.calls = 0
+        # The strategy's: it counts and names each bucket's all_reduce and, on network=<preset>,
+        # hands it on no earlier than the emulated link would.
+        self.comm = comm
         self.intervals: list[tuple[float, float]] = []
 
     def hook(self, state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         tensor = bucket.buffer()
-        self.bytes += (nbytes := tensor.numel() * tensor.element_size())
-        self.calls += 1
         launched = time.perf_counter()
         tensor.div_(self.world_size)
-        future = dist.all_reduce(tensor, async_op=True).get_future()
-        if self.link is not None:
-            future = self.link.delayed_future(future, "all_reduce", nbytes)
+        future = self.comm.all_reduce(tensor, bucket.index()).get_future()
 
         def arrived(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
             self.intervals.append((launched, time.perf_counter()))  # runs on gloo's thread

@@ -6,7 +6,7 @@ the root with the rest; a parameter shared by two candidates (tied weights) stay
 A unit's parameters live as DTensor shards (dim 0 split across ranks); its forward
 all-gathers them, its backward reduce-scatters the gradients, so each rank holds and updates only
 its shard of parameters, gradients and optimizer state. FSDP2 issues those collectives itself,
-so what this strategy reports in `self.net.counts` is counted from the layout, not measured.
+so what this strategy reports in `self.comm.counts` is counted from the layout, not measured.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from torch.optim import Optimizer
 
 from trainer.errors import ConfigError
 from trainer.sync.base import OptimizerFactory, SyncStrategy
-from trainer.sync.collectives import broadcast_from_rank0
 from trainer.sync.fsdp_state import by_index, by_name
 from trainer.sync.fsdp_units import Wrap, choose_units, resolve
 from trainer.sync.fsdp_usage import FirstForwardCheck, expected_usage
@@ -106,7 +105,7 @@ class FSDPSync(SyncStrategy):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         # fully_shard keeps each rank's own slice of its local tensors; it does not make them equal.
-        broadcast_from_rank0(model)
+        self.comm.broadcast_parameters(model)
         self._world_size = dist.get_world_size()
         device = next(iter([*model.parameters(), *model.buffers()]), torch.empty(0)).device
         mesh = init_device_mesh(device.type, (self._world_size,))
@@ -130,7 +129,7 @@ class FSDPSync(SyncStrategy):
         # as the forward finds it.
         model.register_forward_pre_hook(self._before_forward, prepend=True)
         if self._world_size > 1:
-            self._first_forward = FirstForwardCheck(model, *usage)
+            self._first_forward = FirstForwardCheck(model, *usage, comm=self.comm)
         return model  # sharded in place: the trainer's model and the forward module are one object
 
     def _unit(
@@ -204,12 +203,12 @@ class FSDPSync(SyncStrategy):
                 self._count("reduce_scatter", unit.reduce_scatter_bytes)
 
     def _count(self, kind: str, nbytes: int) -> None:
-        self.net.counts.add(kind, nbytes)
+        self.comm.counts.add(kind, nbytes)
         # comm/bytes_per_step is in all_reduce-equivalent bytes, as for every strategy: a
         # reduce-scatter or all-gather of S bytes moves half of what an all_reduce of S moves, so
         # manual's rs_ag and zero count a gradient's S once, and FSDP's two parameter all-gathers
         # plus one gradient reduce-scatter count 1.5 S.
-        self.net.counts.bytes += nbytes // 2
+        self.comm.counts.bytes += nbytes // 2
 
     def grads_finite(self, model: nn.Module, optimizer: Optimizer) -> bool:
         """Each rank sees only its gradient shard: every rank must agree (one tiny all_reduce)."""
@@ -219,7 +218,7 @@ class FSDPSync(SyncStrategy):
         flags = [torch.isfinite(local_of(p.grad)).all() for p in params if p.grad is not None]
         finite = torch.stack(flags).all() if flags else torch.tensor(True)
         agreed = finite.to(device=local_of(params[0]).device, dtype=torch.int32)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)  # every rank calls this, whatever its shard held
+        self.comm.agree(agreed, dist.ReduceOp.MIN)  # every rank calls this, whatever its shard held
         return bool(agreed.item())
 
     def state_dicts(self, model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:

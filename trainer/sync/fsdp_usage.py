@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from trainer.errors import ConfigError
+from trainer.sync.collectives import Collectives
 from trainer.sync.unused import used_on
 
 REMEDY = (
@@ -53,10 +54,12 @@ class FirstForwardCheck:
         root: nn.Module,
         units: Sequence[tuple[str, nn.Module, list[str]]],
         params: Sequence[tuple[str, nn.Module, str]],
+        comm: Collectives,
     ) -> None:
         """units: (name, module, its parameters' names) of each non-root unit; params: (name, owning
         module, attribute) of every trainable parameter, where FSDP2 registers its unsharded tensor."""
         self.units = list(units)
+        self.comm = comm  # the strategy's: the ranks' agreements are counted as control traffic, on the link
         self.params = list(params)
         self._unsharded: dict[int, int] = {}  # id of an unsharded parameter -> index in params
         self._training = False  # inside a forward that started with grad enabled
@@ -88,7 +91,7 @@ class FirstForwardCheck:
         rank, world_size = dist.get_rank(), dist.get_world_size()
         at = torch.zeros(world_size, dtype=torch.int64, device=self._device())
         at[rank] = index
-        dist.all_reduce(at)  # each rank fills its own slot: every rank learns where every other is
+        self.comm.agree(at)  # each rank fills its own slot: every rank learns where every other is
         where = at.tolist()
         if len(set(where)) == 1:
             return
@@ -125,7 +128,7 @@ class FirstForwardCheck:
                 used[index] = True
         reentrant = [i in self._without_grad and n > 1 and self._trainable[i] for i, n in enumerate(self._entered)]
         counts = torch.tensor(used + reentrant, dtype=torch.int32, device=self._device())
-        dist.all_reduce(counts)  # per parameter: on how many ranks used; per unit: how many saw it reentrant
+        self.comm.agree(counts)  # per parameter: on how many ranks used; per unit: how many saw it reentrant
         self.remove()
         world_size = dist.get_world_size()
         per_param, per_unit = counts.tolist()[: len(used)], counts.tolist()[len(used) :]

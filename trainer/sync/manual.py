@@ -28,7 +28,6 @@ from torch import nn
 from torch.optim import Optimizer
 
 from trainer.sync.base import SyncStrategy
-from trainer.sync.collectives import broadcast_from_rank0
 from trainer.sync.flat import FlatGrads, group_by_size, names_of
 from trainer.sync.unused import UsedParams
 
@@ -53,36 +52,36 @@ class ManualSync(SyncStrategy):
         self._used: UsedParams | None = None
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        broadcast_from_rank0(model)
+        self.comm.broadcast_parameters(model)
         params = [p for p in model.parameters() if p.requires_grad]
         groups = list(group_by_size(params, int(self.coalesce_mb * 2**20)))
         in_place = self.collective == "all_reduce"
         self._in_place = [group[0] for group in groups if in_place and len(group) == 1]
         self._flat = FlatGrads([group for group in groups if not in_place or len(group) > 1], dist.get_world_size())
-        self._used = UsedParams(params, names_of(model, params), self.find_unused_parameters, "manual")
+        self._used = UsedParams(params, names_of(model, params), self.find_unused_parameters, "manual", self.comm)
         return model
 
     def after_backward(self, model: nn.Module) -> None:
         assert self._flat is not None and self._used is not None, "wrap() first"
-        net, world_size = self.net, dist.get_world_size()
+        comm, world_size = self.comm, dist.get_world_size()
         # Before any gradient collective: a refusal (first step) happens on every rank alike.
         no_rank_used = self._used.unused_everywhere()
         self._flat.bind()  # a no-op unless something replaced a gradient (e.g. zero_grad(set_to_none))
         for index, bucket in enumerate(self._flat.buckets):
             if self.collective == "all_reduce":
-                net.all_reduce(bucket.grads, index).wait()
+                comm.all_reduce(bucket.grads, index).wait()
                 bucket.grads.div_(world_size)
             else:  # all_reduce = reduce_scatter + all_gather
-                net.reduce_scatter(bucket.shard, bucket.buffer, index, grad_bytes=bucket.nbytes).wait()
+                comm.reduce_scatter(bucket.shard, bucket.buffer, index, grad_bytes=bucket.nbytes).wait()
                 bucket.shard.div_(world_size)
-                net.all_gather(bucket.buffer, bucket.shard, index).wait()
+                comm.all_gather(bucket.buffer, bucket.shard, index).wait()
         skip = {id(self._used.params[i]) for i in no_rank_used}
         for param in self._in_place:
             if id(param) in skip:
                 continue  # no rank used it: it keeps no gradient, as in one process
             if param.grad is None:  # unused here, used on another rank: this rank adds zeros to the sum
                 param.grad = torch.zeros_like(param)
-            net.all_reduce(param.grad).wait()
+            comm.all_reduce(param.grad).wait()
             param.grad.div_(world_size)
         for index in no_rank_used:  # its view holds zeros; None makes the optimizer skip it (bind() restores it)
             self._used.params[index].grad = None

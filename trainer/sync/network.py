@@ -12,10 +12,10 @@ and the real completion: by a timer thread that sleeps until the next deadline (
 spin: compute running meanwhile has the cores), or, for a plain wait(), by sleeping after the real
 wait. Values are the real collective's, untouched: every strategy still equals one process.
 
-What reaches the link: every collective sent through a strategy's `net` (trainer/sync/collectives.py)
-and sync=ddp's communication hooks. Not: FSDP2's own collectives (fsdp says so in its sync line),
-the broadcast of rank 0's parameters at start, and bookkeeping collectives of a few bytes (the
-unused-parameter counts, zero's finite check, the tuner's vote), which run at loopback speed.
+What reaches the link: every collective sent through a strategy's `comm` (trainer/sync/collectives.py),
+control collectives included (the broadcast of rank 0's parameters at start, the unused-parameter
+counts, the non-finite checks, the tuner's vote), and sync=ddp's communication hooks. Not: FSDP2's
+own collectives (fsdp says so in its sync line).
 
 In a trainer.profile=true trace: while the profiler records (`collectives.recording`), each emulated
 collective leaves an empty range right after its launch on the launching thread, naming its
@@ -158,7 +158,7 @@ class EmulatedLink:
 
 class EmulatedCollectives(Collectives):
     """A strategy's collectives (trainer/sync/collectives.py), each Work done no earlier than the
-    link would finish it: what network=<preset> swaps in for the strategy's own `net`."""
+    link would finish it: what network=<preset> swaps in for the strategy's own `comm`."""
 
     def __init__(self, link: EmulatedLink) -> None:
         super().__init__()
@@ -179,6 +179,10 @@ class EmulatedCollectives(Collectives):
 
     def broadcast(self, tensor: torch.Tensor, src: int, bucket: int | None = None) -> dist.Work:
         return self.link.delayed(super().broadcast(tensor, src, bucket), "broadcast", _nbytes(tensor))
+
+    def delayed(self, work: dist.Work, kind: str, nbytes: int) -> dist.Work:
+        """A control collective's Work, on the link like the others."""
+        return self.link.delayed(work, kind, nbytes)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -24,13 +24,17 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from trainer.errors import ConfigError
+from trainer.sync.collectives import Collectives
 
 
 class UsedParams:
     """A flag per trainable parameter, set by its hook in this step's backwards (all micro-batches)."""
 
-    def __init__(self, params: Sequence[nn.Parameter], names: Sequence[str], find_unused: bool, strategy: str) -> None:
+    def __init__(
+        self, params: Sequence[nn.Parameter], names: Sequence[str], find_unused: bool, strategy: str, comm: Collectives
+    ) -> None:
         self.params, self.names = list(params), list(names)
+        self.comm = comm  # the strategy's: the flags' all_reduce is counted as control traffic, on the link
         self.find_unused = find_unused
         self.strategy = strategy
         self._used = [False] * len(self.params)
@@ -54,7 +58,7 @@ class UsedParams:
             return []
         device = self.params[0].device
         counts = torch.tensor(self._used, dtype=torch.int32, device=device)
-        dist.all_reduce(counts, op=dist.ReduceOp.SUM)  # every rank must reach this, at every step's end
+        self.comm.agree(counts)  # every rank must reach this, at every step's end (SUM: ranks that used each)
         self._used = [False] * len(self.params)
         world_size = dist.get_world_size()
         per_param = counts.tolist()

@@ -40,7 +40,7 @@ from torch.optim import Optimizer
 
 from trainer.sync.base import DecayGroups, OptimizerFactory, SyncStrategy
 from trainer.sync.bucket_launch import BucketLauncher, TimerFactory, Untimed
-from trainer.sync.collectives import CommCounters, broadcast_from_rank0
+from trainer.sync.collectives import CommCounters
 from trainer.sync.flat import group_by_size, names_of
 from trainer.sync.unused import UsedParams
 from trainer.sync.zero_grads import ShardedGrads
@@ -99,7 +99,7 @@ class ZeroSync(SyncStrategy):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         check_one_kind([p for p in model.parameters() if p.requires_grad])  # before any collective: on every rank
-        broadcast_from_rank0(model)
+        self.comm.broadcast_parameters(model)
         self._rank = dist.get_rank()
         # Every forward (training, evaluation) reads the parameters: the gathers land first.
         model.register_forward_pre_hook(self._before_forward)
@@ -130,17 +130,17 @@ class ZeroSync(SyncStrategy):
         self._spans = layout.group_spans([len(group) for group in per_group])
         position = {id(p): i for i, p in enumerate(model.parameters())}
         self._full_groups = [[position[id(p)] for p in group] for group, _ in groups]
-        self._grads = ShardedGrads(self.stage, buckets, layout, self._rank, self.net)
+        self._grads = ShardedGrads(self.stage, buckets, layout, self._rank, self.comm)
         names = names_of(model, params)
         # Its step ends when the gathers are waited for, before the next forward (True): the timer's lag.
         timer = (
             Untimed() if self.bucket_timer is None else self.bucket_timer(flat.device, self.time_every_n_steps, True)
         )
         self._launcher = BucketLauncher(
-            "zero", params, names, timer, strict=False, in_backward=not self.find_unused_parameters
+            "zero", params, names, timer, self.comm, strict=False, in_backward=not self.find_unused_parameters
         )
         self._launcher.build(buckets, self._grads.on_grad, self._grads.start)
-        self._used = UsedParams(params, names, self.find_unused_parameters, "zero")
+        self._used = UsedParams(params, names, self.find_unused_parameters, "zero", self.comm)
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         if self._in_flight:
@@ -238,14 +238,14 @@ class ZeroSync(SyncStrategy):
 
     def grads_finite(self, model: nn.Module, optimizer: Optimizer) -> bool:
         """Each rank holds only its shard's average: the ranks agree through a one-element all_reduce
-        (not counted in comm: a check, like the replica check, not gradient traffic)."""
+        (counted as control traffic: a check, not gradient bytes)."""
         assert self._grads is not None, "wrap() first"
         finite = torch.isfinite(self._grads.shard).all().to(torch.int32)
-        dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # every rank must reach this
+        self.comm.agree(finite, dist.ReduceOp.MIN)  # every rank must reach this
         return bool(finite.item())
 
     def pop_comm_counts(self) -> CommCounters:
-        counts = self.net.counts.pop()
+        counts = self.comm.counts.pop()
         assert self._launcher is not None, "wrap() first"
         self._launcher.timer.add_to(counts)
         return counts

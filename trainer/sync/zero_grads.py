@@ -51,13 +51,13 @@ def kinds(native: bool) -> tuple[str, str]:
 
 
 def reduce(
-    net: Collectives, shard: torch.Tensor, full: torch.Tensor, native: bool, bucket: int, grad_bytes: int
+    comm: Collectives, shard: torch.Tensor, full: torch.Tensor, native: bool, bucket: int, grad_bytes: int
 ) -> dist.Work:
     """Start summing `full` (a padded bucket) across ranks: into `shard` (reduce_scatter), or in place
     (gloo's all_reduce; take() then reads this rank's slice)."""
     if native:
-        return net.reduce_scatter(shard, full, bucket, grad_bytes=grad_bytes)
-    return net.all_reduce(full, bucket, grad_bytes=grad_bytes)
+        return comm.reduce_scatter(shard, full, bucket, grad_bytes=grad_bytes)
+    return comm.all_reduce(full, bucket, grad_bytes=grad_bytes)
 
 
 def take(shard: torch.Tensor, full: torch.Tensor, rank: int, divisor: int, native: bool) -> None:
@@ -70,15 +70,15 @@ def take(shard: torch.Tensor, full: torch.Tensor, rank: int, divisor: int, nativ
     torch.div(full[rank * size : (rank + 1) * size], divisor, out=shard)
 
 
-def gather(net: Collectives, full: torch.Tensor, mine: torch.Tensor, native: bool, bucket: int) -> list[dist.Work]:
+def gather(comm: Collectives, full: torch.Tensor, mine: torch.Tensor, native: bool, bucket: int) -> list[dist.Work]:
     """Start filling `full` (a padded bucket) with every rank's slice; `mine` is this rank's."""
     if native:
-        return [net.all_gather(full, mine, bucket)]
+        return [comm.all_gather(full, mine, bucket)]
     rank, size = dist.get_rank(), mine.numel()
     works = []
     for owner in range(dist.get_world_size()):  # every rank issues the same broadcasts, in the same order
         tensor = mine if owner == rank else full[owner * size : (owner + 1) * size]
-        works.append(net.broadcast(tensor, owner, bucket))
+        works.append(comm.broadcast(tensor, owner, bucket))
     full[rank * size : (rank + 1) * size].copy_(mine)
     return works
 
@@ -87,13 +87,13 @@ class ShardedGrads:
     """The gradient buckets of one stage, and this rank's contiguous shard of the averaged gradient."""
 
     def __init__(
-        self, stage: int, groups: Sequence[Sequence[nn.Parameter]], layout: Layout, rank: int, net: Collectives
+        self, stage: int, groups: Sequence[Sequence[nn.Parameter]], layout: Layout, rank: int, comm: Collectives
     ) -> None:
         self.stage = stage
-        self.net = net
+        self.comm = comm
         # gloo's own reduce_scatter and all_gather are slow paths: see the module's doc. On an emulated
         # link (network=<preset>), which charges each collective its kind's time, the real ones.
-        self.native = dist.get_backend() != "gloo" or hasattr(net, "link")  # EmulatedCollectives has one
+        self.native = dist.get_backend() != "gloo" or hasattr(comm, "link")  # EmulatedCollectives has one
         self.reduce_kind, self.gather_kind = kinds(self.native)
         self.world_size = layout.world_size
         params = groups[0][0]
@@ -195,10 +195,10 @@ class ShardedGrads:
         if self.flat is not None:
             place = self.in_flat[index]
             full = self.flat.buckets[place].grads if place is not None else self._in_place_grad(index)
-            return self.net.all_reduce(full, index)
+            return self.comm.all_reduce(full, index)
         staged = self.staging[index]
         assert staged is not None, "a bucket starts after its gradients (or fill_missing()) staged it"
-        return reduce(self.net, self.shards[index], staged, self.native, index, grad_bytes)
+        return reduce(self.comm, self.shards[index], staged, self.native, index, grad_bytes)
 
     def finish(self, index: int, work: Waitable) -> None:
         """Wait for the bucket's collective; this rank's slice of the sum, averaged, in the shard."""
@@ -217,7 +217,7 @@ class ShardedGrads:
 
     def gather(self, full: torch.Tensor, mine: torch.Tensor, bucket: int) -> list[dist.Work]:
         """Start filling `full` (a padded bucket of parameters) with every rank's slice; `mine` is this rank's."""
-        return gather(self.net, full, mine, self.native, bucket)
+        return gather(self.comm, full, mine, self.native, bucket)
 
     def _in_place_grad(self, index: int) -> torch.Tensor:
         """Stage 1: the gradient reduced where autograd put it, flat (on_grad and fill_missing() made
