@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import ast
-import io
-import re
 import subprocess
 import sys
-import tokenize
 from pathlib import Path
 
 import pytest
@@ -68,79 +65,6 @@ def test_nothing_below_the_commands_imports_one() -> None:
         if m.startswith("trainer.") and not m.startswith("trainer.tools")
     }
     assert {m: i for m, i in offenders.items() if i} == {}
-
-
-def reading_path(module: str) -> list[str]:
-    """The module and every module of trainer/, models/ and data/ it imports, transitively (empty
-    package __init__ files left out): what a reader must open to follow it."""
-    graph, seen, todo = our_modules(), set(), [module]
-    while todo:
-        name = todo.pop()
-        if name not in seen:
-            seen.add(name)
-            todo += [i for i in graph[name] if i.split(".")[0] in ("trainer", "models", "data")]
-    return sorted(m for m in seen if module_path(m).stat().st_size > 0)
-
-
-def module_path(module: str) -> Path:
-    path = REPO / (module.replace(".", "/") + ".py")
-    return path if path.exists() else REPO / module.replace(".", "/") / "__init__.py"
-
-
-def code_lines(path: Path) -> int:
-    """Lines holding code: neither blank, nor only a comment, nor part of a docstring."""
-    source = path.read_text()
-    docstrings: set[int] = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
-            first = node.body[0]
-            if (
-                isinstance(first, ast.Expr)
-                and isinstance(first.value, ast.Constant)
-                and isinstance(first.value.value, str)
-            ):
-                docstrings |= set(range(first.lineno, (first.end_lineno or first.lineno) + 1))
-    skipped = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
-    code: set[int] = set()
-    for token in tokenize.generate_tokens(io.StringIO(source).readline):
-        if token.type not in skipped:
-            code |= set(range(token.start[0], token.end[0] + 1)) - docstrings
-    return len(code)
-
-
-STRATEGIES = ("none", "manual", "bucketed", "ddp", "zero", "fsdp")
-# Issue 31's ceilings: project files a strategy pulls in (its own not counted), and lines in them
-# (its own counted), here in code lines (docs/architecture.md says why code lines).
-CEILINGS = {"manual": (5, 450), "ddp": (5, 550), "bucketed": (7, 800), "fsdp": (7, 850), "zero": (8, 1100)}
-
-
-def measured_paths() -> dict[str, tuple[int, int, int, int]]:
-    """Per strategy: its file's lines, the files on its reading path, their lines, their code lines."""
-    measured = {}
-    for strategy in STRATEGIES:
-        path = reading_path(f"trainer.sync.{strategy}")
-        own = len(module_path(f"trainer.sync.{strategy}").read_text().splitlines())
-        lines = sum(len(module_path(m).read_text().splitlines()) for m in path)
-        measured[strategy] = (own, len(path), lines, sum(code_lines(module_path(m)) for m in path))
-    return measured
-
-
-def test_each_strategys_reading_path_is_the_one_docs_architecture_md_measures() -> None:
-    # The table in docs/architecture.md ("Reading a strategy") is measured, not written: a change
-    # that makes a strategy pull in more files or lines must update it, and say so there.
-    text = (REPO / "docs" / "architecture.md").read_text()
-    row = r"^\| `(\w+)` \| (\d+) lines \| (\d+) files \| ([\d,]+) lines \| ([\d,]+) lines \|"
-    table = {m[0]: tuple(int(n.replace(",", "")) for n in m[1:]) for m in re.findall(row, text, re.MULTILINE)}
-    assert table == measured_paths()
-
-
-def test_each_strategys_reading_path_stays_under_its_ceiling() -> None:
-    over = {
-        strategy: (files - 1, code)
-        for strategy, (_, files, _, code) in measured_paths().items()
-        if strategy in CEILINGS and (files - 1 > CEILINGS[strategy][0] or code > CEILINGS[strategy][1])
-    }
-    assert over == {}, f"(files pulled in, code lines) over the ceilings {CEILINGS}: {over}"
 
 
 def test_no_import_circles() -> None:

@@ -1,0 +1,87 @@
+"""Control collectives (the ranks' agreements of a few bytes) go through the strategy's communication
+object: counted apart from gradient traffic, and carried by an emulated link like any other."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.dist_helpers import run_on_ranks
+from trainer.sync.manual import ManualSync
+from trainer.sync.network import EmulatedCollectives, Network
+
+SYNC = Path(__file__).resolve().parents[1] / "trainer" / "sync"
+# A collective called on torch.distributed itself: `dist.all_reduce(`, `dist.broadcast(`, ...
+DIRECT = re.compile(r"\bdist\.(all_reduce|broadcast|all_gather\w*|reduce_scatter\w*|barrier|all_to_all\w*)\(")
+
+
+def test_no_strategy_module_calls_a_collective_past_the_communication_object() -> None:
+    direct = [
+        f"{path.name}:{number}"
+        for path in sorted(SYNC.glob("*.py"))
+        if path.name != "collectives.py"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if DIRECT.search(line.split("#")[0])
+    ]
+    assert direct == [], f"collectives that bypass the communication object's books: {direct}"
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+
+
+def _control(rank: int, world_size: int) -> dict[str, Any]:
+    sync = ManualSync(find_unused_parameters=True)
+    model = sync.wrap(_model())
+    at_wrap = sync.pop_comm_counts()
+    F.cross_entropy(model(torch.randn(5, 4)), torch.randint(0, 2, (5,))).backward()
+    sync.after_backward(model)
+    step = sync.pop_comm_counts()
+    # On an emulated link an agreement is handed on no earlier than the link would deliver it.
+    link = Network(preset="1gbe", latency_us=20_000.0).link(world_size)
+    assert link is not None
+    emulated = EmulatedCollectives(link)
+    started = time.perf_counter()
+    agreed = emulated.agree(torch.tensor([float(rank + 1)]))
+    return {
+        "at_wrap": (at_wrap.control, at_wrap.bytes, at_wrap.kinds),
+        "step": (step.control, step.kinds),
+        "agreed": agreed.item(),
+        "seconds": time.perf_counter() - started,
+        "link_s": link.seconds("all_reduce", 4),
+        "emulated": emulated.counts.control,
+    }
+
+
+@pytest.fixture(scope="module")
+def control(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_on_ranks(_control, 2, tmp_path_factory.mktemp("control") / "run")
+
+
+def test_control_collectives_are_counted_apart_from_gradient_traffic(control: list[dict[str, Any]]) -> None:
+    model = _model()
+    tensors = [*model.parameters(), *model.buffers()]
+    for rank in control:
+        # wrap(): one broadcast of rank 0's value per parameter and buffer, none of it gradient bytes.
+        (control_bytes, calls), grad_bytes, kinds = rank["at_wrap"]
+        assert calls == len(tensors) and control_bytes == sum(t.numel() * t.element_size() for t in tensors)
+        assert grad_bytes == 0 and kinds == {}
+        # A step under find_unused_parameters=true: the used-flags' one all_reduce (int32 per parameter).
+        (step_bytes, step_calls), step_kinds = rank["step"]
+        assert (step_bytes, step_calls) == (4 * len(list(model.parameters())), 1)
+        assert "control" not in step_kinds and sum(c for _, c in step_kinds.values()) >= 1
+
+
+def test_an_emulated_link_carries_control_collectives(control: list[dict[str, Any]]) -> None:
+    for rank in control:
+        assert rank["agreed"] == 3.0  # 1 + 2: the real sum
+        assert rank["emulated"] == [4, 1]
+        assert rank["link_s"] >= 0.02 and rank["seconds"] >= rank["link_s"]  # the link's 20 ms latency, at least
