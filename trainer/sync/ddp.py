@@ -17,6 +17,7 @@ from trainer.sync.autotune import DEFAULT_CANDIDATES_MB, CapTuner
 from trainer.sync.base import SyncStrategy
 from trainer.sync.collectives import CommCounters, busy_time, exposed_time
 from trainer.sync.ddp_hooks import CountedHook, RuntimeStats, SwappableDDP, TimedAllReduceHook
+from trainer.sync.ddp_private import logging_data
 
 # torch 2.14 renamed the per-forward buffer broadcast to forward_sync_buffers (the old name warns).
 # The new flag always syncs buffers at construction, which we want anyway: replicas start equal.
@@ -206,19 +207,20 @@ class DDPSync(SyncStrategy):
             info["num_buckets"] = len(sizes)
             info["bucket_sizes_bytes"] = sizes
             info["buckets_rebuilt"] = rebuilt
-            info["total_parameter_bytes"] = int(self._ddp._get_ddp_logging_data().get("total_parameter_size_bytes", 0))
+            info["total_parameter_bytes"] = int(logging_data(self._ddp).get("total_parameter_size_bytes", 0))
         return info
 
     def _bucket_layout(self) -> tuple[list[int], bool]:
         """Bucket sizes in bytes, and whether DDP has rebuilt them yet.
 
-        From DDP's own logging record (a prototype API). DDP rebuilds its buckets once, after the
-        first iteration, in the order gradients became ready: report that layout once it exists.
+        From DDP's own logging record (a private API, read through ddp_private.py). DDP rebuilds its
+        buckets once, after the first iteration, in the order gradients became ready: report that
+        layout once it exists.
         """
         assert self._ddp is not None
         if self._rebuilt_layout is not None and self._rebuilt_layout[0] is self._ddp:
             return self._rebuilt_layout[1], True  # fixed once rebuilt: a row reads DDP's record once, not twice
-        data = self._ddp._get_ddp_logging_data()
+        data = logging_data(self._ddp)
         rebuilt = bool(data.get("has_rebuilt_buckets")) and bool(data.get("rebuilt_bucket_sizes"))
         layout = data.get("rebuilt_bucket_sizes") if rebuilt else data.get("bucket_sizes", "")
         sizes = [int(s) for s in str(layout).split(",") if s.strip()]

@@ -17,6 +17,7 @@ from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer.sync.collectives import Collectives
+from trainer.sync.ddp_private import logging_data, record_runtime_stats, set_sample_rate
 
 
 class Link(Protocol):
@@ -121,14 +122,13 @@ class RuntimeStats:
 
     def __init__(self, ddp: DistributedDataParallel, sample_rate: int) -> None:
         self._ddp = ddp
-        ddp._set_ddp_runtime_logging_sample_rate(sample_rate)
+        set_sample_rate(ddp, sample_rate)
         self._last_iteration = 0
 
     def take(self) -> tuple[float, float] | None:
         """(communication, exposed) seconds of the newest timed step, or None if none is new since the last call."""
-        assert self._ddp.logger is not None
-        self._ddp.logger.set_runtime_stats_and_log()  # measures the current step if it is a timed one
-        data = self._ddp._get_ddp_logging_data()
+        record_runtime_stats(self._ddp)  # measures the current step if it is a timed one
+        data = logging_data(self._ddp)
         iteration = int(data.get("iteration", 0))
         if iteration <= self._last_iteration or "backward_comm_time" not in data:
             return None
