@@ -98,7 +98,7 @@ def test_every_strategy_end_to_end(runs: tuple[Path, list[dict[str, Any]]], case
     run_dir = root / case
     assert timeline.main([str(run_dir)]) == 0
     line = capsys.readouterr().out.strip()
-    assert line.startswith("timeline: steps 3-5, overlap rank0 ") and "clocks aligned within" in line
+    assert line.startswith("timeline: steps 3-5, HTA overlap rank0 ") and "clocks aligned within" in line
     merged = json.loads((run_dir / "timeline.json").read_text())
     names = {e["args"]["name"] for e in merged["traceEvents"] if e.get("name") == "process_name"}
     assert names == {"rank 0", "rank 1"}

@@ -1,5 +1,5 @@
 """A timeline of every rank from a trainer.profile=true run's traces: merged on rank 0's clock, its
-figures (overlap, straggler gap) and its picture.
+figures (HTA overlap, straggler gap) and its picture.
 
 Below both its users: the training loop sends it to the sinks that keep pictures (logger=wandb), and
 `python -m trainer.tools.timeline` (trainer/tools/timeline.py) writes it for a run dir.
@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from trainer.comm_math import busy_time
 from trainer.logger import timeline_figures as fig
 from trainer.logger.timeline_plot import plot
 from trainer.logger.timeline_trace import Interval, RankTimeline, TimelineError, find_traces, read_rank
@@ -74,7 +75,7 @@ def figures(timelines: Sequence[RankTimeline], steps: Sequence[int]) -> dict[str
         share = fig.overlap(comm, compute)
         ranks[str(t.rank)] = {
             "overlap": share,
-            "comm_ms": fig.length(comm) / 1e3,
+            "comm_ms": busy_time(comm) / 1e3,
             "hidden_ms": fig.intersection(comm, compute) / 1e3,
             "collectives": len(t.comm),
             "emulated_collectives": sum(c.emulated for c in t.comm),  # network=<preset>: ended by the link
@@ -136,7 +137,8 @@ def caption(rank: dict[str, Any], waits: list[float]) -> str:
     share = percent(rank["overlap"])
     wait = f"\nwaited {max(waits):.2f} ms max" if waits else ""
     link = " (emulated)" if rank.get("emulated_collectives") else ""
-    return f"overlap {share}\ncomm {rank['comm_ms']:.1f} ms{link}{wait}\nclock ±{rank['clock_uncertainty_us']:.0f} µs"
+    clock = f"clock ±{rank['clock_uncertainty_us']:.0f} µs"
+    return f"HTA overlap {share}\ncomm {rank['comm_ms']:.1f} ms{link}{wait}\n{clock}"
 
 
 def write_timeline(run_dir: Path, out: Path, steps: str | None = None, ranks: str | None = None) -> dict[str, Any]:

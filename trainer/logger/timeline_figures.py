@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from trainer.comm_math import busy_time, overlap_fraction
+
 Span = tuple[float, float]
 
 
@@ -20,10 +22,6 @@ def union(spans: Sequence[Span]) -> list[Span]:
         else:
             merged.append((start, end))
     return merged
-
-
-def length(spans: Sequence[Span]) -> float:
-    return sum(end - start for start, end in union(spans))
 
 
 def intersection(a: Sequence[Span], b: Sequence[Span]) -> float:
@@ -41,12 +39,14 @@ def intersection(a: Sequence[Span], b: Sequence[Span]) -> float:
 
 
 def overlap(comm: Sequence[Span], compute: Sequence[Span]) -> float | None:
-    """Holistic Trace Analysis' communication-computation overlap: the share of communication time
-    during which computation also ran (None without communication)."""
-    busy = length(comm)
+    """Holistic Trace Analysis' communication-computation overlap ("HTA overlap" where shown): the
+    share of communication time during which computation also ran, trainer/comm_math.py's
+    overlap_fraction with exposed = the communication time no computation covered (None without
+    communication)."""
+    busy = busy_time(comm)
     if busy <= 0:
         return None
-    return intersection(comm, compute) / busy
+    return overlap_fraction(busy, busy - intersection(comm, compute))
 
 
 def straggler_gaps(last_launch: dict[int, float]) -> tuple[float, dict[int, float]]:

@@ -3,12 +3,8 @@ per-step comm/* and time/comm* metrics."""
 
 from __future__ import annotations
 
+from trainer.comm_math import bus_factor, overlap_fraction
 from trainer.sync.collectives import CommCounters
-
-
-def all_reduce_bus_factor(world_size: int) -> float:
-    """nccl-tests' busbw/algbw for all_reduce, 2(n-1)/n: what each link really carries."""
-    return 2 * (world_size - 1) / world_size
 
 
 def comm_metrics(
@@ -36,7 +32,7 @@ def comm_metrics(
     metrics["time/comm_s"] = seconds
     metrics["time/comm_exposed_s"] = exposed
     if seconds > 0:
-        metrics["comm/overlap_fraction"] = max(0.0, 1.0 - exposed / seconds)
+        metrics["comm/overlap_fraction"] = overlap_fraction(seconds, exposed)
         algbw = (counts.bytes / steps) / seconds
-        metrics["comm/busbw_GBps"] = algbw * all_reduce_bus_factor(world_size) / 1e9
+        metrics["comm/busbw_GBps"] = algbw * bus_factor("all_reduce", world_size) / 1e9
     return metrics

@@ -1,8 +1,8 @@
 """What one collective costs: the alpha-beta model of ring algorithms, flat or in two levels.
 
-A ring of n ranks moves a buffer of S bytes in steps of S/n per rank: reduce_scatter and
-all_gather take n-1 steps, all_reduce (a reduce_scatter then an all_gather) 2(n-1). Each step
-pays the link's latency alpha plus S/n bytes at its bandwidth beta:
+A ring of n ranks moves a buffer of S bytes in steps of S/n per rank (the step counts are
+trainer/comm_math.py's ring_steps). Each step pays the link's latency alpha plus S/n bytes at its
+bandwidth beta:
 
     all_reduce      2(n-1) (alpha + S / (n beta))
     reduce_scatter   (n-1) (alpha + S / (n beta))     S = the full input
@@ -19,7 +19,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-KINDS = ("all_reduce", "reduce_scatter", "all_gather")
+from trainer.comm_math import ring_steps
+
+KINDS = ("all_reduce", "reduce_scatter", "all_gather")  # the ones a fit has a link for
 
 
 @dataclass(frozen=True)
@@ -62,8 +64,7 @@ def ring_s(kind: str, size_bytes: float, n: int, link: Link) -> float:
         raise ValueError(f"unknown collective {kind!r}; one of {', '.join(KINDS)}")
     if n <= 1 or size_bytes <= 0:
         return 0.0
-    steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
-    return steps * (link.alpha_s + size_bytes / (n * link.beta_Bps))
+    return ring_steps(kind, n) * (link.alpha_s + size_bytes / (n * link.beta_Bps))
 
 
 @dataclass(frozen=True)

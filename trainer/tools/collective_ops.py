@@ -1,9 +1,9 @@
 """Collective measurement: bus-bandwidth arithmetic, the composed all_reduce, and the timed calls.
 
 Kept apart from the CLI (collectives.py) so that tests, benchmarks/overhead.py and the CLI share one
-timer and one set of nccl-tests' bandwidth formulas (its doc/PERFORMANCE.md), importing no argparse or
-plotting. Ops: broadcast, all_reduce, all_gather, reduce_scatter, and all_reduce_composed
-(reduce_scatter then all_gather: "all_reduce = reduce_scatter + all_gather"). gloo has both tensor
+timer, importing no argparse or plotting; nccl-tests' bus factors are trainer/comm_math.py's. Ops:
+broadcast, all_reduce, all_gather, reduce_scatter, and all_reduce_composed (reduce_scatter then
+all_gather: "all_reduce = reduce_scatter + all_gather"). gloo has both tensor
 forms (torch >= 2.3), but runs reduce_scatter as a full all_reduce then keeps this rank's chunk.
 """
 
@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainer import comm_math
 from trainer.sync.collectives import all_gather_tensor, reduce_scatter_tensor
 
 OPS = ("broadcast", "all_reduce", "all_gather", "reduce_scatter", "all_reduce_composed")
@@ -29,15 +30,11 @@ Record = dict[str, Any]  # one op at one size: op, size_bytes, seconds, seconds_
 
 
 def bus_factor(op: str, world_size: int) -> float:
-    """busbw / algbw, nccl-tests' factors: all_reduce 2(n-1)/n, all_gather and reduce_scatter (n-1)/n,
-    broadcast 1. Scaled so that busbw compares with a link's speed whatever the op and n; 0 at n = 1.
-    """
+    """busbw / algbw for one of OPS (trainer/comm_math.py's nccl-tests factors): all_reduce_composed is
+    judged as the all_reduce it replaces."""
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; one of {', '.join(OPS)}")
-    if world_size <= 1:
-        return 0.0  # one process moves nothing over any link
-    share = (world_size - 1) / world_size
-    return {"broadcast": 1.0, "all_gather": share, "reduce_scatter": share}.get(op, 2 * share)
+    return comm_math.bus_factor("all_reduce" if op == "all_reduce_composed" else op, world_size)
 
 
 def bandwidths(op: str, size_bytes: int, seconds: float, world_size: int) -> tuple[float, float]:

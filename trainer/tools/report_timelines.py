@@ -42,7 +42,7 @@ def figure(jobs: Sequence[tuple[str, Path]]) -> tuple[Figure, Drawn, list[str]]:
         ax.set_yticks(ticks, names, fontsize=7)
         ax.set_title(label, fontsize=8, loc="left")
         overlaps = ", ".join(f"rank {r} {timeline.percent(v['overlap'])}" for r, v in summary["ranks"].items())
-        lines.append(f"{label}: overlap {overlaps}")
+        lines.append(f"{label}: HTA overlap {overlaps}")
     handles = legend_handles(drawn.meanings)
     legend = {"fontsize": 7, "ncol": len(handles), "loc": "lower right", "bbox_to_anchor": (1, 1.0), "frameon": False}
     axes[0, 0].legend(handles=handles, **legend)

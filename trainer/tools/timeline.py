@@ -6,8 +6,8 @@ writes, in --out (default: the run dir):
     timeline.json          the ranks' traces merged on rank 0's clock, one process per rank, plus
                            the lab's collective spans (Perfetto: ui.perfetto.dev, or chrome://tracing)
     timeline.png           per rank a compute lane and a communication lane, backward shaded
-    timeline_summary.json  per rank the overlap (the share of communication time under computation,
-                           HTA's communication-computation overlap); per step the straggler gap
+    timeline_summary.json  per rank "overlap": HTA's communication-computation overlap (the share of
+                           communication time under computation); per step the straggler gap
 and prints one line. Bad input: one line on stderr, exit code 2.
 """
 
@@ -30,7 +30,7 @@ def one_line(summary: dict[str, Any], out: Path) -> str:
     clock = max(v["clock_uncertainty_us"] for v in summary["ranks"].values())
     steps = summary["steps"]
     return (
-        f"timeline: steps {steps[0]}-{steps[-1]}, overlap {overlaps}, straggler gap max {gap}, "
+        f"timeline: steps {steps[0]}-{steps[-1]}, HTA overlap {overlaps}, straggler gap max {gap}, "
         f"clocks aligned within ±{clock:.0f} µs -> {out / 'timeline.png'}"
     )
 

@@ -1,0 +1,62 @@
+"""The communication arithmetic, defined once: ring step counts, nccl-tests' bus factors, the time
+intervals cover, and the overlap share.
+
+A ring of n ranks moves a buffer of S bytes in steps of S/n per rank: reduce_scatter and
+all_gather take n-1 steps, all_reduce (a reduce_scatter then an all_gather) 2(n-1). A broadcast
+runs as a pipelined ring: n-1 hops, each paying one latency, while the buffer crosses every link
+once. The bus factor is what each rank sends over its link as a share of S, nccl-tests' busbw/algbw
+(its doc/PERFORMANCE.md), so that busbw compares with a link's speed whatever the kind and n:
+
+    kind            ring steps    bus factor
+    all_reduce      2(n-1)        2(n-1)/n
+    reduce_scatter   n-1           (n-1)/n     S = the full input
+    all_gather       n-1           (n-1)/n     S = the full output
+    broadcast        n-1           1
+
+One rank sends nothing: 0 steps, factor 0. A leaf: the standard library only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+
+
+def _check(kind: str, n: int) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"unknown collective {kind!r}; one of {', '.join(KINDS)}")
+    if n < 1:
+        raise ValueError(f"need n >= 1 ranks, got {n}")
+
+
+def ring_steps(kind: str, n: int) -> int:
+    """The ring algorithm's steps over n ranks, each one link latency."""
+    _check(kind, n)
+    return 2 * (n - 1) if kind == "all_reduce" else n - 1
+
+
+def bus_factor(kind: str, n: int) -> float:
+    """busbw / algbw over n ranks: the bytes each rank sends as a share of the buffer."""
+    _check(kind, n)
+    if n == 1:
+        return 0.0
+    return 1.0 if kind == "broadcast" else ring_steps(kind, n) / n
+
+
+def busy_time(intervals: Iterable[tuple[float, float]]) -> float:
+    """Length of the union of [start, end] intervals: time with at least one of them in progress."""
+    total, cursor = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > cursor:
+            total += end - max(start, cursor)
+            cursor = end
+    return total
+
+
+def overlap_fraction(busy_s: float, exposed_s: float) -> float:
+    """The share of communication time hidden under compute: 1 - exposed / busy, at least 0
+    (exposed measured a little past busy still reads as nothing hidden)."""
+    if busy_s <= 0:
+        raise ValueError(f"busy_s={busy_s}: an overlap needs communication time > 0")
+    return max(0.0, 1.0 - exposed_s / busy_s)
