@@ -33,8 +33,8 @@ import torch.distributed as dist
 
 from benchmarks.overhead_loops import Framework
 from trainer.setup import dist as ddist
-from trainer.sync.collectives import Collectives
-from trainer.sync.network import EmulatedCollectives, EmulatedLink, Network
+from trainer.sync.comm import Comm
+from trainer.sync.network import EmulatedLink, Network
 
 CALLS = 200  # collectives per route and round (--quick: 10)
 NUMEL = 256  # a 1 KiB fp32 all_reduce: the launch and the wait, not the bytes
@@ -46,8 +46,8 @@ BOUND_US = 500.0  # the bound link's time per all_reduce: well above gloo's own 
 STEP_PAIRS = (("mlp-tiny", "manual"), ("mlp-tiny", "ddp"), ("mlp-deep", "manual:coalesce_mb=0"))
 FREE_OVERRIDES = ["network=100gbe", *(f"network.{key}={value:g}" for key, value in FREE.items())]
 NO_BRANCH = (
-    "network=none: the strategy's own Collectives, unchanged (no link, no branch: build_trainer swaps in "
-    "EmulatedCollectives only for network=<preset>); nothing of the emulation runs, nothing to time"
+    "network=none: the communication object without a link (one `is not None` per collective); nothing "
+    "of the emulation runs, nothing to time"
 )
 Timed = Callable[[object, int, torch.device], float]  # overhead.py's timed(run, steps, device)
 Spread = Callable[[list[float]], tuple[float, float]]  # overhead.py's iqr
@@ -105,7 +105,7 @@ def routes(world_size: int) -> tuple[list[Route], EmulatedLink]:
     alpha_us = BOUND_US / (2 * (ranks - 1))  # a ring all_reduce is 2(n-1) latencies
     bound = Network(preset="100gbe", latency_us=alpha_us, bandwidth_gbps=FREE["bandwidth_gbps"]).link(ranks)
     assert free is not None and bound is not None
-    plain, emulated, bounded = Collectives(), EmulatedCollectives(free), EmulatedCollectives(bound)
+    plain, emulated, bounded = Comm(), Comm(free), Comm(bound)
     bound_s = bound.seconds("all_reduce", nbytes)
     late_wait: list[float] = []
     late_future: list[float] = []
@@ -122,15 +122,15 @@ def routes(world_size: int) -> tuple[list[Route], EmulatedLink]:
         return work
 
     torch_wait, torch_future = "torch: launch + wait()", "torch: get_future().wait()"
-    none_wait, none_future = "Collectives (network=none): wait()", "Collectives (network=none): get_future().wait()"
+    none_wait, none_future = "Comm (network=none): wait()", "Comm (network=none): get_future().wait()"
     return [
         Route(torch_wait, "", lambda: launch().wait()),
         Route(none_wait, torch_wait, lambda: plain.all_reduce(tensor).wait()),
-        Route("EmulatedCollectives, ~0 link: wait()", none_wait, lambda: emulated.all_reduce(tensor).wait()),
+        Route("Comm on a ~0 link: wait()", none_wait, lambda: emulated.all_reduce(tensor).wait()),
         Route(torch_future, "", lambda: launch().get_future().wait()),
         Route(none_future, torch_future, lambda: plain.all_reduce(tensor).get_future().wait()),
         Route(
-            "EmulatedCollectives, ~0 link: get_future().wait()",
+            "Comm on a ~0 link: get_future().wait()",
             none_future,
             lambda: emulated.all_reduce(tensor).get_future().wait(),
         ),

@@ -71,22 +71,22 @@ def test_overhead_benchmark_on_a_language_model(tmp_path: Path) -> None:
 def test_overhead_benchmark_collective_cost_quick_run(tmp_path: Path) -> None:
     """--collective-cost: every route and step pair has its row, and every time is positive (the
     extras are differences of noisy times: only their presence is checked); network=none is said to
-    run the unchanged Collectives, with no branch to time."""
+    run the communication object without a link."""
     out = tmp_path / "cost.json"
     cmd = [TORCHRUN, "--standalone", "--nproc_per_node=1", str(REPO / "benchmarks" / "overhead.py")]
     cmd += ["--collective-cost", "--quick", "--json", str(out)]
     proc = run_torchrun(cmd, cwd=tmp_path, timeout_s=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "network=none: the strategy's own Collectives, unchanged (no link, no branch" in proc.stdout
+    assert "network=none: the communication object without a link" in proc.stdout
     assert "timer slack: waiting thread" in proc.stdout and "| ~0 link / none [IQR] |" in proc.stdout
     report = json.loads(out.read_text())
     assert "branch_ns" not in report and len(report["timer_slack_us"]) == 2
     routes = {row["route"]: row for row in report["collectives"]}
     assert {
         "torch: launch + wait()",
-        "Collectives (network=none): wait()",
-        "EmulatedCollectives, ~0 link: wait()",
-        "EmulatedCollectives, ~0 link: get_future().wait()",
+        "Comm (network=none): wait()",
+        "Comm on a ~0 link: wait()",
+        "Comm on a ~0 link: get_future().wait()",
     } <= set(routes)
     assert any(name.startswith("DDP hook's future") for name in routes) and len(routes) == 9
     for row in routes.values():

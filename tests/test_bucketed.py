@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.dist_helpers import run_on_ranks
-from trainer.sync.bucket_timing import BucketTimer
 from trainer.sync.bucketed import BucketedSync
 
 
@@ -25,10 +24,8 @@ def _backward(model: nn.Module, rank: int) -> None:
 
 
 def _mechanism(rank: int, world_size: int, collective: str, timed: bool = True) -> dict[str, Any]:
-    timer = BucketTimer if timed else None  # None: sync.bucket_timer=null, nothing timed
-    sync = BucketedSync(
-        bucket_cap_mb=300 / 2**20, collective=collective, time_every_n_steps=1, bucket_timer=timer
-    )  # ~300 B buckets
+    sync = BucketedSync(bucket_cap_mb=300 / 2**20, collective=collective)  # ~300 B buckets
+    sync.comm.timing = timed  # every step stamped (the loop times 1 in trainer.time_comm_every_n_steps)
     model = sync.wrap(_model(seed=rank))  # rank 1's different draw is replaced by rank 0's
     buckets = sync.describe()["num_buckets"]
     # Step 1 learns each parameter's hook calls per backward: its buckets start in after_backward.
@@ -75,7 +72,7 @@ def _mechanism(rank: int, world_size: int, collective: str, timed: bool = True) 
 
 def _both(rank: int, world_size: int) -> dict[str, dict[str, Any]]:
     """_mechanism with each collective on one pair of ranks (a spawn costs more than all three), and
-    all_reduce once more without a bucket timer composed in."""
+    all_reduce once more untimed."""
     runs = {collective: _mechanism(rank, world_size, collective) for collective in ("all_reduce", "rs_ag")}
     return {**runs, "untimed": _mechanism(rank, world_size, "all_reduce", timed=False)}
 
@@ -102,10 +99,10 @@ def test_buckets_start_during_backward_and_average_in_place(mechanism: list[dict
     assert counts.timed_steps == 1 and counts.seconds > 0 and 0 <= counts.exposed_seconds <= counts.seconds + 1e-3
 
 
-def test_without_a_bucket_timer_the_same_buckets_leave_and_nothing_is_timed(
+def test_untimed_the_same_buckets_leave_and_nothing_is_timed(
     mechanism: list[dict[str, dict[str, Any]]],
 ) -> None:
-    # sync.bucket_timer=null: the launcher's Untimed starts each bucket as it is, notes nothing.
+    # An untimed step: the communication object starts each bucket as it is, stamps nothing.
     for by_collective in mechanism:
         timed, untimed = by_collective["all_reduce"], by_collective["untimed"]
         assert untimed["started_by_hooks"] == untimed["buckets"] == timed["buckets"]

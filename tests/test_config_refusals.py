@@ -90,7 +90,6 @@ TABLE: list[Row] = [
     # sync
     Row("sync=ddp", "sync.bucket_cap_mb=0", "low", "sync.bucket_cap_mb=0"),
     Row("sync=ddp", "sync.bucket_cap_mb=automatic", "choice", "sync.bucket_cap_mb='automatic'"),
-    Row("sync=ddp", "sync.time_every_n_steps=0", "low", "sync.time_every_n_steps=0"),
     Row("sync=ddp", "sync.auto_candidates_mb=[5,0]", "low", "sync.auto_candidates_mb=[5.0, 0.0]"),
     Row("sync=ddp", "sync.auto_steps_per_trial=0", "low", "sync.auto_steps_per_trial=0"),
     Row("sync=ddp", "sync.auto_warmup_steps=0", "low", "sync.auto_warmup_steps=0"),
@@ -99,8 +98,6 @@ TABLE: list[Row] = [
     Row("sync=ddp", "sync.powersgd_start_step=1", "low", "sync.powersgd_start_step=1"),
     Row("sync=bucketed", "sync.bucket_cap_mb=-1", "low", "sync.bucket_cap_mb=-1"),
     Row("sync=bucketed", "sync.bucket_cap_mb=max", "choice", "sync.bucket_cap_mb='max'"),
-    Row("sync=bucketed", "sync.time_every_n_steps=0", "low", "sync.time_every_n_steps=0"),
-    Row("sync=bucketed", "sync.bucket_timer._partial_=false", "choice", "sync.bucket_timer._partial_=False"),
     Row("sync=bucketed", "sync.auto_candidates_mb=[0]", "low", "sync.auto_candidates_mb=[0.0]"),
     Row("sync=bucketed", "sync.auto_steps_per_trial=0", "low", "sync.auto_steps_per_trial=0"),
     Row("sync=bucketed", "sync.auto_warmup_steps=0", "low", "sync.auto_warmup_steps=0"),
@@ -112,8 +109,6 @@ TABLE: list[Row] = [
     Row("sync=zero", "sync.stage=3", "choice", "sync.stage=3"),
     Row("sync=zero", "sync.stage=0", "choice", "sync.stage=0"),
     Row("sync=zero", "sync.bucket_cap_mb=0", "low", "sync.bucket_cap_mb=0.0"),
-    Row("sync=zero", "sync.time_every_n_steps=0", "low", "sync.time_every_n_steps=0"),
-    Row("sync=zero", "sync.bucket_timer._partial_=false", "choice", "sync.bucket_timer._partial_=False"),
     # optim
     Row("optim=sgd", "optim._partial_=false", "choice", "optim._partial_=False"),
     Row("optim=sgd", "optim.lr=0", "low", "optim.lr=0.0"),
@@ -141,6 +136,7 @@ TABLE: list[Row] = [
     Row("trainer=default", "trainer.seed=-1", "low", "trainer.seed=-1"),
     Row("trainer=default", "trainer.seed=4294967296", "high", "trainer.seed=4294967296"),
     Row("trainer=default", "trainer.log_every_n_steps=0", "low", "trainer.log_every_n_steps=0"),
+    Row("trainer=default", "trainer.time_comm_every_n_steps=-1", "low", "trainer.time_comm_every_n_steps=-1"),
     Row("trainer=default", "trainer.eval_every_n_steps=-1", "low", "trainer.eval_every_n_steps=-1"),
     Row("trainer=default", "trainer.eval_max_samples=0", "low", "trainer.eval_max_samples=0"),
     Row("trainer=default", "trainer.grad_accum_steps=0", "low", "trainer.grad_accum_steps=0"),
@@ -200,7 +196,7 @@ def _leaves(schema: type, prefix: str) -> list[tuple[str, Key]]:
     hints = typing.get_type_hints(schema)
     found: list[tuple[str, Key]] = []
     for field in dataclasses.fields(schema):
-        nested = nested_schema(hints[field.name])  # trainer.fault, sync.bucket_timer (which may be null)
+        nested = nested_schema(hints[field.name])  # trainer.fault
         if nested is not None:
             found += _leaves(nested, f"{prefix}{field.name}.")
         else:

@@ -112,7 +112,7 @@ def leaves(schema: type, prefix: str) -> list[tuple[str, Any, Key]]:
     found = []
     hints = typing.get_type_hints(schema)
     for field in dataclasses.fields(schema):
-        nested = nested_schema(hints[field.name])  # trainer.fault, sync.bucket_timer (which may be null)
+        nested = nested_schema(hints[field.name])  # trainer.fault
         if nested is not None:
             found += leaves(nested, f"{prefix}{field.name}.")
         else:

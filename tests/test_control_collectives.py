@@ -14,19 +14,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.dist_helpers import run_on_ranks
+from trainer.sync.comm import Comm
 from trainer.sync.manual import ManualSync
-from trainer.sync.network import EmulatedCollectives, Network
+from trainer.sync.network import Network
 
 SYNC = Path(__file__).resolve().parents[1] / "trainer" / "sync"
-# A collective called on torch.distributed itself: `dist.all_reduce(`, `dist.broadcast(`, ...
-DIRECT = re.compile(r"\bdist\.(all_reduce|broadcast|all_gather\w*|reduce_scatter\w*|barrier|all_to_all\w*)\(")
+# A collective called on torch.distributed itself (`dist.all_reduce(`, `dist.broadcast(`, ...) or through
+# comm.py's flat-tensor forms.
+DIRECT = re.compile(
+    r"\bdist\.(all_reduce|broadcast|all_gather\w*|reduce_scatter\w*|barrier|all_to_all\w*)\("
+    r"|\b(all_gather_tensor|reduce_scatter_tensor)\("
+)
 
 
 def test_no_strategy_module_calls_a_collective_past_the_communication_object() -> None:
     direct = [
         f"{path.name}:{number}"
         for path in sorted(SYNC.glob("*.py"))
-        if path.name != "collectives.py"
+        if path.name != "comm.py"
         for number, line in enumerate(path.read_text().splitlines(), 1)
         if DIRECT.search(line.split("#")[0])
     ]
@@ -48,7 +53,7 @@ def _control(rank: int, world_size: int) -> dict[str, Any]:
     # On an emulated link an agreement is handed on no earlier than the link would deliver it.
     link = Network(preset="1gbe", latency_us=20_000.0).link(world_size)
     assert link is not None
-    emulated = EmulatedCollectives(link)
+    emulated = Comm(link)
     started = time.perf_counter()
     agreed = emulated.agree(torch.tensor([float(rank + 1)]))
     return {

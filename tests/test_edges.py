@@ -16,16 +16,22 @@ import torch.nn.functional as F
 from tests.dist_helpers import run_on_ranks
 from tests.edge_models import Case, batch, make, optimizer_for, reference, train
 from tests.test_fsdp import real_collectives
-from trainer.sync import zero_grads
-from trainer.sync.bucket_timing import BucketTimer, Stopwatch, timed
 from trainer.sync.bucketed import BucketedSync
-from trainer.sync.collectives import Collectives
+from trainer.sync.comm import Comm
 from trainer.sync.ddp import DDPSync
 from trainer.sync.flat import FlatGrads
 from trainer.sync.fsdp import FSDPSync
 from trainer.sync.manual import ManualSync
 from trainer.sync.none import NoSync
 from trainer.sync.zero import ZeroSync
+
+
+def timed(make: Any) -> Any:
+    """The strategy with every step's collectives stamped (the loop stamps 1 step in n)."""
+    sync = make()
+    sync.comm.timing = True
+    return sync
+
 
 TINY_MB = 300 / 2**20  # below the branch's 8x8 float64 weight (512 bytes): that tensor makes a group alone
 FIND = {"find_unused_parameters": True}
@@ -63,9 +69,7 @@ CASES: dict[str, Case] = {
     "reused-bucketed": Case("reused", partial(BucketedSync, bucket_cap_mb=TINY_MB)),
     "reused-bucketed-one-bucket": Case("reused", BucketedSync),
     "reused-bucketed-rs_ag": Case("reused", partial(BucketedSync, bucket_cap_mb=TINY_MB, collective="rs_ag")),
-    "reused-bucketed-timed": Case(
-        "reused", partial(BucketedSync, bucket_cap_mb=TINY_MB, time_every_n_steps=1, bucket_timer=BucketTimer)
-    ),
+    "reused-bucketed-timed": Case("reused", partial(timed, partial(BucketedSync, bucket_cap_mb=TINY_MB))),
     "reused-nonreentrant-bucketed": Case("reused-nonreentrant", partial(BucketedSync, bucket_cap_mb=TINY_MB)),
     "reused-ddp-static": Case("reused", partial(DDPSync, static_graph=True)),
     "reused-zero": Case("reused", ZeroSync),
@@ -73,9 +77,7 @@ CASES: dict[str, Case] = {
     "reused-fsdp-root": Case("reused", partial(FSDPSync, wrap="block")),  # no blocks: the root reduces once
     "reused-nonreentrant-fsdp": Case("reused-nonreentrant", FSDPSync),
     "frozen-twice-fsdp": Case("frozen", FSDPSync),  # a unit run twice without grad, but frozen: not refused
-    "reused-zero-stage1": Case(
-        "reused", partial(ZeroSync, stage=1, bucket_cap_mb=TINY_MB, time_every_n_steps=1, bucket_timer=BucketTimer)
-    ),
+    "reused-zero-stage1": Case("reused", partial(timed, partial(ZeroSync, stage=1, bucket_cap_mb=TINY_MB))),
     **{f"unused-all-{n}": Case(m, s) for n, (s, m) in MANUAL_GROUPINGS.items()},
     **{f"unused-one-{n}": Case(m, s, branch_ranks=(1,)) for n, (s, m) in MANUAL_GROUPINGS.items()},
     "unused-all-fsdp": Case("branchy", FSDPSync),
@@ -149,26 +151,35 @@ def _fsdp_comm(rank: int, wrap: str) -> dict[str, Any]:
 
 
 def _shard_ops(rank: int, world_size: int, native: bool) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
-    """zero's two forms of reduce-to-shard and gather (native: NCCL's; else gloo's), on one gloo group."""
-    net = Collectives()
-    full = torch.arange(8.0, dtype=torch.float64) * (rank + 1) + 0.5  # sums exact in binary
-    shard = torch.empty(4, dtype=torch.float64)
-    zero_grads.reduce(net, shard, full, native, 0, grad_bytes=64).wait()
-    zero_grads.take(shard, full, rank, world_size, native)  # the average: halves of these sums are exact too
-    gathered = torch.zeros(8, dtype=torch.float64)
-    for work in zero_grads.gather(net, gathered, shard * 10, native, 0):
+    """zero's two forms of reduce-to-shard and gather (native: NCCL's; else gloo's), on one gloo group,
+    through zero.py's own _reduce, _average and _gather on one bucket of 8 float64 weights."""
+    model = torch.nn.Linear(8, 1, bias=False).double()
+    sync = ZeroSync(bucket_cap_mb=1.0)
+    sync.wrap(model)
+    sync.build_optimizer(model, optimizer_for)
+    sync._native = native
+    model.weight.grad = (torch.arange(8.0, dtype=torch.float64) * (rank + 1) + 0.5).view(1, 8)  # sums exact in binary
+    assert sync._grads is not None and sync.param_shard is not None and sync.flat is not None
+    sync._grads.hold(0, 0, model.weight, first=True)  # as its hook does: staged (stage 2)
+    sync.pop_comm_counts()
+    sync._reduce(0).wait()
+    sync._average(0)  # the average: halves of these sums are exact too
+    shard = sync._grads.shards[0].clone()
+    sync.param_shard.copy_(shard * 10)
+    for work in sync._gather(0):
         work.wait()
-    return shard, gathered, list(zero_grads.kinds(native))
+    return shard, sync.flat.clone(), list(sync.pop_comm_counts().kinds)
 
 
 def _timed_future(rank: int, world_size: int) -> tuple[Any, torch.Tensor]:
-    """The bucket launcher's timed wait on a real collective: what wait() yields, and the bucket after it."""
-    clock, spans = Stopwatch(torch.device("cpu")), []  # as bucket_timing.py times every bucket
+    """A timed collective on a real gloo pair: what its wait() returns, and the bucket after it."""
+    comm = Comm()
+    comm.timing = True
     param = torch.nn.Parameter(torch.zeros(5, dtype=torch.float64))
     bucket = FlatGrads([[param]], world_size).buckets[0]
     bucket.grads.copy_(torch.arange(5.0) + rank)
-    waited = timed(Collectives().all_reduce(bucket.grads), clock.now(), clock, spans).wait()
-    assert len(spans) == 1, "the arrival was noted"
+    waited = comm.all_reduce(bucket.grads).wait()
+    assert comm.pop().timed_steps == 1, "the collective was stamped, launch to wait"
     return waited, bucket.grads.clone()
 
 
@@ -214,13 +225,11 @@ def test_unused_parameter_gets_no_update(results: list[dict[str, Any]]) -> None:
             assert torch.equal(results[0][f"unused-all-{name}"]["params"][key], untouched[key]), (name, key)
 
 
-def test_timed_future_yields_the_reduced_tensor(results: list[dict[str, Any]]) -> None:
+def test_a_timed_collective_is_waited_for_and_reduced(results: list[dict[str, Any]]) -> None:
     for rank in (0, 1):
         waited, bucket = results[rank]["timed-future"]
         expected = (torch.arange(5.0) * 2 + 1).double()
-        # wait() yields the collective's value (the sum): on CUDA that is what makes a future's wait
-        # order the waiting stream after the collective's (a value without CUDA tensors records no event)
-        assert isinstance(waited, list) and len(waited) == 1 and torch.equal(waited[0], expected), waited
+        assert waited is True  # the Work's own wait (on CUDA it orders the waiting stream after NCCL's)
         assert torch.equal(bucket, expected)
 
 

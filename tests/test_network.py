@@ -23,7 +23,8 @@ from trainer.loop.rows import described
 from trainer.scaling.costs import ring_s
 from trainer.scaling.networks import EMULATED, PRESETS
 from trainer.setup.schema.network import Link, NetworkConfig
-from trainer.sync.network import EmulatedCollectives, Network
+from trainer.sync.comm import Comm
+from trainer.sync.network import Network
 
 SLOW = Network(preset="1gbe", latency_us=20_000.0)  # 20 ms a ring step: far above gloo's own time here
 MIB = 2**20
@@ -46,7 +47,7 @@ def timed(start: Any) -> dict[str, float]:
 def link_times(rank: int, world_size: int) -> dict[str, Any]:
     link = SLOW.link(world_size)
     assert link is not None
-    net = EmulatedCollectives(link)
+    net = Comm(link)
     full, shard = torch.ones(MIB // 4), torch.zeros(MIB // 8)
     times = {
         "all_reduce": timed(lambda: net.all_reduce(full).wait()),
@@ -146,7 +147,7 @@ def test_an_emulated_link_changes_no_value_and_no_count(ranks: list[dict[str, An
         assert ("comm/reduce_scatter_per_step" in emulated["comm"]) == (variant == "zero")
     said = linked[0]["network"]
     assert said.startswith("1gbe (alpha 50 us, beta 0.11 GB/s)"), said
-    assert ("not emulated" in said) == (variant == "fsdp")  # FSDP2's collectives are out of reach: said so
+    assert "not emulated" not in said  # every strategy's collectives ride the link, FSDP2's through its custom hooks
 
 
 def test_bad_links_are_refused_in_one_line_naming_the_value() -> None:

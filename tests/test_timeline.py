@@ -19,6 +19,7 @@ from tests.dist_helpers import run_on_ranks
 from tests.report_helpers import markdown_header, markdown_rows
 from tests.timeline_figure import assert_labels_fit, drawn_colours, is_comm, legend_entries, rgba
 from tests.train_helpers import build, case_results, train_each
+from trainer import trace_names
 from trainer.logger import timeline_figures as fig
 from trainer.logger.jsonl import JsonlLogger
 from trainer.logger.timeline import load, write_timeline
@@ -27,7 +28,6 @@ from trainer.logger.timeline_trace import TimelineError, read_rank
 from trainer.logger.wandb import WandbLogger
 from trainer.logger.wandb_files import read_run
 from trainer.loop.profiling import add_lab_events
-from trainer.sync import collectives
 from trainer.tools import report, report_timelines, timeline
 
 COMMON = [
@@ -63,17 +63,17 @@ def _train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> di
         name = f"rank-{rank}"
         loggers.append(WandbLogger("offline", "p", None, dir=run_dir, name=name, group="g", run_config={}, rank=rank))
     trainer = build(rank, world_size, [*COMMON, *overrides], run_dir, loggers=loggers)
-    named, calls = collectives.named, []
+    named, calls = trace_names.collective, []
 
     def counted(*args: Any) -> Any:  # every naming of a collective the step path asks for
         calls.append(args)
         return named(*args)
 
-    collectives.named = counted
+    trace_names.collective = counted  # type: ignore[assignment]
     try:
         trainer.fit()
     finally:
-        collectives.named = named
+        trace_names.collective = named  # type: ignore[assignment]
     for logger in loggers:
         logger.close()
     return {"sync": trainer.sync.describe(), "named": len(calls), "timer": type(trainer._timer).__name__}
@@ -263,7 +263,7 @@ def test_named_sizes_match_the_layout(runs: tuple[Path, list[dict[str, Any]]], t
     names = {
         e["name"] for e in merged["traceEvents"] if e.get("cat") == "ddplab_comm" and e["name"].startswith("bucket")
     }
-    expected = {f"bucket {i} all_reduce {collectives.mib(n)}" for i, n in enumerate(describe["bucket_sizes_bytes"])}
+    expected = {f"bucket {i} all_reduce {trace_names.mib(n)}" for i, n in enumerate(describe["bucket_sizes_bytes"])}
     assert names == expected
 
 

@@ -19,9 +19,9 @@ from tests.cli import CPU, output, torchrun
 from trainer.logger.timeline import caption
 from trainer.scaling.costs import ring_s
 from trainer.scaling.networks import PRESETS
-from trainer.sync import collectives
-from trainer.sync.network import MARK, Network, completion_after_us
+from trainer.sync.network import Network
 from trainer.tools import timeline
+from trainer.trace_names import MARK, completion_after_us
 
 # 1gbe's 21 ms for this model's 2.2 MiB, x20: gloo's real all_reduce here takes 1-20 ms (up to 160 ms with
 # a rank waiting for a slow peer on a loaded host).
@@ -127,12 +127,8 @@ def test_a_completion_is_marked_only_while_the_profiler_records() -> None:
     marks: dict[bool, list[float]] = {}
     for recording in (False, True):
         real: torch.futures.Future[Any] = torch.futures.Future()
-        collectives.recording = recording
-        try:
-            with profile() as prof:
-                out = link.delayed_future(real, "all_reduce", 2**20)
-        finally:
-            collectives.recording = False
+        with profile() as prof:
+            out = link.delayed_future(real, "all_reduce", 2**20, recording=recording)
         real.set_result(1)
         assert out.wait() == 1  # the value is the real collective's, after the link's time
         found = [completion_after_us(e.name) for e in prof.events()]

@@ -46,8 +46,8 @@ ONE_RANK = {
     "bf16": ["trainer.precision=bf16", "trainer.max_steps=5"],
 }
 SMALL = ["model.hidden_sizes=[32,32]"]
-# DDP's runtime statistics time each of the first 10 steps, then one in sync.time_every_n_steps (by default
-# the logging interval, so each row's own step).
+# DDP's runtime statistics time each of the first 10 steps, then one in trainer.time_comm_every_n_steps (by
+# default the logging interval, so each row's own step).
 SAMPLED = ["sync=ddp", *SMALL, "trainer.max_steps=24", "trainer.log_every_n_steps=12"]
 TWO_RANKS = {
     # ~1 KB buckets on a ~10 KB model: DDP must end up with several.
@@ -61,10 +61,10 @@ TWO_RANKS = {
         *SMALL,
         "trainer.max_steps=6",
         "trainer.log_every_n_steps=3",
-        "sync.bucket_timer=null",
+        "trainer.time_comm_every_n_steps=0",
     ],
     "sampled-None": SAMPLED,
-    "sampled-100": [*SAMPLED, "sync.time_every_n_steps=100"],
+    "sampled-100": [*SAMPLED, "trainer.time_comm_every_n_steps=100"],
 }
 Runs = tuple[Path, list[dict[str, Any]]]
 
@@ -143,8 +143,8 @@ def test_rows_account_for_communication_and_phases_add_up(two_ranks: Runs, sync:
             assert row["time/comm_s"] <= row["time/backward_s"]  # DDP communicates inside backward
 
 
-def test_without_a_bucket_timer_rows_carry_no_communication_time(two_ranks: Runs) -> None:
-    # sync.bucket_timer=null: zero's launcher gets no timer composed in; bytes are still counted.
+def test_untimed_rows_carry_no_communication_time(two_ranks: Runs) -> None:
+    # trainer.time_comm_every_n_steps=0: zero's collectives are never stamped; bytes are still counted.
     run_dir, results = results_of(two_ranks, "untimed-zero")
     train = [r for r in rows(run_dir) if "train/loss" in r]
     assert len(train) == 2 and all(r["comm/bytes_per_step"] == param_bytes(0, 1) for r in train)

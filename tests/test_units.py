@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from tests.dist_helpers import run_on_ranks
+from trainer.comm_math import busy_time, fifo_exposed
 from trainer.errors import ConfigError
 from trainer.loop.comm_metrics import comm_metrics
 from trainer.loop.metrics import Window
@@ -29,7 +30,7 @@ from trainer.loop.timing import PHASES, StepTimer
 from trainer.reliability.save_cost import ResidentMemory
 from trainer.setup.dist import choose_device
 from trainer.setup.precheck import check_overrides
-from trainer.sync.collectives import Collectives, CommCounters, busy_time, exposed_time
+from trainer.sync.comm import Comm, CommCounters
 from trainer.sync.flat import FlatGrads
 from trainer.sync.flat import group_by_size as plan
 
@@ -174,7 +175,7 @@ def _average(rank: int, world_size: int, cap_bytes: int, collective: str) -> lis
     for param, grad in zip(params, grads, strict=True):
         param.grad = grad
     flat = FlatGrads(list(plan(params, cap_bytes)), world_size)  # keeps the gradients, now views into buffers
-    net = Collectives()
+    net = Comm()
     for bucket in flat.buckets:  # as manual.py averages its buffers
         if collective == "all_reduce":
             net.all_reduce(bucket.grads).wait()
@@ -228,7 +229,10 @@ def test_plan_groups_consecutive_parameters_up_to_the_cap() -> None:
 def test_comm_metrics_arithmetic() -> None:
     # Two collectives in flight 0-4 s and 2-6 s: busy 6 s; the last left at 2 s and came back at 6 s.
     assert busy_time([(0.0, 4.0), (2.0, 6.0), (7.0, 8.0)]) == 7.0
-    assert exposed_time([(0.0, 4.0), (2.0, 6.0)]) == 4.0
+    # A link carrying one at a time: launched at 0 and 1, 3 s each -> done at 3 and 6; the step waits
+    # from 2 (both) -> exposed 2..6 = 4 s. Launched late enough, nothing waits.
+    assert fifo_exposed([(0.0, 3.0, 2.0), (1.0, 3.0, 2.0)]) == 4.0
+    assert fifo_exposed([(0.0, 1.0, 5.0)]) == 0.0
     counts = CommCounters(bytes=4_000_000_000, collectives=4, seconds=8.0, exposed_seconds=2.0, timed_steps=2)
     m = comm_metrics(counts, steps=2, sync_phase_s=0.0, in_sync_phase=False, world_size=2)
     assert m["comm/bytes_per_step"] == 2e9 and m["comm/collectives_per_step"] == 2
@@ -272,12 +276,12 @@ def test_ranks_that_drift_into_different_jobs_are_stopped(tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize("sync", ["ddp", "bucketed"])
-def test_time_every_n_steps_must_be_a_positive_integer(sync: str) -> None:
-    for bad in ("0", "1.5"):
+def test_time_comm_every_n_steps_must_be_a_whole_number(sync: str) -> None:
+    for bad in ("-1", "1.5"):
         with pytest.raises(
-            ConfigError, match=r"sync\.time_every_n_steps=.* is invalid: (must be|accepted:) an integer >= 1"
+            ConfigError, match=r"trainer\.time_comm_every_n_steps=.* is invalid: (must be|accepted:) an integer >= 0"
         ):
-            check_overrides([f"sync={sync}", f"sync.time_every_n_steps={bad}"])
+            check_overrides([f"sync={sync}", f"trainer.time_comm_every_n_steps={bad}"])
 
 
 @pytest.mark.slow  # forks a process

@@ -34,7 +34,6 @@ from trainer.loop.metrics import optimizer_state_mb
 from trainer.reliability.checkpoint import load_checkpoint
 from trainer.setup.build import build_parts, instantiate
 from trainer.setup.precheck import check_overrides
-from trainer.sync.bucket_timing import BucketTimer
 from trainer.sync.zero import ZeroSync
 
 # As test_equivalence's COMMON, but hidden sizes whose 2399 parameters do not split evenly over 2
@@ -127,11 +126,12 @@ def _mechanism(rank: int, world_size: int, stage: int, cap_mb: float) -> dict[st
     """The strategy alone on a toy model of 23 parameters: views, counts, checks, refusals."""
     torch.manual_seed(rank)  # each rank draws other weights: wrap() must replace them with rank 0's
     model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
-    sync = ZeroSync(stage=stage, bucket_cap_mb=cap_mb, time_every_n_steps=1, bucket_timer=BucketTimer)
+    sync = ZeroSync(stage=stage, bucket_cap_mb=cap_mb)
+    sync.comm.timing = True  # every step stamped (the loop stamps 1 step in trainer.time_comm_every_n_steps)
     sync.wrap(model)
     optimizer = sync.build_optimizer(model, partial(torch.optim.SGD, lr=0.1))
-    flat = sync._params
-    assert flat is not None and sync._launcher is not None and sync._grads is not None
+    flat = sync.flat
+    assert flat is not None and sync._grads is not None
     in_buffer = all(p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for p in model.parameters())
     launched: list[int] = []
 
@@ -139,7 +139,7 @@ def _mechanism(rank: int, world_size: int, stage: int, cap_mb: float) -> dict[st
         torch.manual_seed(100 + rank)  # each rank its own data
         x, y = torch.randn(4, 4), torch.randint(0, 2, (4,))
         F.cross_entropy(model(x) if first_layer else model[2](x[:, :3]), y).backward()
-        launched.append(len(sync._launcher.works))  # type: ignore[union-attr]
+        launched.append(len(sync._works))
         sync.after_backward(model)
         if poison:
             sync._grads.shard[0] = float("nan")  # type: ignore[union-attr]  # one rank's shard: both must answer False
@@ -148,7 +148,7 @@ def _mechanism(rank: int, world_size: int, stage: int, cap_mb: float) -> dict[st
     finite = backward()
     sync.optimizer_step(optimizer)
     sync.zero_grad(optimizer)
-    in_flight = len(sync._in_flight)  # the gathers: waited for by the next forward, or wait_for_parameters()
+    in_flight = len(sync._gathers)  # the gathers: waited for by the next forward, or wait_for_parameters()
     sync.wait_for_parameters()  # (a step's timing is read once its gathers are in)
     counts = sync.pop_comm_counts()
     memory = sync.row_metrics()
@@ -174,7 +174,7 @@ def _mechanism(rank: int, world_size: int, stage: int, cap_mb: float) -> dict[st
     sync.zero_grad(optimizer)
     with torch.no_grad():  # any forward (evaluation too) waits for the gathers first: its pre-hook
         model(x)
-    settled_by_forward = not sync._in_flight
+    settled_by_forward = not sync._gathers
     moved = model[0].weight.detach() - before
     expected_move = -0.1 * probe[0].weight.grad / 2  # type: ignore[operator]
     refusals: dict[str, str] = {}
@@ -220,11 +220,11 @@ def _settled(rank: int, world_size: int, run_dir: str) -> dict[str, Any]:
     fault, fire = trainer.settings.fault, trainer.settings.fault.maybe_fire
 
     def check(model: nn.Module, step: int) -> None:  # the replica check, recording instead (rank 1 drifts)
-        seen["replica_check"].append(len(sync._in_flight))
+        seen["replica_check"].append(len(sync._gathers))
 
     def maybe_fire(rank_: int, step: int, attempt: int, model: nn.Module) -> None:
         if fault.due(rank_, step, attempt):
-            seen["fault"].append(len(sync._in_flight))
+            seen["fault"].append(len(sync._gathers))
         fire(rank_, step, attempt, model)
 
     object.__setattr__(fault, "maybe_fire", maybe_fire)
@@ -233,7 +233,7 @@ def _settled(rank: int, world_size: int, run_dir: str) -> dict[str, Any]:
         trainer.train(5)  # checks after steps 2 and 4; the fault and the end follow unchecked steps
     finally:
         trainer_module.check_replicas = original
-    return {**seen, "after_train": len(sync._in_flight)}
+    return {**seen, "after_train": len(sync._gathers)}
 
 
 def _ranks(rank: int, world_size: int, root: str) -> dict[str, Any]:

@@ -8,7 +8,7 @@ them in the order they are issued. Its name is the lab's range around the launch
 strategy set one (`bucket 3 all_reduce 4.0 MiB`), else from DDP's bucket layout, else the
 enclosing range of the library that launched it (FSDP's), else its kind and size.
 
-With an emulated network (network=<preset>, trainer/sync/network.py) a collective is done at the
+With an emulated network (network=<preset>) a collective is done at the
 later of the backend's end and the link's emulated completion, which the link marks in the trace
 just after the launch, on the launching thread: that span ends at the later of the two.
 """
@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.sync.collectives import collective_name
-from trainer.sync.network import completion_after_us
+from trainer.trace_names import collective as collective_name
+from trainer.trace_names import completion_after_us
 
 DTYPE_BYTES = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8, "int": 4}
 AUTOGRAD = "autograd::engine::evaluate_function"  # one backward op's computation on the host

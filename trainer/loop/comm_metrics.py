@@ -1,10 +1,10 @@
-"""A strategy's communication counts (trainer/sync/collectives.py's CommCounters) as a logged row's
+"""A strategy's communication counts (trainer/sync/comm.py's CommCounters) as a logged row's
 per-step comm/* and time/comm* metrics."""
 
 from __future__ import annotations
 
 from trainer.comm_math import bus_factor, overlap_fraction
-from trainer.sync.collectives import CommCounters
+from trainer.sync.comm import CommCounters
 
 
 def comm_metrics(

@@ -3,7 +3,8 @@
 The traces (`profiler/rank{r}.pt.trace.json`) are the profiler's own Chrome-trace format (Perfetto,
 TensorBoard and Holistic Trace Analysis read them), with the lab's additions: each step's phases
 (data, forward, backward, sync, optimizer) as ranges on the training thread, the names of the
-collectives (trainer/sync/collectives.py), and under the key `ddplab` the clock reference that puts every
+collectives (the strategy's communication object names them while the profiler records), and
+under the key `ddplab` the clock reference that puts every
 rank on rank 0's clock (`python -m trainer.tools.timeline <run dir>` merges them). The profiler
 costs time while it records, so it is off by default and records only a few steps, after one
 step of wait and one of warm-up; with it off nothing here runs in the step.
@@ -28,7 +29,7 @@ from torch.profiler import ProfilerActivity, profile, schedule
 
 from trainer.logger.base import MetricLogger, TimelineLogger
 from trainer.loop.timing import StepTimer
-from trainer.sync import collectives
+from trainer.sync.comm import Comm
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class ProfiledStepTimer(StepTimer):
         super().__init__(device)
         self.host: list[tuple[str, float, float, int]] = []  # (phase, start, end, step) while recording
         self.step = 0  # the step being run (set by StepProfiler)
+        self.recording = False  # the profiler records this step (set by StepProfiler)
         self._last = 0.0
 
     def start(self) -> None:
@@ -54,14 +56,14 @@ class ProfiledStepTimer(StepTimer):
 
     def mark(self, phase: str) -> None:
         super().mark(phase)
-        if collectives.recording:
+        if self.recording:
             now = time.perf_counter()
             self.host.append((phase, self._last, now, self.step))
             self._last = now
 
     def stop(self) -> None:
         super().stop()
-        if collectives.recording:
+        if self.recording:
             self.profiled += 1
 
 
@@ -101,6 +103,7 @@ class StepProfiler(AbstractContextManager["StepProfiler"]):
         active_steps: int = 3,
         on_traces: Callable[[int], None] | None = None,
         wait_for_parameters: Callable[[], None] | None = None,
+        comm: Comm | None = None,
     ) -> None:
         self._profile: profile | None = None
         self._device, self._rank, self._out_dir = device, rank, out_dir
@@ -112,6 +115,7 @@ class StepProfiler(AbstractContextManager["StepProfiler"]):
         # The strategy's wait_for_parameters(): communication a step leaves in flight (zero's gathers, waited for
         # in the next forward) lands before the trace closes, or the last step's spans would be cut.
         self._wait_for_parameters = wait_for_parameters
+        self._comm = comm  # asked to name its collectives while the profiler records
         self.trace_path: Path | None = None
         if enabled:
             if device.type == "cpu":  # kineto's lines on CPU are about the GPU it lacks: silent (docs/performance.md)
@@ -138,7 +142,7 @@ class StepProfiler(AbstractContextManager["StepProfiler"]):
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         if self._profile is not None:
-            collectives.recording = False
+            self._record(False)
             self._profile.__exit__(kind, exc, tb)
 
     def step(self, done_step: int = 0) -> None:
@@ -150,11 +154,18 @@ class StepProfiler(AbstractContextManager["StepProfiler"]):
             self._step_marks.append((done_step + 1, time.perf_counter()))
             self._profile.step()  # opens ProfilerStep#k for the next step (or writes the trace)
             # Names and phases only for the steps the profiler records (not its wait and warm-up).
-            collectives.recording = WAIT + WARMUP <= self._profile.step_num < WAIT + WARMUP + self._active
+            self._record(WAIT + WARMUP <= self._profile.step_num < WAIT + WARMUP + self._active)
+
+    def _record(self, on: bool) -> None:
+        """Phases and collective names go into the trace only while the profiler records."""
+        if self._timer is not None:
+            self._timer.recording = on
+        if self._comm is not None:
+            self._comm.recording = on
 
     def _trace_ready(self, prof: profile) -> None:
         """Write the profiler's trace, then add the phases and the clock reference to it."""
-        collectives.recording = False  # the profiled steps are over: nothing more to name
+        self._record(False)  # the profiled steps are over: nothing more to name
         path = self._out_dir / f"rank{self._rank}.pt.trace.json"
         prof.export_chrome_trace(str(path))
         trace = json.loads(path.read_text())

@@ -42,9 +42,11 @@ def _word(value: Any) -> str:
 
 
 def described(sync: SyncStrategy, network: str | None) -> dict[str, Any]:
-    """The strategy's describe(), and the emulated network it ran on (network=<preset>): what the
-    `sync:` line and summary.json's `sync` show."""
-    return sync.describe() if network is None else {**sync.describe(), "network": network}
+    """The strategy's describe(), how its communication is timed, and the emulated network it ran
+    on (network=<preset>): what the `sync:` line and summary.json's `sync` show."""
+    info = sync.describe()
+    info.setdefault("comm_timing", sync.comm.describe())  # ddp's own record times its C++ all-reduce
+    return info if network is None else {**info, "network": network}
 
 
 def sync_lines(info: dict[str, Any]) -> str:

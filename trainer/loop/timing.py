@@ -1,19 +1,16 @@
 """Splits every step's time into phases without adding a single synchronisation.
 
-On CPU every op has finished when Python moves on, so a monotonic clock is exact. On CUDA kernels
-run asynchronously: we record CUDA events at phase boundaries on every step and read them back
-only at a logged step, after the one host sync that step makes anyway (reading the loss).
-
-The events are created once and reused from one logged row to the next, and recorded on a stream
-fetched once: creating an event or asking for the current stream costs microseconds of host time
-(a device query each), which a GPU step of a few milliseconds would otherwise pay six times.
+The marks are trainer/clock.py's: host clocks on CPU, where every op has finished when Python
+moves on; CUDA events on a GPU, recorded at phase boundaries on every step and read back only at a
+logged row, after the host sync that row makes anyway (reading the loss). That read is the one
+device sync timing adds, once per row.
 """
 
 from __future__ import annotations
 
-import time
-
 import torch
+
+from trainer.clock import Clock, Mark
 
 PHASES = ("data", "forward", "backward", "sync", "optimizer")
 
@@ -24,29 +21,15 @@ class StepTimer:
     profiled = 0  # steps the profiler recorded since the last row (only ProfiledStepTimer counts them)
 
     def __init__(self, device: torch.device) -> None:
-        self._cuda = device.type == "cuda"
-        # The trainer runs the whole step on the stream that is current when it starts.
-        self._stream = torch.cuda.current_stream(device) if self._cuda else None
-        self._events: list[torch.cuda.Event] = []  # the pool, reused after every collect()
-        self._used = 0
-        self._marks: list[tuple[str, object]] = []
-        self._steps: list[list[tuple[str, object]]] = []
-
-    def _now(self) -> object:
-        if not self._cuda:
-            return time.perf_counter()
-        if self._used == len(self._events):  # only while the first window fills the pool
-            self._events.append(torch.cuda.Event(enable_timing=True))
-        event = self._events[self._used]
-        self._used += 1
-        event.record(self._stream)
-        return event
+        self.clock = Clock(device)
+        self._marks: list[tuple[str, Mark]] = []
+        self._steps: list[list[tuple[str, Mark]]] = []
 
     def start(self) -> None:
-        self._marks = [("start", self._now())]
+        self._marks = [("start", self.clock.now())]
 
     def mark(self, phase: str) -> None:
-        self._marks.append((phase, self._now()))
+        self._marks.append((phase, self.clock.now()))
 
     def stop(self) -> None:
         self._steps.append(self._marks)
@@ -56,17 +39,10 @@ class StepTimer:
         steps, self._steps = self._steps, []
         if not steps:
             return None
-        if self._cuda:
-            steps[-1][-1][1].synchronize()  # type: ignore[attr-defined]  # later than every other event
         totals = dict.fromkeys((*PHASES, "step"), 0.0)
-        for marks in steps:
+        for marks in steps:  # on CUDA each read waits for its later event (all done by the row's own sync)
             for (_, begin), (phase, end) in zip(marks, marks[1:], strict=False):
-                totals[phase] += self._elapsed(begin, end)
-            totals["step"] += self._elapsed(marks[0][1], marks[-1][1])
-        self._used = 0  # called between steps: every recorded event has been read, the pool is free
+                totals[phase] += self.clock.seconds(begin, end)
+            totals["step"] += self.clock.seconds(marks[0][1], marks[-1][1])
+        self.clock.reuse()  # called between steps: every recorded mark has been read
         return {phase: seconds / len(steps) for phase, seconds in totals.items()}
-
-    def _elapsed(self, begin: object, end: object) -> float:
-        if self._cuda:
-            return begin.elapsed_time(end) / 1000.0  # type: ignore[attr-defined]
-        return end - begin  # type: ignore[operator]

@@ -198,6 +198,7 @@ class Trainer:
             self._timer,
             on_traces=send,
             wait_for_parameters=self.sync.wait_for_parameters,
+            comm=self.sync.comm,
         )
         with bar, logging_above(bar), profiler:
             self.train(self.total_steps, bar, profiler)
@@ -253,6 +254,7 @@ class Trainer:
                 self._batches = itertools.chain(self._batches, itertools.repeat(None))
         try:
             logged = is_due(self.step + 1, self.settings.log_every_n_steps, self.total_steps)
+            self.sync.comm.begin_step(self.step + 1)  # the communication object times 1 step in n
             self._steps.run(self._batches, self.step + 1, logged)
         except Exception as err:  # say where: the step, and this rank
             raise StepFailed(f"step {self.step + 1} on rank {self.ctx.rank}: {type(err).__name__}: {err}") from err
@@ -334,9 +336,10 @@ class Trainer:
         """Loss and accuracy on the validation split (its first trainer.eval_max_samples), exact over
         those samples on every rank."""
         steps = self._steps
-        metrics = evaluate(
-            self.model, self.val_loader, self.ctx.device, steps.autocast, self._val_batches, steps.empty_inputs
-        )
+        with self.sync.comm.uncounted():  # the rows' comm/* are per training step
+            metrics = evaluate(
+                self.model, self.val_loader, self.ctx.device, steps.autocast, self._val_batches, steps.empty_inputs
+            )
         if metrics:
             for logger in self.loggers:
                 logger.log({"step": self.step, "epoch": epoch_of(self.step, self.steps_per_epoch), **metrics})

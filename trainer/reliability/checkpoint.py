@@ -53,8 +53,7 @@ NOT_TRAINING = (
     "data.num_workers",
     "sync.time_buckets",
     "network",  # an emulated link delays collectives; it changes no value they carry
-    "sync.time_every_n_steps",
-    "sync.bucket_timer",  # what times the collectives, not what they carry
+    "trainer.time_comm_every_n_steps",  # what times the collectives, not what they carry
 )
 
 

@@ -29,7 +29,8 @@ from trainer.loop.trainer import Trainer
 from trainer.setup.dist import DistContext, hostname
 from trainer.setup.settings import TrainSettings
 from trainer.sync.base import DecayGroups, SyncStrategy
-from trainer.sync.network import EmulatedCollectives, EmulatedLink
+from trainer.sync.comm import Comm
+from trainer.sync.network import EmulatedLink
 
 log = logging.getLogger(__name__)
 
@@ -272,10 +273,8 @@ def build_trainer(
 ) -> Trainer:
     model = convert_sync_batchnorm(parts.model, ctx.device) if parts.sync_batchnorm else parts.model
     network = None if parts.link is None else parts.link.describe()  # the sync line names it
-    if parts.link is not None and parts.sync.not_emulated:
-        network = f"{network}; not emulated: {parts.sync.not_emulated}"
-    elif parts.link is not None:  # before the trainer's wrap(): DDP picks its hook then
-        parts.sync.comm = EmulatedCollectives(parts.link)
+    # Before the trainer's wrap(): ddp registers its hook, zero picks its collectives, with the link known.
+    parts.sync.comm = Comm(parts.link, ctx.device, settings.time_comm_every_n_steps)
     return Trainer(
         settings=settings,
         ctx=ctx,

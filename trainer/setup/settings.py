@@ -25,6 +25,7 @@ class TrainSettings:
     num_epochs: int | None = None
     seed: int = 0
     log_every_n_steps: int = 10
+    time_comm_every_n_steps: int = 10  # the communication object stamps 1 step in n (0: none)
     eval_every_n_steps: int = 100  # 0: evaluate only at the end
     eval_max_samples: int | None = None  # the val split's first n samples (all if fewer); None: the whole split
     grad_accum_steps: int = 1  # micro-batches of data.batch_size per optimizer step

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer.sync.collectives import Collectives
+from trainer.clock import Clock, Mark
+from trainer.sync.comm import Comm
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +43,9 @@ class CapTuner:
     the buckets, caches, DDP's own first-iteration rebuild), then `steps_per_trial` timed ones. The
     timed steps' times are all-reduced with MAX (the job runs at the slowest rank's pace), the
     median of those is the candidate's time, and global rank 0 picks the fastest and broadcasts its
-    choice, so every rank rebuilds identically. On CUDA the device is synchronised at each call
-    while trials run, and never after. The trial steps are real training steps: changing the cap
-    must not change the numbers, only the time.
+    choice, so every rank rebuilds identically. Times are trainer/clock.py's marks (CUDA events on a
+    GPU, read at each call while trials run, and never after). The trial steps are real training
+    steps: changing the cap must not change the numbers, only the time.
     """
 
     def __init__(
@@ -53,8 +54,8 @@ class CapTuner:
         steps_per_trial: int,
         warmup_steps: int,
         device: torch.device,
+        comm: Comm | None = None,
         clock: Callable[[], float] = time.perf_counter,
-        comm: Collectives | None = None,
     ) -> None:
         if not candidates_mb or steps_per_trial < 1 or warmup_steps < 1:
             raise ValueError("CapTuner needs candidates, steps_per_trial >= 1 and warmup_steps >= 1")
@@ -65,11 +66,10 @@ class CapTuner:
         self.cap_mb = self.candidates_mb[0]  # the cap the strategy must use now
         self.trials: list[Trial] = []
         self.chosen_mb: float | None = None  # set once every candidate was tried
-        self._clock = clock
-        self.comm = Collectives() if comm is None else comm  # the strategy's: its votes counted as control traffic
-        self._synchronize = device.type == "cuda"
+        self._clock = Clock(device, source=clock)
+        self.comm = Comm() if comm is None else comm  # the strategy's: its votes counted as control traffic
         self._step = 0  # steps run with the current candidate
-        self._last = 0.0  # the clock at the previous call
+        self._last: Mark = None  # the clock at the previous call
         self._times: list[float] = []
 
     @property
@@ -80,12 +80,10 @@ class CapTuner:
         """Note one step; returns the cap to rebuild with when it changes, else None."""
         if self.chosen_mb is not None:
             return None
-        if self._synchronize:
-            torch.cuda.synchronize(self.device)
-        now = self._clock()
+        now = self._clock.now_anywhere()  # a fresh event on CUDA: only while trials run
         self._step += 1
         if self._step > self.warmup_steps:  # the interval since the previous call: this whole step
-            self._times.append(now - self._last)
+            self._times.append(self._clock.seconds(self._last, now))
         self._last = now
         if self._step < self.warmup_steps + self.steps_per_trial:
             return None

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from trainer.sync.collectives import Collectives, CommCounters
+from trainer.sync.comm import Comm, CommCounters
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
 WeightDecayOn = Literal["all", "matrices"]
@@ -66,28 +66,25 @@ class DecayGroups:
 class SyncStrategy(ABC):
     """How the replicas' gradients become one averaged gradient.
 
-    A strategy sends through `self.comm` (trainer/sync/collectives.py), which counts every collective;
-    the trainer reads the counts at logged rows through pop_comm_counts(). `comm_in_sync_phase`
-    says that all its communication happens inside after_backward, so the trainer's timing of
-    that phase is its communication time.
+    A strategy sends every collective through `self.comm` (trainer/sync/comm.py), which counts,
+    names, times and emulates them; the trainer reads the counts at logged rows through
+    pop_comm_counts(). `comm_in_sync_phase` says that all its communication happens inside
+    after_backward, so the trainer's timing of that phase is its communication time.
     `keeps_replicas_equal` says every rank holds the same full parameters after each step (the
     trainer's replica check compares them; a strategy whose ranks hold shards sets it False).
     `grads_sharded` says the gradients its optimizer reads are this rank's shard of the averaged
     gradient (zero, fsdp), so their global norm needs a reduction across ranks.
     `one_model` says the ranks train one model between them (False for sync=none, where each
     trains its own): only then does a checkpoint continue at another world size.
-    `not_emulated` says why an emulated network cannot delay its collectives, if it cannot (they do
-    not go through self.comm).
     """
 
     comm_in_sync_phase: bool = False
     keeps_replicas_equal: bool = True  # the trainer's replica check applies
     grads_sharded: bool = False  # each rank's optimizer reads its own disjoint shard of the gradient
     one_model: bool = True  # the ranks train one model (sync=none: one each)
-    not_emulated: str | None = None  # why network=<preset> cannot reach its collectives (fsdp); None: it can
 
     def __init__(self) -> None:
-        self.comm = Collectives()  # network=<preset>: build_trainer swaps in an emulated link's, before wrap()
+        self.comm = Comm()  # the builder gives it the device, the link and the timing before wrap()
 
     @abstractmethod
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -175,7 +172,7 @@ class SyncStrategy(ABC):
 
     def pop_comm_counts(self) -> CommCounters:
         """What was sent (and, if measured, how long it took) since the last call: at logged rows."""
-        return self.comm.counts.pop()
+        return self.comm.pop()
 
     def row_metrics(self) -> dict[str, float]:
         """Extra fields the strategy reports in every logged row (e.g. DDP's bucket cap in use); read at rows only."""

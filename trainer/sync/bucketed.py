@@ -1,39 +1,45 @@
 """DDP's mechanism written out (the DDP notes' version 2, by hand): gradient buckets, a hook per
 parameter, communication while backward goes on.
 
-1. wrap(): rank 0's parameters and buffers are broadcast. The parameters are grouped, in
-   *reverse* registration order (roughly the order backward produces their gradients: the last
-   layer's first), into buckets of about `bucket_cap_mb`, whose flat buffers hold the gradients
-   (each .grad a view: no copies).
-2. backward: a hook on each parameter counts the gradients its bucket still misses; when none is
-   missing, the bucket's all_reduce(SUM) starts asynchronously, while backward goes on computing
-   the earlier layers ("layer 10 syncs while layer 9 computes"). Buckets start strictly in order,
-   so every rank issues the same collectives in the same order, as DDP does.
-3. after_backward(): wait for every bucket and divide it by world_size (rs_ag: the reduce_scatter
-   left each rank its shard of the sum; divide it, then all_gather the shards back).
-4. no_sync(): the hooks do nothing; gradients accumulate locally in the buffers.
-
-The hooks and their rules (a parameter without a gradient, a layer reused under checkpointing
-firing its hook more than once) are trainer/sync/bucket_launch.py's, shared with `zero`; here
-strict: what would leave a bucket incomplete is refused with a ConfigError naming the parameter.
-The timing of the buckets (one step in `time_every_n_steps`) is composed in: `bucket_timer`.
+1. wrap(): rank 0's parameters and buffers are broadcast. The parameters are grouped in *reverse*
+   registration order (roughly the order backward produces their gradients: the last layer's
+   first) into buckets of about `bucket_cap_mb`, whose flat buffers hold the gradients (each .grad
+   a view: no copies), and each parameter gets a hook that autograd calls once its gradient is in.
+2. Step 1 learns how many gradients each parameter receives per backward (more than one for a
+   layer reused under reentrant checkpointing) and the ranks agree on the counts: a parameter
+   without a gradient on some rank, or with different counts on different ranks, is refused
+   (trainer/sync/unused.py's rule). Until the counts are known no bucket can tell it is complete,
+   so step 1's buckets all start after its backward: overlap begins at step 2.
+3. From step 2, backward: each hook counts its bucket's arrivals; when a bucket has them all and
+   every bucket before it has started, its all_reduce(SUM) starts asynchronously while backward
+   goes on computing the earlier layers ("layer 10 syncs while layer 9 computes"). Strictly in
+   order (trainer/sync/buckets.py): every rank issues the same collectives in the same order.
+4. after_backward(): wait for each bucket and divide it by world_size: every rank now holds the
+   average (collective=rs_ag: the reduce_scatter left each rank its shard of the sum; divide it,
+   then all_gather the shards back).
+5. no_sync(): the hooks do nothing; gradients accumulate locally in the buffers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from functools import partial
 from typing import Any, Literal
 
 import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 
+from trainer.errors import ConfigError
 from trainer.sync.autotune import DEFAULT_CANDIDATES_MB, CapTuner
 from trainer.sync.base import SyncStrategy
-from trainer.sync.bucket_launch import BucketLauncher, TimerFactory, Untimed
-from trainer.sync.collectives import CommCounters, Waitable
+from trainer.sync.buckets import InOrder
 from trainer.sync.flat import FlatGrads, group_by_size, names_of
+from trainer.sync.unused import fewest_and_most, ranks_using, refuse_missing
+
+REFUSAL_FIX = "use sync=manual or sync=zero with sync.find_unused_parameters=true, sync=ddp with it, or sync=fsdp"
 
 
 class BucketedSync(SyncStrategy):
@@ -43,38 +49,39 @@ class BucketedSync(SyncStrategy):
         self,
         bucket_cap_mb: float | str = 25.0,
         collective: Literal["all_reduce", "rs_ag"] = "all_reduce",
-        time_every_n_steps: int = 10,
         auto_candidates_mb: Sequence[float] = DEFAULT_CANDIDATES_MB,
         auto_steps_per_trial: int = 3,
         auto_warmup_steps: int = 2,
-        bucket_timer: TimerFactory | None = None,
     ) -> None:
         super().__init__()
         self.bucket_cap_mb = bucket_cap_mb if bucket_cap_mb == "auto" else float(bucket_cap_mb)
-        self.auto_candidates_mb = [float(c) for c in auto_candidates_mb]
-        self.auto_steps_per_trial = auto_steps_per_trial
-        self.auto_warmup_steps = auto_warmup_steps
         self.collective = collective
-        self.time_every_n_steps = time_every_n_steps
-        self.bucket_timer = bucket_timer  # conf/sync: bucket_timing.BucketTimer; None: nothing timed
+        self.auto_candidates_mb = [float(c) for c in auto_candidates_mb]
+        self.auto_steps_per_trial, self.auto_warmup_steps = auto_steps_per_trial, auto_warmup_steps
         self._tuner: CapTuner | None = None
         self._cap_mb = 0.0  # the cap the buckets were built with
         self._params: list[nn.Parameter] = []
+        self._names: list[str] = []
         self._flat: FlatGrads | None = None
-        self._launcher: BucketLauncher | None = None
-        self._world_size = 1
+        self._handles: list[RemovableHandle] = []
+        self._calls: list[int] = []  # per parameter, the gradients it received in this backward
+        self._expected: list[int] | None = None  # per parameter, per backward: learned in step 1
+        self._order: InOrder | None = None  # None in step 1
+        self._works: list[dist.Work] = []  # this step's bucket collectives, in order
+        self._accumulating = False
 
     def wrap(self, model: nn.Module) -> nn.Module:
         self.comm.broadcast_parameters(model)
-        self._world_size = dist.get_world_size()
         self._params = [p for p in model.parameters() if p.requires_grad]
-        names = names_of(model, self._params)
-        device = self._params[0].device
-        timer = Untimed() if self.bucket_timer is None else self.bucket_timer(device, self.time_every_n_steps, False)
-        self._launcher = BucketLauncher("bucketed", self._params, names, timer, self.comm)
+        self._names = names_of(model, self._params)
+        self._calls = [0] * len(self._params)
         if self.bucket_cap_mb == "auto":
             self._tuner = CapTuner(
-                self.auto_candidates_mb, self.auto_steps_per_trial, self.auto_warmup_steps, device, comm=self.comm
+                self.auto_candidates_mb,
+                self.auto_steps_per_trial,
+                self.auto_warmup_steps,
+                self._params[0].device,
+                self.comm,
             )
             self.rebuild(self._tuner.cap_mb)
         else:
@@ -83,23 +90,51 @@ class BucketedSync(SyncStrategy):
 
     def rebuild(self, cap_mb: float) -> None:
         """(Re)make the buckets for a cap, keeping the gradients they hold; not while buckets are in flight."""
-        assert self._launcher is not None
         self._cap_mb = cap_mb
         # Reverse registration order: the last layers' gradients are ready first in backward.
-        self._flat = FlatGrads(list(group_by_size(reversed(self._params), int(cap_mb * 2**20))), self._world_size)
-        self._launcher.build([b.params for b in self._flat.buckets], self._grad_ready, self._start)
+        self._flat = FlatGrads(list(group_by_size(reversed(self._params), int(cap_mb * 2**20))), dist.get_world_size())
+        position = {id(p): i for i, p in enumerate(self._params)}
+        for handle in self._handles:
+            handle.remove()
+        # Autograd calls a parameter's hook once its gradient has been accumulated into .grad.
+        self._handles = [
+            param.register_post_accumulate_grad_hook(partial(self._gradient_ready, index, j, position[id(param)]))
+            for index, bucket in enumerate(self._flat.buckets)
+            for j, param in enumerate(bucket.params)
+        ]
+        self._order = self._in_order()
 
-    def _grad_ready(self, index: int, j: int, param: nn.Parameter, first: bool) -> None:
-        """A gradient for `param` was accumulated: it must be in its view (someone may have replaced it)."""
+    def _in_order(self) -> InOrder | None:
+        """Each bucket's arrivals per backward, from the learned counts (None until step 1 taught them)."""
+        if self._expected is None or self._flat is None:
+            return None
+        position = {id(p): i for i, p in enumerate(self._params)}
+        return InOrder([sum(self._expected[position[id(p)]] for p in b.params) for b in self._flat.buckets])
+
+    def _gradient_ready(self, index: int, j: int, position: int, param: nn.Parameter) -> None:
+        """Autograd's hook: `param`'s gradient is in (once, or once per reuse). Maybe start buckets."""
+        if self._accumulating:  # no_sync: the gradient stays in its bucket, summed with the next micro-batch's
+            return
         assert self._flat is not None
         view = self._flat.buckets[index].views[j]
-        grad = param.grad
-        if grad is not view:  # e.g. set_to_none: put the view back
-            assert grad is not None, "autograd calls this hook after accumulating a gradient"
-            view.copy_(grad)
+        if param.grad is not view:  # something replaced it (set_to_none): back into the bucket
+            assert param.grad is not None, "autograd calls this hook after accumulating a gradient"
+            view.copy_(param.grad)
             param.grad = view
+        self._calls[position] += 1
+        if self._order is None:  # step 1: the counts are being learned; buckets start after backward
+            return
+        assert self._expected is not None
+        if self._calls[position] > self._expected[position]:
+            raise RuntimeError(
+                f"sync=bucketed: parameter {self._names[position]!r} got gradient number {self._calls[position]} "
+                f"in one backward, but {self._expected[position]} in the first step: its bucket may already be on "
+                "its way; the graph must be the same in every step (or use sync=manual)"
+            )
+        for ready in self._order.arrived(index):  # complete, and every bucket before it has started
+            self._works.append(self._send(ready))
 
-    def _start(self, index: int) -> dist.Work:
+    def _send(self, index: int) -> dist.Work:
         """Bucket `index` has all its gradients: its collective leaves now, while backward goes on."""
         assert self._flat is not None
         bucket = self._flat.buckets[index]
@@ -108,44 +143,66 @@ class BucketedSync(SyncStrategy):
         return self.comm.reduce_scatter(bucket.shard, bucket.buffer, index, grad_bytes=bucket.nbytes)
 
     def after_backward(self, model: nn.Module) -> None:
-        assert self._flat is not None and self._launcher is not None
-        launcher, timer = self._launcher, self._launcher.timer
-        works = launcher.finish_backward()  # every bucket has left by now
-        gathers: list[tuple[Any, dist.Work]] = []
-        for index, (bucket, work) in enumerate(zip(self._flat.buckets, works, strict=True)):
+        assert self._flat is not None
+        if self._order is None:
+            self._learn()
+        elif self._order.next < len(self._flat.buckets):
+            self._refuse_incomplete()
+        assert self._order is not None
+        for index in self._order.rest():  # step 1: every bucket, in order
+            self._works.append(self._send(index))
+        world_size, gathers = dist.get_world_size(), []
+        for index, (bucket, work) in enumerate(zip(self._flat.buckets, self._works, strict=True)):
             work.wait()
             if self.collective == "all_reduce":
-                bucket.grads.div_(self._world_size)
+                bucket.grads.div_(world_size)  # every rank now holds the average
             else:  # this rank's shard of the sum: average it, then every rank gets every shard back
-                bucket.shard.div_(self._world_size)
-                gathers.append((timer.now(), self.comm.all_gather(bucket.buffer, bucket.shard, index)))
-        for started, gather in gathers:
+                bucket.shard.div_(world_size)
+                gathers.append(self.comm.all_gather(bucket.buffer, bucket.shard, index))
+        for gather in gathers:
             gather.wait()
-            timer.note(started)
-        launcher.end_step()
+        self._works, self._calls = [], [0] * len(self._params)
+        self._order.reset()
         if self._tuner is not None:  # bucket_cap_mb=auto: the averaged gradients move to the new buckets
             cap_mb = self._tuner.after_step()
             if cap_mb is not None:
                 self.rebuild(cap_mb)
 
-    @property
-    def _works(self) -> list[Waitable]:
-        assert self._launcher is not None, "wrap() first"
-        return self._launcher.works
+    def _learn(self) -> None:
+        """End of step 1's backward: the ranks agree on each parameter's gradient count (every rank
+        must reach this), which must be the same on every rank and never zero."""
+        device = self._params[0].device
+        refuse_missing(ranks_using(self.comm, self._calls, device), self._names, "bucketed", REFUSAL_FIX)
+        fewest, most = fewest_and_most(self.comm, self._calls, device)
+        uneven = [name for name, a, b in zip(self._names, fewest, most, strict=True) if a != b]
+        if uneven:
+            raise ConfigError(
+                f"sync=bucketed is invalid for this model: parameter(s) {uneven[:5]} got gradients a different "
+                "number of times per backward on different ranks in the first step; use sync=manual"
+            )
+        self._expected = most
+        self._order = self._in_order()
 
-    def no_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
-        assert self._launcher is not None
-        return self._launcher.local()
+    def _refuse_incomplete(self) -> None:
+        assert self._expected is not None
+        short = [name for name, c, e in zip(self._names, self._calls, self._expected, strict=True) if c < e]
+        raise RuntimeError(
+            f"sync=bucketed: a bucket never got all its gradients this step: parameter(s) {short[:5]} got fewer "
+            "gradients than in the first step; every trainable parameter must receive its gradients in every "
+            "backward (or use sync=manual with sync.find_unused_parameters)"
+        )
+
+    @contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
 
     def zero_grad(self, optimizer: Optimizer) -> None:
         assert self._flat is not None
         self._flat.zero()
-
-    def pop_comm_counts(self) -> CommCounters:
-        counts = self.comm.counts.pop()
-        assert self._launcher is not None
-        self._launcher.timer.add_to(counts)
-        return counts
 
     def row_metrics(self) -> dict[str, float]:
         return {"sync/bucket_cap_mb": self._cap_mb}
@@ -155,7 +212,6 @@ class BucketedSync(SyncStrategy):
             "strategy": "bucketed",
             "bucket_cap_mb": self.bucket_cap_mb,
             "collective": self.collective,
-            "comm_timing": "none" if self.bucket_timer is None else f"per bucket, 1 step in {self.time_every_n_steps}",
         }
         if self._tuner is not None:
             info["auto_trials"] = self._tuner.table()

@@ -1,4 +1,22 @@
-"""PyTorch's DistributedDataParallel with every knob taken from config."""
+"""PyTorch's DistributedDataParallel, with every knob taken from config.
+
+What torch does, in its own C++ (the DDP notes' version 2): the constructor broadcasts rank 0's
+parameters and buffers and groups the parameters into buckets of about `bucket_cap_mb` (the first
+about 1 MiB), in reverse order; during backward, an autograd hook per parameter marks its gradient
+ready, and a bucket whose gradients are all ready is all-reduced (SUM) and divided by the world
+size asynchronously while backward goes on; before backward returns, DDP waits for every bucket
+and copies the averages into each .grad. After the first iteration it rebuilds the buckets once,
+in the order the gradients became ready. A parameter without a gradient is an error unless
+find_unused_parameters=true, which walks the autograd graph from the outputs every forward and
+marks the unused ones ready (their gradient left alone, as one process leaves it). no_sync()
+skips the all-reduces: gradients accumulate locally.
+
+What ddplab adds around the call: the books of what the reducer sent and its own timing of it
+(trainer/sync/ddp_private.py, read at logged rows); a communication hook where one is asked for
+(sync.comm_hook: torch's compression hooks; time_buckets or an emulated link: the all-reduce written
+as a Python hook, trainer/sync/ddp_hooks.py), sending through `self.comm`; and bucket_cap_mb=auto,
+which times a few steps with each candidate cap (trainer/sync/autotune.py) and rebuilds the DDP.
+"""
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations as real types.
 
@@ -15,9 +33,9 @@ from torch.nn.parallel import DistributedDataParallel
 from trainer.errors import ConfigError
 from trainer.sync.autotune import DEFAULT_CANDIDATES_MB, CapTuner
 from trainer.sync.base import SyncStrategy
-from trainer.sync.collectives import CommCounters, busy_time, exposed_time
-from trainer.sync.ddp_hooks import CountedHook, RuntimeStats, SwappableDDP, TimedAllReduceHook
-from trainer.sync.ddp_private import logging_data
+from trainer.sync.comm import CommCounters
+from trainer.sync.ddp_hooks import AllReduceHook, SwappableDDP, TorchHook
+from trainer.sync.ddp_private import ReducerBooks, bucket_layout, logging_data
 
 # torch 2.14 renamed the per-forward buffer broadcast to forward_sync_buffers (the old name warns).
 # The new flag always syncs buffers at construction, which we want anyway: replicas start equal.
@@ -39,7 +57,6 @@ class DDPSync(SyncStrategy):
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
         time_buckets: bool = False,
-        time_every_n_steps: int = 10,
         auto_candidates_mb: Sequence[float] = DEFAULT_CANDIDATES_MB,
         auto_steps_per_trial: int = 3,
         auto_warmup_steps: int = 2,
@@ -54,7 +71,6 @@ class DDPSync(SyncStrategy):
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
         self.time_buckets = time_buckets
-        self.time_every_n_steps = time_every_n_steps
         self.auto_candidates_mb = [float(c) for c in auto_candidates_mb]
         self.auto_steps_per_trial = auto_steps_per_trial
         self.auto_warmup_steps = auto_warmup_steps
@@ -66,12 +82,8 @@ class DDPSync(SyncStrategy):
         self._proxy: SwappableDDP | None = None  # bucket_cap_mb=auto
         self._tuner: CapTuner | None = None
         self._cap_mb = 0.0  # the cap the current DDP was built with
-        self._timed_hook: TimedAllReduceHook | None = None
-        self._hook: CountedHook | None = None
-        self._stats: RuntimeStats | None = None
-        self._steps_since_row = 0  # steps since the last row that DDP reduced without our hook
-        self._rebuilt_layout: tuple[DistributedDataParallel, list[int]] | None = None  # (the DDP it is of, sizes)
-        self._grad_bytes = 0
+        self._hook: AllReduceHook | TorchHook | None = None
+        self._books: ReducerBooks | None = None  # without a hook: what the C++ reducer sent
 
     def wrap(self, model: nn.Module) -> nn.Module:
         device = next(model.parameters()).device
@@ -80,24 +92,23 @@ class DDPSync(SyncStrategy):
                 f"sync.time_buckets=true times buckets with host clocks, which cannot time NCCL on {device}; "
                 "accepted: false (DDP's runtime statistics time communication on CUDA), or trainer.device=cpu"
             )
-        # gloo all-reduces bf16 (tried, torch 2.14); NCCL only from 2.10. DDP's own check of the hook's
-        # name, which refuses bf16 on any build without CUDA, never sees our counting wrapper's name.
+        # DDP's own check of a hook's name, which refuses bf16 on any build without CUDA, never sees ours.
         if self.comm_hook == "bf16" and dist.get_backend() == "nccl" and torch.cuda.nccl.version() < (2, 10):
             raise ConfigError(
                 f"sync.comm_hook='bf16' is invalid: NCCL {torch.cuda.nccl.version()} cannot all-reduce bfloat16 "
                 "(needs 2.10+); use fp16, or trainer.device=cpu (gloo)"
             )
         self._module = model
-        self._grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-        link = getattr(self.comm, "link", None)  # network=<preset>: it reaches DDP's collectives through a hook
-        if self.time_buckets:
-            self._timed_hook = TimedAllReduceHook(dist.get_world_size(), self.comm)
-        elif self.comm_hook != "none" or link is not None:
-            self._hook = CountedHook(self.comm_hook, self.powersgd_rank, self.powersgd_start_step, link)
+        if self.comm_hook != "none":
+            self._hook = TorchHook(self.comm_hook, self.comm, self.powersgd_rank, self.powersgd_start_step)
+        elif self.time_buckets or self.comm.link is not None:  # DDP's all-reduce must pass through self.comm
+            self._hook = AllReduceHook(self.comm)
+        if self.time_buckets and self.comm.every:  # what time_buckets asks for: every bucket of every step
+            self.comm.every = 1
         if self.bucket_cap_mb != "auto":
             return self._build(float(self.bucket_cap_mb))
         self._tuner = CapTuner(
-            self.auto_candidates_mb, self.auto_steps_per_trial, self.auto_warmup_steps, device, comm=self.comm
+            self.auto_candidates_mb, self.auto_steps_per_trial, self.auto_warmup_steps, device, self.comm
         )
         self._proxy = SwappableDDP(self._build(self._tuner.cap_mb))
         return self._proxy
@@ -117,62 +128,33 @@ class DDPSync(SyncStrategy):
             **buffers,
         )
         self._cap_mb = cap_mb
-        if self._timed_hook is not None:
-            self._ddp.register_comm_hook(state=None, hook=self._timed_hook.hook)
-            return self._ddp
         if self._hook is not None:
             self._ddp.register_comm_hook(state=None, hook=self._hook.hook)
-        # DDP times its communication itself on the logged steps, its C++ all-reduce or a hook's.
-        self._stats = RuntimeStats(self._ddp, self.time_every_n_steps)
+        else:
+            grad_bytes = sum(p.numel() * p.element_size() for p in self._module.parameters() if p.requires_grad)
+            self._books = ReducerBooks(self._ddp, grad_bytes, self.comm.every or 10)
         return self._ddp
 
-    def _rebuild(self, cap_mb: float) -> None:
-        """Swap in a DDP with a new cap, between a step's backward and its optimizer step.
-
-        Every rank does this at the same step (the tuner decides in lockstep). The gradients are
-        already averaged; the new DDP's broadcast of rank 0's parameters changes nothing, they are equal.
-        """
-        assert self._proxy is not None
-        self._count_untimed_collectives()  # with the old layout
-        # The old DDP goes with its last reference, and with it its reducer's
-        # buckets and autograd hooks; those hooks were inert anyway: a reducer expects them only after its
-        # own forward.
-        self._proxy.ddp = self._build(cap_mb)
-
     def after_backward(self, model: nn.Module) -> None:
-        # DDP has already reduced every bucket (backward waits for them); only the accounting is left.
-        timed, hook, counts = self._timed_hook, self._hook, self.comm.counts
-        if timed is not None:
-            intervals, timed.intervals = timed.intervals, []  # its all_reduces are counted by self.comm
-            counts.seconds += busy_time(intervals)
-            counts.exposed_seconds += exposed_time(intervals)
-            counts.timed_steps += 1
-        elif hook is not None:
-            counts.bytes += hook.bytes
-            counts.collectives += hook.calls
-            hook.bytes, hook.calls = 0, 0
-        else:
-            counts.bytes += self._grad_bytes
-            self._steps_since_row += 1
+        # DDP has already averaged every bucket: backward waited for them.
+        if self._books is not None:
+            self._books.steps += 1
         if self._tuner is not None:
             cap_mb = self._tuner.after_step()
-            if cap_mb is not None:
-                self._rebuild(cap_mb)
+            if cap_mb is not None:  # every rank at the same step; the gradients are averaged already
+                assert self._proxy is not None
+                self._count_reduced()  # with the old layout
+                self._proxy.ddp = self._build(cap_mb)  # the old DDP, its reducer and hooks go with it
 
     def pop_comm_counts(self) -> CommCounters:
-        self._count_untimed_collectives()
-        counts = self.comm.counts.pop()
-        sample = self._stats.take() if self._stats is not None else None
-        if sample is not None:
-            counts.seconds, counts.exposed_seconds = sample
-            counts.timed_steps = 1
+        counts = self.comm.pop()
+        if self._books is not None:
+            self._books.add_to(counts)
         return counts
 
-    def _count_untimed_collectives(self) -> None:
-        """Without a hook, one all_reduce per bucket per step; the layout is read here, not on the step path."""
-        if self._steps_since_row:
-            self.comm.counts.collectives += self._steps_since_row * len(self._bucket_layout()[0])
-            self._steps_since_row = 0
+    def _count_reduced(self) -> None:
+        if self._books is not None:
+            self._books.add_to(self.comm.counts)
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
         assert self._ddp is not None and model in (self._ddp, self._proxy), "no_sync needs the module wrap() returned"
@@ -191,9 +173,9 @@ class DDPSync(SyncStrategy):
             "broadcast_buffers": self.broadcast_buffers,
             "time_buckets": self.time_buckets,
             "comm_hook": self.comm_hook,
-            "comm_timing": "per bucket, every step (Python hook)"
-            if self.time_buckets
-            else f"DDP runtime stats, 1 step in {self.time_every_n_steps}",
+            "comm_timing": self.comm.describe()
+            if self._hook is not None or self._ddp is None
+            else f"DDP runtime stats, 1 step in {self.comm.every or 10}",
         }
         if self.comm_hook == "powersgd":
             info["powersgd_rank"] = self.powersgd_rank
@@ -203,27 +185,9 @@ class DDPSync(SyncStrategy):
             info["auto_chosen_mb"] = self._tuner.chosen_mb
             info["bucket_cap_mb_in_use"] = self._cap_mb
         if self._ddp is not None:
-            sizes, rebuilt = self._bucket_layout()
+            sizes, rebuilt = self._books.layout() if self._books else bucket_layout(self._ddp)
             info["num_buckets"] = len(sizes)
             info["bucket_sizes_bytes"] = sizes
             info["buckets_rebuilt"] = rebuilt
             info["total_parameter_bytes"] = int(logging_data(self._ddp).get("total_parameter_size_bytes", 0))
         return info
-
-    def _bucket_layout(self) -> tuple[list[int], bool]:
-        """Bucket sizes in bytes, and whether DDP has rebuilt them yet.
-
-        From DDP's own logging record (a private API, read through ddp_private.py). DDP rebuilds its
-        buckets once, after the first iteration, in the order gradients became ready: report that
-        layout once it exists.
-        """
-        assert self._ddp is not None
-        if self._rebuilt_layout is not None and self._rebuilt_layout[0] is self._ddp:
-            return self._rebuilt_layout[1], True  # fixed once rebuilt: a row reads DDP's record once, not twice
-        data = logging_data(self._ddp)
-        rebuilt = bool(data.get("has_rebuilt_buckets")) and bool(data.get("rebuilt_bucket_sizes"))
-        layout = data.get("rebuilt_bucket_sizes") if rebuilt else data.get("bucket_sizes", "")
-        sizes = [int(s) for s in str(layout).split(",") if s.strip()]
-        if rebuilt:
-            self._rebuilt_layout = (self._ddp, sizes)
-        return sizes, rebuilt

@@ -1,20 +1,26 @@
 """PyTorch's FSDP2 (torch.distributed.fsdp.fully_shard): every rank holds a 1/world_size shard.
 
-The units are chosen by sync.wrap (fsdp_units.py): one per transformer-style block (each element
-of an nn.ModuleList) or one per module that directly owns parameters (Linear, Conv2d, ...), then
-the root with the rest; a parameter shared by two candidates (tied weights) stays in the root.
-A unit's parameters live as DTensor shards (dim 0 split across ranks); its forward
-all-gathers them, its backward reduce-scatters the gradients, so each rank holds and updates only
-its shard of parameters, gradients and optimizer state. FSDP2 issues those collectives itself,
-so what this strategy reports in `self.comm.counts` is counted from the layout, not measured.
+What torch does: each unit's parameters live as DTensor shards (dim 0 split across ranks). Before a
+unit's forward, FSDP2 all-gathers its parameters into full tensors (prefetching the next unit's
+while this one computes); after it, frees them (reshard_after_forward; never the root, which
+backward needs at once); before the unit's backward, gathers them again; once its gradients are
+in, reduce-scatters them so each rank keeps its shard of the average, and frees the full ones. The
+optimizer steps on the shards. A parameter without a gradient keeps none (FSDP2 reduces only those
+that got one), so every rank must use the same ones: the first forward checks it (fsdp_usage.py).
+
+What ddplab adds: the units, chosen by sync.wrap (fsdp_units.py): one per transformer-style block
+(each element of an nn.ModuleList) or one per module that directly owns parameters, then the root
+with the rest (a parameter shared by two candidates, tied weights, stays in the root); and FSDP2's
+all-gathers and reduce-scatters handed to `self.comm` through torch's custom-collective hooks
+(FSDPModule.set_custom_all_gather / set_custom_reduce_scatter), so they are counted from what was
+sent, named, timed and carried by an emulated link like every strategy's.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -29,11 +35,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from trainer.errors import ConfigError
 from trainer.sync.base import OptimizerFactory, SyncStrategy
+from trainer.sync.comm import Comm
 from trainer.sync.fsdp_state import by_index, by_name
 from trainer.sync.fsdp_units import Wrap, choose_units, resolve
 from trainer.sync.fsdp_usage import FirstForwardCheck, expected_usage
@@ -42,16 +50,50 @@ from trainer.sync.fsdp_usage import FirstForwardCheck, expected_usage
 MIXED_PRECISION = {"none": None, "bf16": (torch.bfloat16, torch.float32)}
 
 
-@dataclass
-class Unit:
-    """One fully_shard call's parameters, as they travel (sizes padded the way FSDP2 pads them)."""
+class CommAllGather(AllGather):
+    """FSDP2's all-gather of a unit's parameters, sent through the strategy's communication object."""
 
-    module: nn.Module
-    probe: tuple[nn.Module, str]  # (owning module, attribute) of one of its parameters, as FSDP2 registers it
-    is_root: bool
-    all_gather_bytes: int  # the unsharded, padded parameters in the all-gather dtype
-    reduce_scatter_bytes: int  # the unsharded, padded gradients in the reduce dtype
-    sharded_bytes: int  # what one rank stores: all_gather_bytes / world_size in the storage dtype
+    def __init__(self, comm: Comm, unit: str) -> None:
+        self.comm, self.unit = comm, f"fsdp unit {unit}"
+
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+    ) -> dist.Work | None:
+        # all_reduce-equivalent bytes: a gather moves half what an all_reduce of its output does
+        nbytes = output_tensor.numel() * output_tensor.element_size()
+        work = self.comm.all_gather(output_tensor, input_tensor, self.unit, grad_bytes=nbytes // 2, group=group)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+
+class CommReduceScatter(ReduceScatter):
+    """FSDP2's reduce-scatter of a unit's gradients (called synchronously on CPU), through the comm."""
+
+    def __init__(self, comm: Comm, unit: str) -> None:
+        self.comm, self.unit = comm, f"fsdp unit {unit}"
+
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        nbytes = input_tensor.numel() * input_tensor.element_size()
+        work = self.comm.reduce_scatter(output_tensor, input_tensor, self.unit, nbytes // 2, op=op, group=group)
+        if async_op:
+            return work
+        work.wait()
+        return None
 
 
 def padded_numel(shape: torch.Size, world_size: int) -> int:
@@ -61,14 +103,6 @@ def padded_numel(shape: torch.Size, world_size: int) -> int:
     return math.ceil(dims[0] / world_size) * world_size * math.prod(dims[1:])
 
 
-def is_sharded(unit: Unit) -> bool:
-    """Whether a unit's parameters are registered as its DTensor shards, i.e. its next forward
-    (or backward) all-gathers; FSDP2 registers the plain unsharded tensors while it holds them
-    (on the module that owns each parameter, which for a block is one of its submodules)."""
-    owner, name = unit.probe
-    return isinstance(getattr(owner, name), DTensor)
-
-
 class FSDPSync(SyncStrategy):
     """Sharded data parallelism: parameters, gradients and optimizer state split across ranks."""
 
@@ -76,7 +110,6 @@ class FSDPSync(SyncStrategy):
     # trainer's replica check to compare (state_dicts() gathers them when a checkpoint needs them).
     keeps_replicas_equal = False
     grads_sharded = True  # each parameter's .grad is a DTensor: this rank's shard of the average
-    not_emulated = "FSDP2 issues its collectives itself"  # network=<preset> cannot delay them: the run says so
 
     def __init__(
         self,
@@ -89,7 +122,8 @@ class FSDPSync(SyncStrategy):
         self._wrapped = ""  # what auto resolved to
         self.reshard_after_forward = reshard_after_forward
         self.mixed_precision = mixed_precision
-        self._units: list[Unit] = []
+        self._unit_bytes: list[int] = []  # each unit's padded parameters, gathered in full
+        self._sharded_bytes = 0  # what one rank stores of them
         self._world_size = 1
         self._param_names: list[str] = []  # the optimizer's parameters, in its own order
         self._evaluated = False  # forwards without grad ran since the last training forward
@@ -115,38 +149,31 @@ class FSDPSync(SyncStrategy):
         self._wrapped = resolve(model, self.wrap_policy)
         recurse = self._wrapped == "block"
         owners = {id(p): (m, n) for m in model.modules() for n, p in m.named_parameters(recurse=False)}
-        units = [self._unit(m, list(m.parameters(recurse=recurse)), owners, is_root=False) for m in layers]
-        units.append(self._unit(model, rest, owners, is_root=True))
-        self._units = [u for u in units if u.all_gather_bytes]  # a root without parameters of its own gathers nothing
+        units = [list(m.parameters(recurse=recurse)) for m in layers] + [rest]
+        gathered = dtypes[0].itemsize if dtypes else None  # bf16: gathered in 2 bytes
+        sizes = [[(padded_numel(p.shape, self._world_size), gathered or p.element_size()) for p in u] for u in units]
+        self._unit_bytes = [b for b in (sum(n * size for n, size in unit) for unit in sizes) if b]
+        self._sharded_bytes = sum(padded_numel(p.shape, self._world_size) * p.element_size() for u in units for p in u)
+        self._sharded_bytes //= self._world_size
         usage = expected_usage(model, layers, owners, recurse)  # names, while the parameters are the plain ones
+        names = {id(m): name for name, m in model.named_modules()}
         for layer in layers:
             fully_shard(layer, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=policy)
         # The root follows torch's own rule: left to its default (None), FSDP2 keeps the root's
         # parameters gathered after forward (backward needs them at once); false is false.
         root_reshard = None if self.reshard_after_forward else False
         fully_shard(model, mesh=mesh, reshard_after_forward=root_reshard, mp_policy=policy)
+        for unit in [*layers, model]:  # every unit's collectives through self.comm
+            assert isinstance(unit, FSDPModule)
+            label = names[id(unit)] or "root"
+            unit.set_custom_all_gather(CommAllGather(self.comm, label))
+            unit.set_custom_reduce_scatter(CommReduceScatter(self.comm, label))
         # Runs before FSDP's own pre-forward hook on the root (prepend), so it sees every unit
         # as the forward finds it.
         model.register_forward_pre_hook(self._before_forward, prepend=True)
         if self._world_size > 1:
             self._first_forward = FirstForwardCheck(model, *usage, comm=self.comm)
         return model  # sharded in place: the trainer's model and the forward module are one object
-
-    def _unit(
-        self, module: nn.Module, params: list[nn.Parameter], owners: dict[int, tuple[nn.Module, str]], is_root: bool
-    ) -> Unit:
-        dtypes = MIXED_PRECISION[self.mixed_precision]
-        gather_size = (lambda p: dtypes[0].itemsize) if dtypes else (lambda p: p.element_size())
-        reduce_size = (lambda p: dtypes[1].itemsize) if dtypes else (lambda p: p.element_size())
-        n = self._world_size
-        return Unit(
-            module,
-            owners[id(params[0])] if params else (module, ""),
-            is_root,
-            sum(padded_numel(p.shape, n) * gather_size(p) for p in params),
-            sum(padded_numel(p.shape, n) * reduce_size(p) for p in params if p.requires_grad),
-            sum(padded_numel(p.shape, n) // n * p.element_size() for p in params),
-        )
 
     def build_optimizer(self, model: nn.Module, factory: OptimizerFactory) -> Optimizer:
         optimizer = factory(model.parameters())  # the DTensor shards: its state is sharded alike
@@ -166,49 +193,20 @@ class FSDPSync(SyncStrategy):
             model.set_requires_gradient_sync(True)
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
-        """Starts a training step's forward clean, and counts its all-gathers from the layout.
+        """Starts a training step's forward clean after an evaluation.
 
-        A unit registered sharded is gathered in this forward; a non-root unit that reshards after
-        forward is gathered again in its backward. Evaluation's forwards (no grad) are not training
-        steps and are not counted.
+        FSDP2 records each forward's units for its backward prefetch, and only a backward clears the
+        record: evaluation's forwards (no grad) leave stale entries that make the next backward
+        prefetch a unit it has already resharded (a wasted all-gather, a unit left gathered), and
+        leave the root (every unit, with reshard_after_forward=false) gathered. reset_iter_state
+        clears the record and reshards everything (no step is in flight between steps).
         """
         if not torch.is_grad_enabled():
             self._evaluated = True
-            return
-        if self._evaluated:
-            # FSDP2 records each forward's units for its backward prefetch, and only a backward
-            # clears the record: evaluation's forwards leave stale entries that make the next
-            # backward prefetch a unit it has already resharded (a wasted all-gather, a unit left
-            # gathered), and leave the root (every unit, with reshard_after_forward=false)
-            # gathered. reset_iter_state clears the record and reshards everything (no step is in
-            # flight between steps): this step runs, and is counted, like any other.
+        elif self._evaluated:
             assert isinstance(module, FSDPModule)
             module.reset_iter_state()
             self._evaluated = False
-        if self._world_size == 1:  # a single rank gathers nothing
-            return
-        for unit in self._units:
-            if is_sharded(unit):
-                self._count("all_gather", unit.all_gather_bytes)
-            if self.reshard_after_forward and not unit.is_root:
-                self._count("all_gather", unit.all_gather_bytes)
-
-    def after_backward(self, model: nn.Module) -> None:
-        # FSDP2 has reduce-scattered each unit's gradients during the last backward already (and
-        # waited for them at its end): only the counting is left, from the layout.
-        if self._world_size == 1:
-            return
-        for unit in self._units:
-            if unit.reduce_scatter_bytes:
-                self._count("reduce_scatter", unit.reduce_scatter_bytes)
-
-    def _count(self, kind: str, nbytes: int) -> None:
-        self.comm.counts.add(kind, nbytes)
-        # comm/bytes_per_step is in all_reduce-equivalent bytes, as for every strategy: a
-        # reduce-scatter or all-gather of S bytes moves half of what an all_reduce of S moves, so
-        # manual's rs_ag and zero count a gradient's S once, and FSDP's two parameter all-gathers
-        # plus one gradient reduce-scatter count 1.5 S.
-        self.comm.counts.bytes += nbytes // 2
 
     def grads_finite(self, model: nn.Module, optimizer: Optimizer) -> bool:
         """Each rank sees only its gradient shard: every rank must agree (one tiny all_reduce)."""
@@ -248,10 +246,10 @@ class FSDPSync(SyncStrategy):
         }
         if self._wrapped:
             info["wrap_in_use"] = self._wrapped
-        if self._units:
-            info["num_units"] = len(self._units)
-            info["unit_bytes"] = [u.all_gather_bytes for u in self._units]  # each forward's gathers
-            info["sharded_bytes_per_rank"] = sum(u.sharded_bytes for u in self._units)
+        if self._unit_bytes:
+            info["num_units"] = len(self._unit_bytes)
+            info["unit_bytes"] = self._unit_bytes  # each unit's gathered parameters (padded)
+            info["sharded_bytes_per_rank"] = self._sharded_bytes
         return info
 
 

@@ -36,11 +36,11 @@ from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from trainer.errors import ConfigError
-from trainer.sync.collectives import Collectives
-from trainer.sync.unused import used_on
+from trainer.sync.comm import Comm
+from trainer.sync.unused import refuse_missing
 
 REMEDY = (
-    "FSDP2's collectives need every rank to run the same units with the same parameters; use "
+    "FSDP2's collectives need every rank to run the same units with the same parameters: use "
     "sync=ddp sync.find_unused_parameters=true (or manual/zero with sync.find_unused_parameters=true), "
     "or make every rank use them (a unit used on all ranks, its output multiplied by 0 where unwanted)"
 )
@@ -54,7 +54,7 @@ class FirstForwardCheck:
         root: nn.Module,
         units: Sequence[tuple[str, nn.Module, list[str]]],
         params: Sequence[tuple[str, nn.Module, str]],
-        comm: Collectives,
+        comm: Comm,
     ) -> None:
         """units: (name, module, its parameters' names) of each non-root unit; params: (name, owning
         module, attribute) of every trainable parameter, where FSDP2 registers its unsharded tensor."""
@@ -142,12 +142,9 @@ class FirstForwardCheck:
                 "use_reentrant=False (PyTorch's recommended form), or sync.wrap=block with the layer outside "
                 "the blocks (the root unit reduces once, after the whole backward)"
             )
-        partly = [(self.params[i][0], n) for i, n in enumerate(per_param) if 0 < n < world_size]
-        if partly:
-            raise ConfigError(
-                f"sync=fsdp cannot train this model: parameter(s) {used_on(partly, world_size)} got a gradient "
-                f"on some ranks and not on others in the first step. {REMEDY}"
-            )
+        # The rule of trainer/sync/unused.py; a parameter no rank used is fine here (FSDP2 leaves it
+        # without a gradient, as one process does), so it counts as used everywhere.
+        refuse_missing([n or world_size for n in per_param], [name for name, _, _ in self.params], "fsdp", REMEDY)
 
     def _device(self) -> torch.device:
         owner, attr = self.params[0][1:] if self.params else (None, "")

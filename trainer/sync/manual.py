@@ -2,9 +2,9 @@
 
 1. wrap(): broadcast rank 0's parameters and buffers, so that every replica starts equal.
 2. forward and backward run locally, each rank on its own batch.
-3. after_backward(): every gradient is summed across ranks with all_reduce(SUM), then divided by
-   world_size: every rank now holds the average, so the same local optimizer step keeps the
-   replicas equal. (collective=rs_ag does the notes' identity instead: reduce_scatter, divide
+3. after_backward(): every gradient is summed across ranks with all_reduce(SUM), waited for, then
+   divided by world_size: every rank now holds the average, so the same local optimizer step keeps
+   the replicas equal. (collective=rs_ag does the notes' identity instead: reduce_scatter, divide
    the shard, all_gather.)
 
 Sending each gradient tensor alone costs a collective's latency per tensor, so consecutive small
@@ -13,9 +13,10 @@ one collective averages the group in place, with no copy in or out. A gradient t
 alone (above the cap, or coalesce_mb=0: the textbook loop) is all-reduced where autograd put it.
 rs_ag gives every group a buffer: reduce_scatter needs a length that splits evenly.
 
-Parameters without a gradient follow one rule (trainer/sync/unused.py): refused in the first step
-unless find_unused_parameters, which leaves one that no rank used without a gradient (no update)
-and averages one that some rank used as sum / N.
+A parameter without a gradient (trainer/sync/unused.py's rule): before any gradient collective the
+ranks agree on which parameters got one (a small all_reduce, in step 1 only, or in every step with
+find_unused_parameters=true). Without the flag, one missing on some rank is refused; with it, one
+no rank used keeps no gradient (no update, as in one process) and one some rank used is sum / N.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from torch.optim import Optimizer
 
 from trainer.sync.base import SyncStrategy
 from trainer.sync.flat import FlatGrads, group_by_size, names_of
-from trainer.sync.unused import UsedParams
+from trainer.sync.unused import Arrivals
 
 
 class ManualSync(SyncStrategy):
@@ -49,7 +50,7 @@ class ManualSync(SyncStrategy):
         self.find_unused_parameters = find_unused_parameters
         self._flat: FlatGrads | None = None  # groups of gradients, one flat buffer each
         self._in_place: list[nn.Parameter] = []  # gradients all-reduced alone, where autograd put them
-        self._used: UsedParams | None = None
+        self._arrivals: Arrivals | None = None
 
     def wrap(self, model: nn.Module) -> nn.Module:
         self.comm.broadcast_parameters(model)
@@ -58,14 +59,15 @@ class ManualSync(SyncStrategy):
         in_place = self.collective == "all_reduce"
         self._in_place = [group[0] for group in groups if in_place and len(group) == 1]
         self._flat = FlatGrads([group for group in groups if not in_place or len(group) > 1], dist.get_world_size())
-        self._used = UsedParams(params, names_of(model, params), self.find_unused_parameters, "manual", self.comm)
+        names = names_of(model, params)
+        self._arrivals = Arrivals(params, names, self.comm, "manual", self.find_unused_parameters)
         return model
 
     def after_backward(self, model: nn.Module) -> None:
-        assert self._flat is not None and self._used is not None, "wrap() first"
+        assert self._flat is not None and self._arrivals is not None, "wrap() first"
         comm, world_size = self.comm, dist.get_world_size()
-        # Before any gradient collective: a refusal (first step) happens on every rank alike.
-        no_rank_used = self._used.unused_everywhere()
+        # Before any gradient collective, so that a refusal happens on every rank alike.
+        no_rank_used = [self._arrivals.params[i] for i in self._arrivals.unused_everywhere()]
         self._flat.bind()  # a no-op unless something replaced a gradient (e.g. zero_grad(set_to_none))
         for index, bucket in enumerate(self._flat.buckets):
             if self.collective == "all_reduce":
@@ -75,16 +77,15 @@ class ManualSync(SyncStrategy):
                 comm.reduce_scatter(bucket.shard, bucket.buffer, index, grad_bytes=bucket.nbytes).wait()
                 bucket.shard.div_(world_size)
                 comm.all_gather(bucket.buffer, bucket.shard, index).wait()
-        skip = {id(self._used.params[i]) for i in no_rank_used}
         for param in self._in_place:
-            if id(param) in skip:
+            if any(param is p for p in no_rank_used):
                 continue  # no rank used it: it keeps no gradient, as in one process
             if param.grad is None:  # unused here, used on another rank: this rank adds zeros to the sum
                 param.grad = torch.zeros_like(param)
             comm.all_reduce(param.grad).wait()
             param.grad.div_(world_size)
-        for index in no_rank_used:  # its view holds zeros; None makes the optimizer skip it (bind() restores it)
-            self._used.params[index].grad = None
+        for param in no_rank_used:  # its view holds zeros; None makes the optimizer skip it (bind() restores it)
+            param.grad = None
 
     def zero_grad(self, optimizer: Optimizer) -> None:
         assert self._flat is not None, "wrap() first"

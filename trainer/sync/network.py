@@ -12,16 +12,14 @@ and the real completion: by a timer thread that sleeps until the next deadline (
 spin: compute running meanwhile has the cores), or, for a plain wait(), by sleeping after the real
 wait. Values are the real collective's, untouched: every strategy still equals one process.
 
-What reaches the link: every collective sent through a strategy's `comm` (trainer/sync/collectives.py),
-control collectives included (the broadcast of rank 0's parameters at start, the unused-parameter
-counts, the non-finite checks, the tuner's vote), and sync=ddp's communication hooks. Not: FSDP2's
-own collectives (fsdp says so in its sync line).
+What reaches the link: every collective a strategy sends through its communication object
+(trainer/sync/comm.py, the only user of this module's link), control collectives included, the
+collectives of torch's DDP hooks and FSDP2's all-gathers and reduce-scatters.
 
-In a trainer.profile=true trace: while the profiler records (`collectives.recording`), each emulated
-collective leaves an empty range right after its launch on the launching thread, naming its
-emulated completion (`emulated link: done +12.345678 ms`); the timeline (trainer/logger/
-timeline_trace.py) ends the launch's span there when that is after the backend's end. With the
-profiler off that costs one global read per collective; with network=none nothing here runs.
+In a trainer.profile=true trace: while the profiler records, each emulated collective leaves an
+empty range right after its launch on the launching thread, naming its emulated completion
+(`emulated link: done +12.345678 ms`, trainer/trace_names.py); the timeline ends the launch's span
+there when that is after the backend's end. With network=none nothing here runs.
 """
 
 from __future__ import annotations
@@ -43,10 +41,7 @@ from trainer.errors import ConfigError
 from trainer.scaling.costs import Link, Topology
 from trainer.scaling.costs import Network as Preset
 from trainer.scaling.networks import EMULATED, PRESETS
-from trainer.sync import collectives
-from trainer.sync.collectives import Collectives
-
-MARK = "emulated link: done +"  # the trace's completion marks: MARK, then milliseconds after the mark, then " ms"
+from trainer.trace_names import completion_mark
 
 
 @dataclass(frozen=True)
@@ -136,57 +131,25 @@ class EmulatedLink:
         tier = self.topology.inter if self.topology.nodes > 1 else self.topology.intra
         return tier.link("all_gather")
 
-    def deadline(self, seconds: float) -> float:
-        """Launched now and taking `seconds` on the link: when it is done (after what is on it now)."""
+    def deadline(self, seconds: float, recording: bool = False) -> float:
+        """Launched now and taking `seconds` on the link: when it is done (after what is on it now).
+        `recording`: the profiler records, and the timeline's span ends at the mark left here."""
         with self._lock:
             self._free_at = max(time.perf_counter(), self._free_at) + seconds
             done = self._free_at
-        if collectives.recording:  # the profiler records: the timeline's span ends at `done`
+        if recording:
             mark_completion(done)
         return done
 
-    def delayed(self, work: dist.Work, kind: str, nbytes: int) -> dist.Work:
+    def delayed(self, work: dist.Work, kind: str, nbytes: int, recording: bool = False) -> dist.Work:
         """A launched collective's Work, done no earlier than its link time."""
-        return Delayed(work, self.deadline(self.seconds(kind, nbytes)), self._timer)
+        return Delayed(work, self.deadline(self.seconds(kind, nbytes), recording), self._timer)
 
     def delayed_future(
-        self, future: torch.futures.Future[Any], kind: str, nbytes: int, calls: int = 1
+        self, future: torch.futures.Future[Any], kind: str, nbytes: int, calls: int = 1, recording: bool = False
     ) -> torch.futures.Future[Any]:
         """A collective's future (a DDP hook's), completed no earlier than its link time."""
-        return self._timer.after(future, self.deadline(self.seconds(kind, nbytes, calls)))
-
-
-class EmulatedCollectives(Collectives):
-    """A strategy's collectives (trainer/sync/collectives.py), each Work done no earlier than the
-    link would finish it: what network=<preset> swaps in for the strategy's own `comm`."""
-
-    def __init__(self, link: EmulatedLink) -> None:
-        super().__init__()
-        self.link = link
-
-    def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None, grad_bytes: int | None = None) -> dist.Work:
-        return self.link.delayed(super().all_reduce(tensor, bucket, grad_bytes), "all_reduce", _nbytes(tensor))
-
-    def reduce_scatter(
-        self, shard: torch.Tensor, full: torch.Tensor, bucket: int | None = None, grad_bytes: int | None = None
-    ) -> dist.Work:
-        return self.link.delayed(
-            super().reduce_scatter(shard, full, bucket, grad_bytes), "reduce_scatter", _nbytes(full)
-        )
-
-    def all_gather(self, full: torch.Tensor, shard: torch.Tensor, bucket: int | None = None) -> dist.Work:
-        return self.link.delayed(super().all_gather(full, shard, bucket), "all_gather", _nbytes(full))
-
-    def broadcast(self, tensor: torch.Tensor, src: int, bucket: int | None = None) -> dist.Work:
-        return self.link.delayed(super().broadcast(tensor, src, bucket), "broadcast", _nbytes(tensor))
-
-    def delayed(self, work: dist.Work, kind: str, nbytes: int) -> dist.Work:
-        """A control collective's Work, on the link like the others."""
-        return self.link.delayed(work, kind, nbytes)
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
+        return self._timer.after(future, self.deadline(self.seconds(kind, nbytes, calls), recording))
 
 
 def _tighten_timer_slack() -> None:
@@ -207,15 +170,8 @@ def mark_completion(deadline: float) -> None:
     """An empty range in the profiler's trace, on this thread just after the launch, naming
     the launch's emulated completion relative to itself (no clock to convert, nothing to pair by
     order: the reader takes this thread's last launch before it)."""
-    with record_function(f"{MARK}{(deadline - time.perf_counter()) * 1e3:.6f} ms"):
+    with record_function(completion_mark((deadline - time.perf_counter()) * 1e3)):
         pass
-
-
-def completion_after_us(name: str) -> float | None:
-    """A completion mark's distance to its emulated completion, in µs; None for any other range."""
-    if not name.startswith(MARK) or not name.endswith(" ms"):
-        return None
-    return float(name[len(MARK) : -len(" ms")]) * 1e3
 
 
 class Delayed(dist.Work):

@@ -1,17 +1,20 @@
-"""Which trainable parameters got a gradient: DDP's find_unused_parameters, for the flat-buffer strategies.
+"""Parameters without a gradient: one rule, for every strategy that averages gradients itself.
 
-A parameter whose gradient lives in a flat buffer always has a .grad (a view, zeroed between
-steps), so "no gradient" cannot be read off it: a zero gradient and none look the same, and an
-optimizer with weight decay or momentum updates a parameter on a zero gradient where one process
-(grad None) leaves it alone. So each parameter's post-accumulate-grad hook sets its flag, and the
-ranks agree on the flags with one small all_reduce (SUM: on how many ranks each was used).
+A strategy that keeps gradients in flat buffers cannot read "no gradient" off a parameter (its
+.grad is a view, zeroed between steps, so zero and none look alike), and one that sends a bucket
+when all its gradients are in would wait for one that never comes. So a hook on each trainable
+parameter counts the gradients it receives in a step's backward(s) (`Arrivals`, or the strategy's
+own hook), and the ranks agree on the counts in a small control all_reduce.
 
-find_unused_parameters=false (the default): the flags are kept for the first step only. If a
-parameter got no gradient there on some rank, every rank refuses alike (the same all_reduce told
-them all) with a ConfigError naming it; then the hooks are removed and the step path pays nothing.
-A gradient missing in a later step counts as zero in every grouping.
-find_unused_parameters=true: the hooks and the all_reduce stay, every step; a parameter no rank
-used gets no gradient (the optimizer skips it), one some rank used is averaged as sum / N.
+The rule, checked in the first step on every rank alike (the same all_reduce told them all):
+- a parameter that got no gradient on some rank is refused (`refuse_missing`: a ConfigError naming
+  it and on how many ranks it was used), unless find_unused_parameters=true: a sum over the ranks
+  would silently miss a share. The hooks are then removed: the step path pays nothing.
+- find_unused_parameters=true: the ranks agree every step; a parameter no rank used gets no update
+  (the optimizer skips it, as one process's does), one some rank used is averaged as sum / N (the
+  ranks without it add zeros).
+fsdp finds what each rank used by its own walk of the first forward's graph (FSDP2 must know before
+backward) and applies the same refusal.
 """
 
 from __future__ import annotations
@@ -24,61 +27,65 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from trainer.errors import ConfigError
-from trainer.sync.collectives import Collectives
+from trainer.sync.comm import Comm
 
 
-class UsedParams:
-    """A flag per trainable parameter, set by its hook in this step's backwards (all micro-batches)."""
+def ranks_using(comm: Comm, counts: Sequence[int], device: torch.device) -> list[int]:
+    """On how many ranks each parameter got a gradient (one control all_reduce every rank must reach)."""
+    used = torch.tensor([n > 0 for n in counts], dtype=torch.int32, device=device)
+    return comm.agree(used).tolist()  # SUM over the ranks
+
+
+def fewest_and_most(comm: Comm, counts: Sequence[int], device: torch.device) -> tuple[list[int], list[int]]:
+    """Each parameter's fewest and most gradients on any rank (one control all_reduce every rank must reach)."""
+    local = torch.tensor(counts, dtype=torch.int64, device=device)
+    both = comm.agree(torch.cat([-local, local]), dist.ReduceOp.MAX)
+    return (-both[: len(counts)]).tolist(), both[len(counts) :].tolist()
+
+
+def refuse_missing(used_on: Sequence[int], names: Sequence[str], strategy: str, fix: str) -> None:
+    """The rule: every parameter that got a gradient on fewer than all ranks is refused, named."""
+    world_size = dist.get_world_size()
+    missing = [(names[i], n) for i, n in enumerate(used_on) if n < world_size]
+    if missing:
+        shown = ", ".join(f"{name!r} (used on {n} of {world_size} ranks)" for name, n in missing[:5])
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ConfigError(
+            f"sync={strategy} cannot train this model as configured: parameter(s) {shown}{more} got no gradient "
+            f"in the first step on some rank, and a sum over the ranks would miss their share; {fix}, or "
+            "freeze them (requires_grad=False)"
+        )
+
+
+class Arrivals:
+    """A hook per trainable parameter counting its gradients (all micro-batches of a step), and the
+    rule applied after backward (manual, zero)."""
 
     def __init__(
-        self, params: Sequence[nn.Parameter], names: Sequence[str], find_unused: bool, strategy: str, comm: Collectives
+        self, params: Sequence[nn.Parameter], names: Sequence[str], comm: Comm, strategy: str, find_unused: bool
     ) -> None:
-        self.params, self.names = list(params), list(names)
-        self.comm = comm  # the strategy's: the flags' all_reduce is counted as control traffic, on the link
-        self.find_unused = find_unused
-        self.strategy = strategy
-        self._used = [False] * len(self.params)
+        self.params, self.names, self.comm = list(params), list(names), comm
+        self.strategy, self.find_unused = strategy, find_unused
+        self.counts = [0] * len(self.params)
         self._handles: list[RemovableHandle] = [
-            param.register_post_accumulate_grad_hook(lambda _, i=index: self._mark(i))
+            param.register_post_accumulate_grad_hook(lambda _, i=index: self._arrived(i))
             for index, param in enumerate(self.params)
         ]
 
-    def _mark(self, index: int) -> None:
-        self._used[index] = True
-
-    @property
-    def active(self) -> bool:
-        """Whether this step's flags are being kept (always with find_unused, else the first step)."""
-        return bool(self._handles)
+    def _arrived(self, index: int) -> None:
+        self.counts[index] += 1
 
     def unused_everywhere(self) -> list[int]:
-        """After the step's backward, on every rank alike (a collective while active): the indices of the
-        parameters no rank used, which get no update; [] once the first step's check has passed."""
+        """After the step's backward, on every rank alike: the parameters (indices) no rank used, which
+        get no update. Without find_unused, step 1 refuses or passes, then the hooks go and this is []."""
         if not self._handles:
             return []
-        device = self.params[0].device
-        counts = torch.tensor(self._used, dtype=torch.int32, device=device)
-        self.comm.agree(counts)  # every rank must reach this, at every step's end (SUM: ranks that used each)
-        self._used = [False] * len(self.params)
-        world_size = dist.get_world_size()
-        per_param = counts.tolist()
+        used_on = ranks_using(self.comm, self.counts, self.params[0].device)
+        self.counts = [0] * len(self.params)
         if self.find_unused:
-            return [i for i, n in enumerate(per_param) if n == 0]
-        missing = [(self.names[i], n) for i, n in enumerate(per_param) if n < world_size]
+            return [i for i, n in enumerate(used_on) if n == 0]
         for handle in self._handles:  # checked once: the step path keeps no hooks
             handle.remove()
         self._handles = []
-        if missing:
-            raise ConfigError(
-                f"sync.find_unused_parameters=false is invalid for this model with sync={self.strategy}: "
-                f"parameter(s) {used_on(missing, world_size)} got no gradient in the first step; set "
-                "sync.find_unused_parameters=true (a parameter no rank used is then left untouched, as one "
-                "process leaves it), or freeze them (requires_grad=False)"
-            )
+        refuse_missing(used_on, self.names, self.strategy, "set sync.find_unused_parameters=true")
         return []
-
-
-def used_on(counts: Sequence[tuple[str, int]], world_size: int) -> str:
-    """'a.weight' (used on 1 of 2 ranks), ...: the first five, and how many more."""
-    shown = ", ".join(f"{name!r} (used on {n} of {world_size} ranks)" for name, n in counts[:5])
-    return shown + (f" and {len(counts) - 5} more" if len(counts) > 5 else "")

@@ -11,7 +11,8 @@ would depend on N; as ranges of each parameter they read back at any world size.
 parameters are whole on every rank after the gathers: plain tensors, written once.
 
 Not imported by zero.py: checkpoint layout is not the algorithm. It reads zero's layout through
-the attributes zero.py keeps for its own checkpoints (_layout, _spans, _rank, _params, _param_shard).
+the public attributes zero.py keeps for its own checkpoints (layout, spans, flat, param_shard,
+full_groups).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
@@ -58,34 +60,33 @@ def _sharded(local: torch.Tensor, mine: Chunk, every: list[Chunk], numel: int, r
 
 
 def _named(strategy: ZeroSync, model: nn.Module) -> tuple[Layout, list[str], list[int]]:
-    assert strategy._layout is not None, "wrap() and build_optimizer() first"
-    layout = strategy._layout
+    assert strategy.layout is not None, "wrap() and build_optimizer() first"
+    layout = strategy.layout
     trainable = [p for p in model.parameters() if p.requires_grad]  # layout order
-    return layout, names_of(model, trainable), _group_of(layout, strategy._spans)
+    return layout, names_of(model, trainable), _group_of(layout, strategy.spans)
 
 
 @sharded.parts.register
 def _parts(strategy: ZeroSync, model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    rank = dist.get_rank()
     strategy.wait_for_parameters()  # the model's parameters whole before they are written
     layout, names, group_of = _named(strategy, model)
     tensors: dict[str, Any] = {f"model/{name}": value for name, value in model.state_dict().items()}
     shard_state = optimizer.state_dict()
     for i, name in enumerate(names):
         g, every = group_of[i], chunks(layout, i)
-        lo, hi = strategy._spans[g]
-        a, b, at = every[strategy._rank]
+        lo, hi = strategy.spans[g]
+        a, b, at = every[rank]
         for key, value in shard_state["state"].get(g, {}).items():
             if _is_piece(value, lo, hi):
                 local = value[at - lo : at - lo + b - a]
-                tensors[f"optim/{name}/{key}"] = _sharded(
-                    local, (a, b, at), every, layout.shapes[i].numel(), strategy._rank
-                )
+                tensors[f"optim/{name}/{key}"] = _sharded(local, (a, b, at), every, layout.shapes[i].numel(), rank)
             else:
                 tensors[f"optim/{name}/{key}"] = value if isinstance(value, torch.Tensor) else torch.tensor(value)
     all_names = names_of(model, list(model.parameters()))
     groups = [
         {**{k: v for k, v in group.items() if k != "params"}, "params": [all_names[p] for p in positions]}
-        for group, positions in zip(shard_state["param_groups"], strategy._full_groups, strict=True)
+        for group, positions in zip(shard_state["param_groups"], strategy.full_groups, strict=True)
     ]
     return tensors, groups
 
@@ -96,8 +97,9 @@ def _load_parts(
 ) -> None:
     import torch.distributed.checkpoint as dcp  # not at import: see trainer/reliability/sharded.py
 
+    rank = dist.get_rank()
     strategy.wait_for_parameters()  # a gather landing after the load would overwrite it
-    assert strategy._params is not None and strategy._param_shard is not None
+    assert strategy.flat is not None and strategy.param_shard is not None
     layout, names, group_of = _named(strategy, model)
     template: dict[str, Any] = {f"model/{name}": value for name, value in model.state_dict().items()}  # in place
     saved = sharded.saved_tensors(checkpoint)
@@ -106,16 +108,16 @@ def _load_parts(
         if flat.startswith("optim/"):
             i = index[flat.removeprefix("optim/").rpartition("/")[0]]
             every, numel = chunks(layout, i), layout.shapes[i].numel()
-            a, b, at = every[strategy._rank]
+            a, b, at = every[rank]
             if tuple(meta.size) == (numel,) and numel > 0 and len(meta.size) == 1:
-                local = torch.zeros(b - a, dtype=meta.properties.dtype, device=strategy._params.device)
-                template[flat] = _sharded(local, (a, b, at), every, numel, strategy._rank)
+                local = torch.zeros(b - a, dtype=meta.properties.dtype, device=strategy.flat.device)
+                template[flat] = _sharded(local, (a, b, at), every, numel, rank)
             else:
                 template[flat] = torch.zeros(meta.size, dtype=meta.properties.dtype)
     with sharded.quiet_sharded_tensor():
         dcp.load(template, checkpoint_id=str(checkpoint))
     with torch.no_grad():
-        strategy._param_shard.copy_(layout.shard_of(strategy._params, strategy._rank))
+        strategy.param_shard.copy_(layout.shard_of(strategy.flat, rank))
     optimizer.load_state_dict(_shard_state(strategy, template, names, group_of, groups, layout))
 
 
@@ -128,14 +130,15 @@ def _shard_state(
     layout: Layout,
 ) -> dict[str, Any]:
     """The loaded per-parameter chunks put back together as the shard optimizer's state_dict."""
-    assert strategy._params is not None
-    device = strategy._params.device
+    rank = dist.get_rank()
+    assert strategy.flat is not None
+    device = strategy.flat.device
     state: dict[int, dict[str, Any]] = {}
     entries = sharded.optimizer_entries(loaded)
     for i, name in enumerate(names):
         g = group_of[i]
-        lo, hi = strategy._spans[g]
-        a, b, at = chunks(layout, i)[strategy._rank]
+        lo, hi = strategy.spans[g]
+        a, b, at = chunks(layout, i)[rank]
         pieces = state.setdefault(g, {})
         for key, value in entries.get(name, {}).items():
             if isinstance(value, ShardedTensor):  # this rank's chunk, at its place in the group's piece

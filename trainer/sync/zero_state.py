@@ -6,9 +6,8 @@ The shard optimizer has one parameter, this rank's 1/N slice of a flat padded bu
 dtype and device (one buffer) and the optimizer is element-wise (the update of an element depends
 only on that element): check_one_kind and check_optimizer refuse the rest, known only with the
 model and the optimizer. A parameter no rank used gets no update although the optimizer steps on
-the whole shard: save_unused keeps its slice of the shard and of the per-element optimizer state
-before the step, restore_unused puts it back after (one process's optimizer skips a parameter
-without a gradient).
+the whole shard: `unchanged` keeps its slice of the shard and of the per-element optimizer state
+as it was (one process's optimizer skips a parameter without a gradient).
 
 A checkpoint must not depend on the layout: it holds the state a plain
 `factory(model.parameters())` optimizer would have (integer keys in model.parameters() order, one
@@ -19,7 +18,8 @@ reads the full dicts from the file and keeps its own slice).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from trainer.errors import ConfigError
-from trainer.sync.collectives import all_gather_tensor
+from trainer.sync.comm import Comm
 
 
 @dataclass(frozen=True)
@@ -97,10 +97,14 @@ class Layout:
         """Rank's shard of a flat buffer of this layout (a copy: its pieces are not contiguous)."""
         return torch.cat([flat[lo : lo + n] for lo, _, n in self.pieces(rank)])
 
-    def gather(self, flat: torch.Tensor, shard: torch.Tensor) -> None:
-        """Every rank's shard into `flat`, bucket by bucket (a collective: every rank must reach it)."""
-        for (start, padded), (_, at, n) in zip(self.buckets, self.pieces(0), strict=True):
-            all_gather_tensor(flat[start : start + padded], shard[at : at + n])
+    def gather(self, comm: Comm, flat: torch.Tensor, shard: torch.Tensor) -> None:
+        """Every rank's shard into `flat`, bucket by bucket (collectives: every rank must reach them)."""
+        works = [
+            comm.all_gather(flat[start : start + padded], shard[at : at + n], index)
+            for index, ((start, padded), (_, at, n)) in enumerate(zip(self.buckets, self.pieces(0), strict=True))
+        ]
+        for work in works:
+            work.wait()
 
     def shard_slices(self, trainable: list[int], rank: int) -> list[tuple[int, int]]:
         """The parts of rank's shard, as [lo, hi) in the shard, that the given trainable parameters
@@ -123,7 +127,11 @@ class Layout:
 
 
 def gather_full_state(
-    shard_state: dict[str, Any], layout: Layout, spans: Sequence[tuple[int, int]], full_groups: Sequence[list[int]]
+    shard_state: dict[str, Any],
+    layout: Layout,
+    spans: Sequence[tuple[int, int]],
+    full_groups: Sequence[list[int]],
+    comm: Comm,
 ) -> dict[str, Any]:
     """The full optimizer state dict from the shard optimizer's state_dict(); a collective.
 
@@ -132,8 +140,8 @@ def gather_full_state(
     shard-sized tensor, all_gathered, the padding stripped, split per parameter. Anything else
     (Adam's 0-d "step", a float) is the same for every element of a group, so each parameter gets
     its group's. The groups list the model's parameters as a plain optimizer built on
-    model.parameters() would (`full_groups`). Not counted in the comm metrics: those are per-step
-    training traffic, and this runs only at checkpoints.
+    model.parameters() would (`full_groups`). Not counted in the comm metrics (comm.uncounted()):
+    those are per-step training traffic, and this runs only at checkpoints.
     """
     groups = shard_state["param_groups"]
     states = [shard_state["state"].get(g, {}) for g in range(len(groups))]  # empty before the first step
@@ -146,7 +154,8 @@ def gather_full_state(
             shard = torch.cat([v for v in values if v is not None]) if len(values) > 1 else values[0]
             assert isinstance(shard, torch.Tensor)
             full = shard.new_empty(layout.padded_numel)
-            layout.gather(full, shard.contiguous())  # every rank must reach this
+            with comm.uncounted():
+                layout.gather(comm, full, shard.contiguous())  # every rank must reach this
             pieces: list[Any] = layout.split(full)
         else:
             pieces = [_copy(values[g]) for g in group_of]
@@ -293,9 +302,6 @@ def check_one_kind(params: list[nn.Parameter]) -> None:
         )
 
 
-Kept = list[tuple[torch.Tensor, torch.Tensor]]
-
-
 def _per_element_state(optimizer: Optimizer, spans: Sequence[tuple[int, int]]) -> list[tuple[int, torch.Tensor]]:
     """(where in the shard it starts, tensor) of each per-element state entry of every piece."""
     out = []
@@ -312,36 +318,24 @@ def _within(value: torch.Tensor, start: int, lo: int, hi: int) -> torch.Tensor |
     return value[lo - start : hi - start] if start <= lo and hi <= start + value.numel() else None
 
 
-def save_unused(
+@contextmanager
+def unchanged(
     shard: torch.Tensor, optimizer: Optimizer, slices: list[tuple[int, int]], spans: Sequence[tuple[int, int]]
-) -> tuple[list[tuple[int, int]], Kept]:
-    """Copies of the shard's parameters and per-element optimizer state in `slices`, to put back after
-    the step: one process's optimizer skips a parameter without a gradient."""
-    if not slices:  # the usual step: nothing to keep, nothing looked up
-        return slices, []
+) -> Iterator[None]:
+    """Around the optimizer step: the shard's parameters and per-element optimizer state in `slices`
+    (parameters no rank used) come out as they went in; state the step created there (Adam's
+    moments on its first step) starts at zero. One process's optimizer skips such a parameter."""
+    if not slices:  # the usual step: nothing kept, nothing looked up
+        yield
+        return
     kept = [(shard[lo:hi], shard[lo:hi].clone()) for lo, hi in slices]
     for start, value in _per_element_state(optimizer, spans):
-        for lo, hi in slices:
-            view = _within(value, start, lo, hi)
-            if view is not None:
-                kept.append((view, view.clone()))
-    return slices, kept
-
-
-def restore_unused(
-    shard: torch.Tensor,
-    optimizer: Optimizer,
-    kept: tuple[list[tuple[int, int]], Kept],
-    spans: Sequence[tuple[int, int]],
-) -> None:
-    """Put back what save_unused copied; state this step created (e.g. Adam's moments) starts at zero there."""
-    slices, saved = kept
-    if not slices:
-        return
+        kept += [(view, view.clone()) for lo, hi in slices if (view := _within(value, start, lo, hi)) is not None]
+    yield
     with torch.no_grad():
-        for view, copy in saved:
+        for view, copy in kept:
             view.copy_(copy)
-        restored = {view.data_ptr() for view, _ in saved}
+        restored = {view.data_ptr() for view, _ in kept}
         for start, value in _per_element_state(optimizer, spans):
             for lo, hi in slices:
                 part = _within(value, start, lo, hi)

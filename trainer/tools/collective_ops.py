@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from trainer import comm_math
-from trainer.sync.collectives import all_gather_tensor, reduce_scatter_tensor
+from trainer.sync.comm import all_gather_tensor, reduce_scatter_tensor
 
 OPS = ("broadcast", "all_reduce", "all_gather", "reduce_scatter", "all_reduce_composed")
 REPEATS = 3  # timed runs of `iters` calls each; the median of them is reported

@@ -26,7 +26,7 @@ LEGEND = """\
 - MB/step: `comm/bytes_per_step` in MB (10^6 bytes): per rank the median over its rows, then the
   median over ranks. What the strategy sends per optimizer step; `-` when it sends nothing (none).
 - exposed ms: `time/comm_exposed_s`, the communication not hidden under backward, per step: per rank
-  the median over the rows that carry it (ddp times one step in `sync.time_every_n_steps`), then
+  the median over the rows that carry it (one step in `trainer.time_comm_every_n_steps` is timed), then
   the median over ranks; `-` when no row has it.
 - buckets: the gradient buckets the strategy really built (summary.json's `sync.bucket_sizes_bytes`;
   DDP's as rebuilt after its first iteration; zero's one flat buffer): their number, then their

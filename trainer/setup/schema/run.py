@@ -40,6 +40,9 @@ class TrainerConfig(Schema):
     num_epochs: Annotated[int | None, Field(ge=1)] = MISSING
     seed: Annotated[int, Field(ge=0, lt=SEED_BOUND)] = MISSING
     log_every_n_steps: Annotated[int, Field(ge=1)] = MISSING
+    time_comm_every_n_steps: Annotated[
+        int, Field(ge=0, description="every collective is timed on one step in this many; 0: none")
+    ] = MISSING
     eval_every_n_steps: Annotated[int, Field(ge=0, description="0: only at the end")] = MISSING
     eval_max_samples: Annotated[
         int | None, Field(ge=1, description="the validation split's first n samples; null: the whole split")

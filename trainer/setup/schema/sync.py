@@ -28,22 +28,6 @@ class SyncConfig(Schema):
 
 
 @dataclass
-class BucketTimerConfig(Schema):
-    """What times the bucket collectives of bucketed and zero (trainer/sync/bucket_timing.py)."""
-
-    _target_: NonEmpty = MISSING
-    _partial_: Annotated[
-        Literal[True], Field(description="the strategy binds its device, time_every_n_steps and its step's end")
-    ] = True
-
-
-TimedBuckets = Annotated[
-    BucketTimerConfig | None,
-    Field(description="times each bucket's launch and arrival on 1 step in time_every_n_steps; null: nothing timed"),
-]
-
-
-@dataclass
 class BucketsConfig(SyncConfig):
     """Bucketed all-reduce, by DDP or by hand, and the bucket_cap_mb=auto search."""
 
@@ -54,9 +38,6 @@ class BucketsConfig(SyncConfig):
             "on the first steps, keep the fastest"
         ),
     ] = MISSING
-    time_every_n_steps: Annotated[int, Field(ge=1, description="communication is timed on one step in this many")] = (
-        MISSING
-    )
     auto_candidates_mb: Annotated[
         list[Annotated[float, Field(gt=0)]],
         Field(min_length=1, description="the bucket caps in MiB that bucket_cap_mb=auto tries"),
@@ -91,7 +72,6 @@ class DDPConfig(BucketsConfig):
 @dataclass
 class BucketedConfig(BucketsConfig):
     collective: Collective = MISSING
-    bucket_timer: TimedBuckets = MISSING
 
 
 @dataclass
@@ -112,8 +92,6 @@ class ZeroConfig(SyncConfig):
     ] = MISSING
     bucket_cap_mb: Annotated[float, Field(gt=0, description="MiB of gradients per bucket")] = MISSING
     find_unused_parameters: bool = MISSING
-    time_every_n_steps: Annotated[int, Field(ge=1)] = MISSING
-    bucket_timer: TimedBuckets = MISSING
 
 
 @dataclass

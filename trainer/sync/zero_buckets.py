@@ -1,35 +1,21 @@
-"""sync=zero's gradients, bucket by bucket: what a bucket holds in backward and which collective it starts.
+"""sync=zero's gradient buckets: what a bucket holds while backward fills it, and the memory that takes.
 
 Stage 1 (only the optimizer state sharded): the gradients live in flat bucket buffers (each .grad a
-view, as `bucketed`'s), each bucket is all-reduced in full as soon as backward has filled it, and
-this rank's slice of the averaged bucket is read into its shard of the gradient (what the
-optimizer steps on). A bucket of one parameter that needs no padding (a tensor above the cap)
-has no buffer: its .grad, autograd's own tensor, is all-reduced in place and set to None after
-the step (a flat view would cost an in-place accumulation and a zeroing pass over it every step:
-a few percent of the step for a large weight; docs/performance.md). A rank holds the full
-gradient, plus its 1/N shard.
+view, as `bucketed`'s), and the full bucket is what zero.py all-reduces. A bucket of one parameter
+that needs no padding (a tensor above the cap) has no buffer: its .grad, autograd's own tensor, is
+reduced in place and dropped after the step (a flat view would cost an in-place accumulation and a
+zeroing pass over it every step). A rank holds the full gradient, plus its 1/N shard.
 
 Stage 2 (the gradients sharded too): a gradient is moved, as its hook fires, into its bucket's
 staging buffer (allocated when the bucket's first gradient arrives), and the parameter's .grad is
-dropped; the full bucket is reduced into this rank's shard of the gradient (a reduce_scatter, or
-on gloo an all_reduce and a slice: see below), then the staging buffer is freed. A bucket
-of one parameter that needs no padding (a tensor above the cap, typically) stages autograd's own
-gradient tensor: no buffer to allocate, no copy (a fresh buffer of that size costs its page
-faults every step). After backward a rank holds 1/N of the gradient; during backward, the buckets
-being filled or in flight. Under no_sync the hooks do nothing: autograd accumulates the
-full local gradient in each .grad, and the last micro-batch's hooks move it.
+dropped; once zero.py has reduced the bucket into this rank's shard, the buffer is released. A
+bucket of one parameter that needs no padding stages autograd's own gradient tensor: no buffer to
+allocate, no copy. After backward a rank holds 1/N of the gradient; during backward, the buckets
+being filled or in flight. Under no_sync the hooks do nothing: autograd accumulates the full local
+gradient in each .grad, and the last micro-batch's hooks move it.
 
 A gradient that never arrived in the last backward (a parameter unused there, or one whose .grad
-was replaced) is folded in by fill_missing() before its bucket starts (after backward, in order).
-
-gloo's reduce_scatter and all_gather are slow paths (about twice an all_reduce each, where one
-broadcast per rank of its shard costs half of one: the numbers are in docs/sync.md). So on gloo a
-bucket is all_reduced in place and this rank's slice read into its shard (the full bucket is held
-until then either way), and the shards are gathered by one broadcast per rank, each from its owner
-(as ZeroRedundancyOptimizer broadcasts its parameters). Same bytes, bit-identical results: only the
-collectives differ, and comm/* counts the ones really issued. An emulated network (network=<preset>)
-takes the native ones even on gloo: the link charges each collective its own kind's time, and the
-lesson is what a cluster sends.
+was replaced) is folded in by fill_missing() before its bucket starts: it counts as zero.
 """
 
 from __future__ import annotations
@@ -37,64 +23,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from trainer.sync.collectives import Collectives, Waitable
 from trainer.sync.flat import FlatGrads
 from trainer.sync.zero_state import Layout
 
 
-def kinds(native: bool) -> tuple[str, str]:
-    """The collectives that reduce a bucket to a shard and gather the shards: natively, or on gloo."""
-    return ("reduce_scatter", "all_gather") if native else ("all_reduce", "broadcast")
-
-
-def reduce(
-    comm: Collectives, shard: torch.Tensor, full: torch.Tensor, native: bool, bucket: int, grad_bytes: int
-) -> dist.Work:
-    """Start summing `full` (a padded bucket) across ranks: into `shard` (reduce_scatter), or in place
-    (gloo's all_reduce; take() then reads this rank's slice)."""
-    if native:
-        return comm.reduce_scatter(shard, full, bucket, grad_bytes=grad_bytes)
-    return comm.all_reduce(full, bucket, grad_bytes=grad_bytes)
-
-
-def take(shard: torch.Tensor, full: torch.Tensor, rank: int, divisor: int, native: bool) -> None:
-    """After reduce()'s wait: this rank's slice of the sum, divided, in `shard` (read and divided in
-    one pass where it lies in `full`, not a copy and then a division)."""
-    if native:
-        shard.div_(divisor)
-        return
-    size = shard.numel()
-    torch.div(full[rank * size : (rank + 1) * size], divisor, out=shard)
-
-
-def gather(comm: Collectives, full: torch.Tensor, mine: torch.Tensor, native: bool, bucket: int) -> list[dist.Work]:
-    """Start filling `full` (a padded bucket) with every rank's slice; `mine` is this rank's."""
-    if native:
-        return [comm.all_gather(full, mine, bucket)]
-    rank, size = dist.get_rank(), mine.numel()
-    works = []
-    for owner in range(dist.get_world_size()):  # every rank issues the same broadcasts, in the same order
-        tensor = mine if owner == rank else full[owner * size : (owner + 1) * size]
-        works.append(comm.broadcast(tensor, owner, bucket))
-    full[rank * size : (rank + 1) * size].copy_(mine)
-    return works
-
-
-class ShardedGrads:
+class GradientBuckets:
     """The gradient buckets of one stage, and this rank's contiguous shard of the averaged gradient."""
 
-    def __init__(
-        self, stage: int, groups: Sequence[Sequence[nn.Parameter]], layout: Layout, rank: int, comm: Collectives
-    ) -> None:
+    def __init__(self, stage: int, groups: Sequence[Sequence[nn.Parameter]], layout: Layout, rank: int) -> None:
         self.stage = stage
-        self.comm = comm
-        # gloo's own reduce_scatter and all_gather are slow paths: see the module's doc. On an emulated
-        # link (network=<preset>), which charges each collective its kind's time, the real ones.
-        self.native = dist.get_backend() != "gloo" or hasattr(comm, "link")  # EmulatedCollectives has one
-        self.reduce_kind, self.gather_kind = kinds(self.native)
         self.world_size = layout.world_size
         params = groups[0][0]
         self.shard = torch.zeros(layout.shard_numel, dtype=params.dtype, device=params.device)  # the optimizer's .grad
@@ -133,7 +72,13 @@ class ShardedGrads:
         full = sum(b.padded_nbytes for b in self.flat.buckets)
         return self.shard.numel() * self.element_size + full + self._in_place_bytes
 
-    def on_grad(self, index: int, j: int, param: nn.Parameter, first: bool) -> None:
+    def memory(self) -> dict[str, float]:
+        """The rows' gradient memory: what a rank holds once backward's buckets are reduced (stage 2:
+        the shard; stage 1: it and the full buckets), and the most it held at once, backward included."""
+        after_backward = self.held_bytes - self._live
+        return {"memory/gradients_mb": after_backward / 2**20, "memory/gradients_peak_mb": self.peak_bytes / 2**20}
+
+    def hold(self, index: int, j: int, param: nn.Parameter, first: bool) -> None:
         """A gradient for `param` was accumulated (its hook): into its bucket (see the module's doc)."""
         grad = param.grad
         assert grad is not None, "autograd calls this hook after accumulating a gradient"
@@ -186,38 +131,35 @@ class ShardedGrads:
         self._staging(index)  # a bucket none of whose gradients came still sends its zeros
         for j, param in enumerate(self.groups[index]):
             if param.grad is not None:  # accumulated under no_sync, no hook in the last backward
-                self.on_grad(index, j, param, False)
+                self.hold(index, j, param, False)
 
-    def start(self, index: int) -> dist.Work:
-        """The bucket's collective, asynchronously: all_reduce of the full bucket (stage 1), or its
-        reduction into this rank's shard (stage 2: reduce_scatter; gloo: all_reduce, sliced in finish)."""
-        grad_bytes = self.numels[index] * self.element_size  # the gradient bytes, once per step
+    def to_reduce(self, index: int) -> torch.Tensor:
+        """What bucket `index` sends: stage 1 its gradients (its padding is zero on every rank and
+        need not travel), stage 2 the padded staging buffer (a reduce_scatter splits it evenly)."""
         if self.flat is not None:
             place = self.in_flat[index]
-            full = self.flat.buckets[place].grads if place is not None else self._in_place_grad(index)
-            return self.comm.all_reduce(full, index)
+            return self.flat.buckets[place].grads if place is not None else self._in_place_grad(index)
+        return self.summed(index)
+
+    def summed(self, index: int) -> torch.Tensor:
+        """Bucket `index` padded, where an all_reduce leaves the sum: this rank's slice is read from it."""
+        if self.flat is not None:
+            place = self.in_flat[index]
+            return self.flat.buckets[place].buffer if place is not None else self._in_place_grad(index)
         staged = self.staging[index]
         assert staged is not None, "a bucket starts after its gradients (or fill_missing()) staged it"
-        return reduce(self.comm, self.shards[index], staged, self.native, index, grad_bytes)
+        return staged
 
-    def finish(self, index: int, work: Waitable) -> None:
-        """Wait for the bucket's collective; this rank's slice of the sum, averaged, in the shard."""
-        work.wait()
-        shard = self.shards[index]
-        if self.flat is not None:  # stage 1 all-reduced the full bucket: read this rank's slice
-            place = self.in_flat[index]
-            summed = self.flat.buckets[place].buffer if place is not None else self._in_place_grad(index)
-            take(shard, summed, self._rank, self.world_size, native=False)
-            return
+    def grad_bytes(self, index: int) -> int:
+        """The bucket's gradient bytes, once per step (its padding is not gradient)."""
+        return self.numels[index] * self.element_size
+
+    def release(self, index: int) -> None:
+        """Stage 2: the bucket is reduced into the shard, its full buffer is freed."""
         staged = self.staging[index]
-        assert staged is not None
-        take(shard, staged, self._rank, self.world_size, self.native)
-        self._live -= staged.numel() * self.element_size
-        self.staging[index] = None  # freed: only the shard is kept
-
-    def gather(self, full: torch.Tensor, mine: torch.Tensor, bucket: int) -> list[dist.Work]:
-        """Start filling `full` (a padded bucket of parameters) with every rank's slice; `mine` is this rank's."""
-        return gather(self.comm, full, mine, self.native, bucket)
+        if self.flat is None and staged is not None:
+            self._live -= staged.numel() * self.element_size
+            self.staging[index] = None
 
     def _in_place_grad(self, index: int) -> torch.Tensor:
         """Stage 1: the gradient reduced where autograd put it, flat (on_grad and fill_missing() made
