@@ -47,7 +47,7 @@ def host_us(call: Callable[[], object], device: torch.device, number: int, repea
 def measure(framework: Framework, number: int) -> list[tuple[str, float]]:
     """(piece, µs per step) for each piece of the framework's own work on the step path."""
     trainer = framework.trainer
-    steps, window, timer, fault = trainer._steps, trainer._window, trainer._timer, trainer.settings.fault
+    steps, window, timer, fault = trainer.runner, trainer._window, trainer._timer, trainer.settings.fault
     device, every = trainer.ctx.device, trainer.settings.log_every_n_steps
     inputs, targets = (t.to(device) for t in next(iter(trainer.train_loader)))
     logits = trainer.train_model(inputs)
@@ -63,8 +63,8 @@ def measure(framework: Framework, number: int) -> list[tuple[str, float]]:
         for phase in ("data", "forward", "backward", "sync", "optimizer"):
             timer.mark(phase)
         timer.stop()
-        if len(timer._steps) >= every:
-            timer._steps = []
+        if len(timer._collected) >= every:
+            timer._collected = []
 
     def hooks() -> None:
         with StepBoundary():
@@ -83,7 +83,7 @@ def measure(framework: Framework, number: int) -> list[tuple[str, float]]:
                 for _ in range(every):
                     window.add(loss, logits, targets, trainer.step)
                     clocks()
-                window.steps, trainer.step = every, every * 1000
+                window.num_steps, trainer.step = every, every * 1000
                 started = time.perf_counter()
                 trainer._after_step(None)  # reads the window (the step's one host sync), writes the row
                 seconds += time.perf_counter() - started

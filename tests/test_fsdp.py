@@ -45,7 +45,7 @@ def train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dic
         "params": full_params(trainer),
         "optimizer_mb": optimizer_state_mb(trainer.optimizer),
         "start": start,
-        "skipped": trainer._steps.skipped_steps,
+        "skipped": trainer.runner.skipped_steps,
     }
 
 

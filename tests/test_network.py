@@ -19,7 +19,7 @@ import torch.distributed as dist
 from tests.dist_helpers import run_on_ranks
 from tests.train_helpers import SIX_STEPS, bit_identical, build, case_results, params_of, train_each
 from trainer.errors import ConfigError
-from trainer.loop.rows import described
+from trainer.loop.rows import sync_facts
 from trainer.scaling.costs import ring_s
 from trainer.scaling.networks import EMULATED, PRESETS
 from trainer.setup.schema.network import Link, NetworkConfig
@@ -96,7 +96,7 @@ def train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dic
     return {
         "params": params_of(trainer),
         "comm": {k: v for k, v in last.items() if k.startswith("comm/") and k.endswith("_per_step")},
-        "network": described(trainer.sync, trainer._rows.network).get("network"),
+        "network": sync_facts(trainer.sync, trainer._rows.network).get("network"),
     }
 
 

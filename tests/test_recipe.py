@@ -40,14 +40,14 @@ HUGE_SCALE = 2.0**22  # the first steps overflow for certain: the scaler must ba
 
 def train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dict[str, Any]:
     trainer = build(rank, world_size, [*COMMON, *overrides], run_dir)
-    scaler = trainer._steps.scaler
+    scaler = trainer.runner.scaler
     if scaler is not None:  # the same kind of scaler the trainer chose, started where it must overflow
-        trainer._steps.scaler = type(scaler)(device="cpu", init_scale=HUGE_SCALE)
+        trainer.runner.scaler = type(scaler)(device="cpu", init_scale=HUGE_SCALE)
     trainer.fit()
     _, optimizer_state = trainer.sync.state_dicts(trainer.model, trainer.optimizer)  # a collective when sharded
     saved = torch.load(Path(run_dir) / "checkpoints" / "last.pt", weights_only=False) if scaler else {}
     # trainer.resume=auto: a new trainer in the same run dir starts from the checkpoint's scale.
-    resumed = build(rank, world_size, [*COMMON, *overrides], run_dir)._steps.scaler if scaler else None
+    resumed = build(rank, world_size, [*COMMON, *overrides], run_dir).runner.scaler if scaler else None
     return {
         "params": params_of(trainer),
         "norms": [row.get("train/grad_norm") for row in trainer._rows.rows],

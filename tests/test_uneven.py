@@ -21,7 +21,7 @@ from tests.compose import compose_config
 from tests.dist_helpers import run_on_ranks
 from tests.train_helpers import bit_identical, build, case_results, max_abs_diff, train_each
 from trainer.errors import ConfigError
-from trainer.loop.steps import steps_per_epoch
+from trainer.loop.step_math import steps_per_epoch
 from trainer.setup.build import build_parts, instantiate
 
 COMMON = [

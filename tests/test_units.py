@@ -18,7 +18,7 @@ from trainer.errors import ConfigError
 from trainer.loop.comm_metrics import comm_metrics
 from trainer.loop.metrics import Window
 from trainer.loop.schedule import WarmupCosine, warmup_cosine
-from trainer.loop.steps import (
+from trainer.loop.step_math import (
     epoch_of,
     global_batch_size,
     is_due,

@@ -284,11 +284,11 @@ def test_training_longer_moves_the_schedule_horizon_and_fewer_steps_are_refused(
 def test_what_cannot_be_mapped_to_another_world_size_is_refused(tmp_path: Path) -> None:
     saved = {"world_size": 2, "batch_size": 32, "grad_accum_steps": 1}
     with pytest.raises(CheckpointError, match="sync=none trains one model per rank"):
-        check_world_change(tmp_path / "c.pt", saved, 1, nn.Linear(2, 2), one_model=False)
+        check_world_change(tmp_path / "c.pt", saved, 1, nn.Linear(2, 2), trains_one_model=False)
     with pytest.raises(CheckpointError, match=r"draws randomness \(Dropout with p > 0\)"):
         check_world_change(tmp_path / "c.pt", saved, 1, nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1)), True)
     check_world_change(tmp_path / "c.pt", saved, 1, nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.0)), True)
-    check_world_change(tmp_path / "c.pt", saved, 2, nn.Dropout(0.5), one_model=False)  # same world size: fine
+    check_world_change(tmp_path / "c.pt", saved, 2, nn.Dropout(0.5), trains_one_model=False)  # same world size: fine
     with pytest.raises(CheckpointError, match="does not say its batch size: resume with 2 ranks"):
         check_world_change(tmp_path / "c.pt", {"world_size": 2}, 1, nn.Linear(2, 2), True)  # built without a config
 
@@ -395,9 +395,9 @@ def test_a_global_batch_that_does_not_split_over_the_ranks_is_refused() -> None:
 
 def test_the_tensors_every_rank_holds_are_split_by_size_and_sync_none_keeps_rank_0s() -> None:
     tensors = {"big": torch.zeros(100), "mid": torch.zeros(60), "small": torch.zeros(50)}
-    split = [sharded.mine_to_write(tensors, rank, 2, one_model=True) for rank in (0, 1)]
+    split = [sharded.mine_to_write(tensors, rank, 2, trains_one_model=True) for rank in (0, 1)]
     assert [sorted(part) for part in split] == [["big"], ["mid", "small"]]  # 400 bytes against 440
-    alone = [sharded.mine_to_write(tensors, rank, 2, one_model=False) for rank in (0, 1)]
+    alone = [sharded.mine_to_write(tensors, rank, 2, trains_one_model=False) for rank in (0, 1)]
     assert sorted(alone[0]) == ["big", "mid", "small"] and alone[1] == {}  # each rank's model is its own
 
 

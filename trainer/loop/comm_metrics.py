@@ -31,6 +31,8 @@ def comm_metrics(
         return metrics
     metrics["time/comm_s"] = seconds
     metrics["time/comm_exposed_s"] = exposed
+    if counts.emulated and counts.timed_steps:  # the ideal beside the measured
+        metrics["time/comm_exposed_link_s"] = counts.link_exposed_seconds / counts.timed_steps
     if seconds > 0:
         metrics["comm/overlap_fraction"] = overlap_fraction(seconds, exposed)
         algbw = (counts.bytes / steps) / seconds

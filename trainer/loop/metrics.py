@@ -38,7 +38,7 @@ class Window:
         self.samples = 0
         self.tokens = 0
         self.micro_batches = 0  # with data: a rank that ran out of data (data.drop_last=false) has fewer
-        self.steps = 0
+        self.num_steps = 0  # optimizer steps in the window
         self.started = time.perf_counter()
 
     def add(self, loss: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, step: int) -> None:

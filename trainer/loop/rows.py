@@ -29,19 +29,19 @@ PAIRS_PER_LINE = 4  # the sync: line's key=value pairs per screen line (a count,
 LIST_SHOWN = 6  # items of a list value shown on screen; summary.json keeps them all
 
 
-def _word(value: Any) -> str:
+def _one_word(value: Any) -> str:
     """A value as one word of a key=value line: text with spaces quoted, lists without spaces, cut short."""
     if isinstance(value, (list, tuple)):
-        shown = [_word(v) for v in value[:LIST_SHOWN]]
+        shown = [_one_word(v) for v in value[:LIST_SHOWN]]
         more = [f"+{len(value) - LIST_SHOWN}_more"] if len(value) > LIST_SHOWN else []
         return "[" + ",".join(shown + more) + "]"
     if isinstance(value, dict):
-        return "{" + ",".join(f"{k}:{_word(v)}" for k, v in value.items()) + "}"
+        return "{" + ",".join(f"{k}:{_one_word(v)}" for k, v in value.items()) + "}"
     text = str(value)
     return f'"{text}"' if " " in text else text
 
 
-def described(sync: SyncStrategy, network: str | None) -> dict[str, Any]:
+def sync_facts(sync: SyncStrategy, network: str | None) -> dict[str, Any]:
     """The strategy's describe(), how its communication is timed, and the emulated network it ran
     on (network=<preset>): what the `sync:` line and summary.json's `sync` show."""
     info = sync.describe()
@@ -51,7 +51,7 @@ def described(sync: SyncStrategy, network: str | None) -> dict[str, Any]:
 
 def sync_lines(info: dict[str, Any]) -> str:
     """The strategy's describe() on screen: `sync: key=value ...`, a few pairs a line, continued indented."""
-    pairs = [f"{key}={_word(value)}" for key, value in info.items()]
+    pairs = [f"{key}={_one_word(value)}" for key, value in info.items()]
     lines = [" ".join(pairs[i : i + PAIRS_PER_LINE]) for i in range(0, len(pairs), PAIRS_PER_LINE)]
     return "sync: " + f"\n{' ' * len('[rank0] sync: ')}".join(lines)  # continued under the first key
 
@@ -78,39 +78,45 @@ class TrainRows:
         self._saves: list[dict[str, float]] = []  # each checkpoint's cost to this rank
 
     def log(
-        self, step: int, epoch: int, window: Window, totals: tuple[float, int, int], timer: StepTimer, steps: StepRunner
+        self,
+        step: int,
+        epoch: int,
+        window: Window,
+        totals: tuple[float, int, int],
+        timer: StepTimer,
+        runner: StepRunner,
     ) -> float:
         """One row from the window since the previous row; returns its loss. The window is reset."""
         loss_sum, correct, _ = totals
         # The mean micro-batch loss (each was divided by grad_accum_steps): a rank that ran
         # micro-batches it had no data for (data.drop_last=false) averages only those it trained.
         trained = window.micro_batches
-        loss = loss_sum * steps.settings.grad_accum_steps / trained if trained else float("nan")
+        loss = loss_sum * runner.settings.grad_accum_steps / trained if trained else float("nan")
         phases = timer.collect() or {}  # mean of every step since the previous row
         elapsed = time.perf_counter() - window.started
         self._samples += window.samples
         self._tokens += window.tokens
         self._seconds += elapsed
         in_sync, world_size = self.sync.comm_in_sync_phase, self.ctx.world_size
-        comm = comm_metrics(self.sync.pop_comm_counts(), window.steps, phases.get("sync", 0.0), in_sync, world_size)
+        comm = comm_metrics(self.sync.pop_comm_counts(), window.num_steps, phases.get("sync", 0.0), in_sync, world_size)
         row: dict[str, Any] = {
             "step": step,
             "epoch": epoch,
             # Omitted by a rank that trained on nothing since the last row (it only ran micro-batches without data).
             **({"train/loss": loss, "train/accuracy": correct / window.tokens} if trained else {}),
-            "train/lr": steps.lr,
+            "train/lr": runner.lr,
             # The logged step's global norm of the averaged gradient, before clipping.
             **({"train/grad_norm": window.grad_norm} if window.grad_norm is not None else {}),
             **{f"time/{phase}_s": seconds for phase, seconds in phases.items()},
             "throughput/samples_per_s": window.samples / elapsed,
             **(self.rates.row(window.tokens, elapsed) if self.rates else {}),
             "memory/rss_mb": self._rss.bytes() / 2**20,
-            "memory/optimizer_state_mb": optimizer_state_mb(steps.optimizer),
-            **({"train/skipped_steps": steps.skipped_steps} if steps.skipped_steps else {}),
+            "memory/optimizer_state_mb": optimizer_state_mb(runner.optimizer),
+            **({"train/skipped_steps": runner.skipped_steps} if runner.skipped_steps else {}),
             # fp16: the loss scale in use, and the steps its overflows skipped so far.
             **(
-                {"train/grad_scale": steps.scaler.get_scale(), "train/overflow_steps": steps.overflow_steps}
-                if steps.scaler is not None
+                {"train/grad_scale": runner.scaler.get_scale(), "train/overflow_steps": runner.overflow_steps}
+                if runner.scaler is not None
                 else {}
             ),
             **comm,
@@ -121,7 +127,7 @@ class TrainRows:
         timer.profiled = 0
         if not self.rows and self.ctx.is_main_process:
             # Once per job, after the first logged step: DDP has rebuilt its buckets by then.
-            log.info("%s", sync_lines(described(self.sync, self.network)))
+            log.info("%s", sync_lines(sync_facts(self.sync, self.network)))
         if self.ctx.device.type == "cuda":
             row["memory/cuda_max_allocated_mb"] = cuda_peak_mb(self.ctx.device)
         for logger in self.loggers:

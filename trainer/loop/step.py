@@ -130,7 +130,7 @@ class StepRunner:
         self.scheduler.step()
         self.sync.zero_grad(self.optimizer)
         timer.mark("optimizer")
-        window.steps += 1
+        window.num_steps += 1
         timer.stop()
 
     def _finite(self, norm: torch.Tensor | None) -> bool:

@@ -23,7 +23,7 @@ class StepTimer:
     def __init__(self, device: torch.device) -> None:
         self.clock = Clock(device)
         self._marks: list[tuple[str, Mark]] = []
-        self._steps: list[list[tuple[str, Mark]]] = []
+        self._collected: list[list[tuple[str, Mark]]] = []
 
     def start(self) -> None:
         self._marks = [("start", self.clock.now())]
@@ -32,11 +32,11 @@ class StepTimer:
         self._marks.append((phase, self.clock.now()))
 
     def stop(self) -> None:
-        self._steps.append(self._marks)
+        self._collected.append(self._marks)
 
     def collect(self) -> dict[str, float] | None:
         """Mean seconds per phase (summed over micro-batches) and per `step`, over the collected steps."""
-        steps, self._steps = self._steps, []
+        steps, self._collected = self._collected, []
         if not steps:
             return None
         totals = dict.fromkeys((*PHASES, "step"), 0.0)

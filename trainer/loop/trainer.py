@@ -33,14 +33,14 @@ from tqdm import tqdm
 from data.base import DataModule, ResumableSampler
 from trainer.errors import from_leaves
 from trainer.logger.base import MetricLogger, resumed_at
-from trainer.loop.fault_steps import FaultInjectingSteps
+from trainer.loop.faulty_step import FaultyStepRunner
 from trainer.loop.lm import compile_model, end_of_run_sample, token_rates, write_vocab
 from trainer.loop.metrics import Window, evaluate
 from trainer.loop.profiling import ProfiledStepTimer, StepProfiler, send_timeline
 from trainer.loop.progress import logging_above, progress_bar
-from trainer.loop.rows import TrainRows, described
+from trainer.loop.rows import TrainRows, sync_facts
 from trainer.loop.step import StepRunner
-from trainer.loop.steps import (
+from trainer.loop.step_math import (
     epoch_of,
     global_batch_size,
     is_due,
@@ -129,8 +129,8 @@ class Trainer:
         rates = token_rates(self.model, data, ctx.device, settings)
         self._rows = TrainRows(ctx, sync, self.loggers, rates, network)
         # trainer.fault (a testing aid) attaches around the step path only when it is configured.
-        steps = FaultInjectingSteps if settings.fault.configured else StepRunner
-        self._steps = steps(
+        runner = FaultyStepRunner if settings.fault.configured else StepRunner
+        self.runner = runner(
             settings=settings,
             ctx=ctx,
             model=self.model,
@@ -170,7 +170,7 @@ class Trainer:
             self.data.batch_size,
             self.settings.grad_accum_steps,
             vocab=self.data.vocabulary(),
-            grad_scaler=self._steps.scaler,
+            grad_scaler=self.runner.scaler,
         )
 
     def fit(self) -> dict[str, Any]:
@@ -212,7 +212,7 @@ class Trainer:
         stopped, and time spent outside it is not counted in a logging window that starts here.
         """
         self.model.train()
-        if self._window.steps == 0:
+        if self._window.num_steps == 0:
             self._window.started = time.perf_counter()
         try:
             while self.step < until_step:
@@ -255,7 +255,7 @@ class Trainer:
         try:
             logged = is_due(self.step + 1, self.settings.log_every_n_steps, self.total_steps)
             self.sync.comm.begin_step(self.step + 1)  # the communication object times 1 step in n
-            self._steps.run(self._batches, self.step + 1, logged)
+            self.runner.run(self._batches, self.step + 1, logged)
         except Exception as err:  # say where: the step, and this rank
             raise StepFailed(f"step {self.step + 1} on rank {self.ctx.rank}: {type(err).__name__}: {err}") from err
         self.step += 1
@@ -277,7 +277,7 @@ class Trainer:
             totals = self._window.totals()  # the one host sync of a logged step
             self._check_finite(totals[2])
             epoch = epoch_of(self.step, self.steps_per_epoch)
-            loss = self._rows.log(self.step, epoch, self._window, totals, self._timer, self._steps)
+            loss = self._rows.log(self.step, epoch, self._window, totals, self._timer, self.runner)
             if bar is not None:
                 bar.set_postfix(loss=f"{loss:.4f}", refresh=False)  # drawn at the next update
         every = s.check_replicas_every_n_steps
@@ -335,10 +335,10 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Loss and accuracy on the validation split (its first trainer.eval_max_samples), exact over
         those samples on every rank."""
-        steps = self._steps
+        runner = self.runner
         with self.sync.comm.uncounted():  # the rows' comm/* are per training step
             metrics = evaluate(
-                self.model, self.val_loader, self.ctx.device, steps.autocast, self._val_batches, steps.empty_inputs
+                self.model, self.val_loader, self.ctx.device, runner.autocast, self._val_batches, runner.empty_inputs
             )
         if metrics:
             for logger in self.loggers:
@@ -350,7 +350,7 @@ class Trainer:
         self.wait_for_saves()  # the end of training waits for the last save
         mine = self._rows.rank_record()
         facts = {
-            "sync": described(self.sync, self._rows.network),
+            "sync": sync_facts(self.sync, self._rows.network),
             "model": parameter_layout(self.model),
             "steps": self.step,
         }

@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 class FullState(Protocol):
     """How the model and optimizer state become one full, unsharded pair and back (a SyncStrategy)."""
 
-    one_model: bool  # False (sync=none): each rank's model is its own, not mappable to another N
+    trains_one_model: bool  # False (sync=none): each rank's model is its own, not mappable to another N
 
     def state_dicts(self, model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any], dict[str, Any]]: ...
 
@@ -225,7 +225,7 @@ def restore(ctx: DistContext, path: Path, saved: dict[str, Any], state: TrainSta
     """
     then, now = world_change.saved_shape(saved), (ctx.world_size, state.batch_size, state.grad_accum_steps)
     world_change.check_global_batch(path, then, now)
-    world_change.check_world_change(path, saved, ctx.world_size, state.model, state.full_state.one_model)
+    world_change.check_world_change(path, saved, ctx.world_size, state.model, state.full_state.trains_one_model)
     mapped = (*world_change.BATCH_SHAPE, *world_change.LENGTH)
     if saved["fingerprint"] != fingerprint(config) and (
         diffs := "; ".join(config_differences(saved["config"], config, option_defaults(CONF_DIR, config), mapped))

@@ -131,7 +131,7 @@ def load_parts(
     set_optimizer_state_dict(model, optimizer, optim_state)
 
 
-def mine_to_write(tensors: dict[str, Any], rank: int, world_size: int, one_model: bool) -> dict[str, Any]:
+def mine_to_write(tensors: dict[str, Any], rank: int, world_size: int, trains_one_model: bool) -> dict[str, Any]:
     """The parts this rank writes: its own shards, and its share of the tensors every rank holds alike.
 
     DCP would de-duplicate those itself, but only in its plan, after an async save has copied every
@@ -143,7 +143,7 @@ def mine_to_write(tensors: dict[str, Any], rank: int, world_size: int, one_model
     owner: dict[str, int] = {}
     load = [0] * world_size
     for key in sorted(whole, key=lambda k: (-tensors[k].numel() * tensors[k].element_size(), k)):
-        owner[key] = load.index(min(load)) if one_model else 0
+        owner[key] = load.index(min(load)) if trains_one_model else 0
         load[owner[key]] += tensors[key].numel() * tensors[key].element_size()
     return {k: v for k, v in tensors.items() if owner.get(k, rank) == rank}
 
@@ -254,7 +254,7 @@ def save(
     dist.barrier(group)
     tensors, groups = parts(strategy, model, optimizer)
     tensors = mine_to_write(
-        tensors, dist.get_rank(group), dist.get_world_size(group), getattr(strategy, "one_model", True)
+        tensors, dist.get_rank(group), dist.get_world_size(group), getattr(strategy, "trains_one_model", True)
     )
     meta = {"format": FORMAT, "sharded": True, **meta, "param_groups": groups}
 

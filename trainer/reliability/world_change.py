@@ -69,12 +69,14 @@ def check_global_batch(path: Path, then: Shape | None, now: Shape) -> None:
     )
 
 
-def check_world_change(path: Path, saved: dict[str, Any], world_size: int, model: nn.Module, one_model: bool) -> None:
+def check_world_change(
+    path: Path, saved: dict[str, Any], world_size: int, model: nn.Module, trains_one_model: bool
+) -> None:
     """At another world size: refuse what cannot be mapped (per-rank models, per-rank random streams)."""
     if saved["world_size"] == world_size:
         return
     was = f"checkpoint {path} was written by {saved['world_size']} ranks, this job has {world_size}"
-    if not one_model:
+    if not trains_one_model:
         raise CheckpointError(
             f"{was}: sync=none trains one model per rank, and the checkpoint holds rank 0's only; "
             "resume sync=none with the same world size, or start fresh with trainer.resume=never"

@@ -74,14 +74,14 @@ class SyncStrategy(ABC):
     trainer's replica check compares them; a strategy whose ranks hold shards sets it False).
     `grads_sharded` says the gradients its optimizer reads are this rank's shard of the averaged
     gradient (zero, fsdp), so their global norm needs a reduction across ranks.
-    `one_model` says the ranks train one model between them (False for sync=none, where each
+    `trains_one_model` says the ranks train one model between them (False for sync=none, where each
     trains its own): only then does a checkpoint continue at another world size.
     """
 
     comm_in_sync_phase: bool = False
     keeps_replicas_equal: bool = True  # the trainer's replica check applies
     grads_sharded: bool = False  # each rank's optimizer reads its own disjoint shard of the gradient
-    one_model: bool = True  # the ranks train one model (sync=none: one each)
+    trains_one_model: bool = True  # the ranks train one model (sync=none: one each)
 
     def __init__(self) -> None:
         self.comm = Comm()  # the builder gives it the device, the link and the timing before wrap()

@@ -71,9 +71,10 @@ class CommCounters:
     seconds: float = 0.0  # wall time with at least one collective in flight
     exposed_seconds: float = 0.0  # the part of it the training thread waited for
     timed_steps: int = 0  # how many steps the times were measured over (0: untimed)
-    # On an emulated link: what the step would have waited for if the link alone were slow (each
-    # collective on it from its launch, one at a time, for its link time; nothing else costing time).
+    # On an emulated link (`emulated`): what the step would have waited for if the link alone were slow
+    # (each collective on it from its launch, one at a time, for its link time; nothing else costing time).
     link_exposed_seconds: float = 0.0
+    emulated: bool = False
     # Per kind of collective ("all_reduce", "reduce_scatter", ...): [bytes of the buffer, calls].
     kinds: dict[str, list[int]] = field(default_factory=dict)
     # Control collectives (unused-parameter flags, the non-finite check, the cap tuner's vote): [bytes, calls].
@@ -314,6 +315,7 @@ class Comm:
         """What was sent since the last call, and the times of the timed steps whose collectives are
         all back; the counters start again from zero (a stamp still in flight waits for the next call)."""
         counts = self.counts.pop()
+        counts.emulated = self.link is not None
         done = [s for s in self._stamps if s.waited is not None or (s.hooked and s.completed is not None)]
         open_steps = {s.step for s in self._stamps if s not in done}
         closed = [s for s in done if s.step not in open_steps]

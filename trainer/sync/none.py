@@ -17,7 +17,7 @@ class NoSync(SyncStrategy):
     """Replicas drift apart on purpose; useful for single-process runs and divergence baselines."""
 
     keeps_replicas_equal = False
-    one_model = False  # each rank trains its own: a checkpoint holds rank 0's
+    trains_one_model = False  # each rank trains its own: a checkpoint holds rank 0's
 
     def wrap(self, model: nn.Module) -> nn.Module:
         if dist.get_world_size() > 1 and dist.get_rank() == 0:

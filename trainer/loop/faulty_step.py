@@ -14,7 +14,7 @@ import torch
 from trainer.loop.step import StepRunner
 
 
-class FaultInjectingSteps(StepRunner):
+class FaultyStepRunner(StepRunner):
     """StepRunner, with one rank failing on purpose at trainer.fault.at_step."""
 
     _poisoned = False  # kind=nan_loss at this step: this rank's loss becomes NaN
