@@ -6,29 +6,31 @@
     torchrun --nproc_per_node=1 benchmarks/overhead.py --device cuda   # one GPU (make gpu-check runs this)
     torchrun --nproc_per_node=1 benchmarks/overhead.py --collective-cost   # network=<preset>'s cost (~1 min)
 
-For each model (by default: an MLP of ~25 M parameters, where communication is heavy; the cnn,
-where compute is; a tiny MLP whose sub-millisecond step shows any per-step bookkeeping; with
---models also mlp-wide, a few huge tensors, and mlp-deep, 102 small ones: the shapes where an
-optimisation of communication could lose) and each strategy (none, manual, bucketed, ddp, zero,
-fsdp and their variants in STRATEGIES), both implementations train the same model on the same data with the
-same per-rank batch and optimizer. The hand-written loop is what a PyTorch DDP tutorial writes,
-plain torch and no logging, except that it gathers each batch from the in-memory tensors with one
-index, as the framework's loader does: the ratio then measures the framework's bookkeeping, not
-two ways of loading data. Rounds interleave the two (framework first, then
-the loop first, ...); each round times a fixed number of steps after a barrier, and a job's time
-is its slowest rank's. Reported: medians over rounds, the ratio framework / loop, and the
-framework's communication time per step against the floor of one all_reduce of the same bytes
-measured in the same run (sync efficiency = floor / communication time). The loop has no knobs:
-for manual it all-reduces each gradient, for ddp and bucketed it wraps the model in PyTorch's
-DistributedDataParallel (bucket_cap_mb=25), so bucketed's ratio reads "the framework's hand-built
-DDP / PyTorch's DDP"; for zero (both stages) it uses DDP with torch's ZeroRedundancyOptimizer (so zero's ratio
-reads "ZeRO by hand / torch's sharded optimizer"), for fsdp the same fully_shard calls. grad MB:
-the gradient memory a rank holds right after after_backward, for ddp, zero and fsdp (one extra step,
-untimed; from the .grad tensors' storages: DDP's reducer buckets are not a .grad and not counted).
---baseline STRATEGY times the framework under that strategy too, in the same rounds (the three
-interleaved, the order reversed every other round), and adds "/ baseline": the median of the
-per-round ratios framework / baseline, with their interquartile range (the sharding table's
-"zero against ddp's own step").
+For each model (by default: an MLP of ~25 M parameters, where communication is heavy; the cnn, where
+compute is; a tiny MLP whose sub-millisecond step shows any per-step bookkeeping; with --models also
+mlp-wide, a few huge tensors, and mlp-deep, 102 small ones: the shapes where an optimisation of
+communication could lose) and each strategy (none, manual, bucketed, ddp, zero, fsdp and their
+variants in STRATEGIES), both implementations train the same model on the same data with the same
+per-rank batch and optimizer. The hand-written loop is what a PyTorch DDP tutorial writes, plain
+torch and no logging, except that it gathers each batch from the in-memory tensors with one index,
+as the framework's loader does: the ratio then measures the framework's bookkeeping, not two ways of
+loading data. A second hand-written loop logs a row as torchtitan does: every
+trainer.log_every_n_steps steps (10, as the framework) the loss is all-reduced and read on the host;
+"/ hand-written that logs" compares the framework with that, a loop that reports what it trains.
+Rounds interleave the implementations (the framework first, then the loops first, ...); each round
+times a fixed number of steps after a barrier, and a job's time is its slowest rank's. Reported:
+medians over rounds, the ratio framework / loop, and the framework's communication time per step
+against the floor of one all_reduce of the same bytes measured in the same run (sync efficiency =
+floor / communication time). The loop has no knobs: for manual it all-reduces each gradient, for ddp
+and bucketed it wraps the model in PyTorch's DistributedDataParallel (bucket_cap_mb=25), so
+bucketed's ratio reads "the framework's hand-built DDP / PyTorch's DDP"; for zero (both stages) it
+uses DDP with torch's ZeroRedundancyOptimizer (so zero's ratio reads "ZeRO by hand / torch's sharded
+optimizer"), for fsdp the same fully_shard calls. grad MB: the gradient memory a rank holds right
+after after_backward, for ddp, zero and fsdp (one extra step, untimed; from the .grad tensors'
+storages: DDP's reducer buckets are not a .grad and not counted). --baseline STRATEGY times the
+framework under that strategy too, in the same rounds (the three interleaved, the order reversed
+every other round), and adds "/ baseline": the median of the per-round ratios framework / baseline,
+with their interquartile range (the sharding table's "zero against ddp's own step").
 
 --collective-cost measures instead what network=<preset> (trainer/sync/network.py) costs: µs per
 collective of one small all_reduce along each route it can take (plain torch, the strategy's
@@ -125,6 +127,7 @@ class Result:
     strategy: str
     framework_s: list[float] = field(default_factory=list)
     loop_s: list[float] = field(default_factory=list)
+    logging_loop_s: list[float] = field(default_factory=list)  # the loop that logs a row as torchtitan does
     comm_s: float = 0.0
     exposed_s: float = 0.0
     bytes_per_step: float = 0.0
@@ -139,6 +142,7 @@ class Result:
         efficiency = self.floor_s / self.alone_s if self.alone_s else None
         extra_us = statistics.median(f - h for f, h in zip(self.framework_s, self.loop_s, strict=True)) * 1e6
         against = [f / b for f, b in zip(self.framework_s, self.baseline_s, strict=True)] if self.baseline_s else []
+        logging = [f / h for f, h in zip(self.framework_s, self.logging_loop_s, strict=True)]
         return {
             "model": self.model,
             "sync": self.strategy,
@@ -147,6 +151,8 @@ class Result:
             "ratio": statistics.median(ratios),
             "ratios": ratios,
             "ratio_iqr": iqr(ratios),
+            "vs_logging_loop": statistics.median(logging),
+            "vs_logging_loop_iqr": iqr(logging),
             "vs_baseline": statistics.median(against) if against else None,
             "vs_baseline_iqr": iqr(against) if against else None,
             "extra_us": extra_us,
@@ -164,8 +170,10 @@ def bench(model: str, strategy: str, args: argparse.Namespace, ctx: ddist.DistCo
     overrides = MODELS[model]
     framework = Framework(overrides, strategy, ctx, out / f"{model}-{strategy.replace(':', '-')}", args.set)
     loop = HandWritten(overrides, strategy, ctx)
+    every = int(next((s.split("=")[1] for s in args.set if s.startswith("trainer.log_every_n_steps=")), 10))
+    logging_loop = HandWritten(overrides, strategy, ctx, log_every=every)
     result = Result(model, strategy)
-    impls = [(result.framework_s, framework), (result.loop_s, loop)]
+    impls = [(result.framework_s, framework), (result.loop_s, loop), (result.logging_loop_s, logging_loop)]
     if args.baseline and args.baseline != strategy:
         base_out = out / f"{model}-baseline-{args.baseline.replace(':', '-')}"
         base = Framework(overrides, args.baseline, ctx, base_out, args.set)
@@ -209,16 +217,17 @@ def format_table(rows: list[dict[str, object]], baseline: str | None = None) -> 
 
     against = f" | / {baseline} [IQR]" if baseline else ""
     lines = [
-        "| model | sync | framework ms/step | hand-written ms/step | framework / hand-written [IQR]"
-        f"{against} | extra µs/step "
+        "| model | sync | framework ms/step | hand-written ms/step | framework / hand-written [IQR] "
+        f"| / hand-written that logs [IQR]{against} | extra µs/step "
         "| MB/step | comm in step ms | exposed ms | sync alone ms | floor ms | floor / sync alone | grad MB |",
-        "|---|---|---|---|---|" + ("---|" if baseline else "") + "---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|" + ("---|" if baseline else "") + "---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         versus = f" | {spread(r['vs_baseline'], r['vs_baseline_iqr'])}" if baseline else ""
         lines.append(
             f"| {r['model']} | {r['sync']} | {r['framework_ms']:.2f} | {r['loop_ms']:.2f} "
-            f"| {spread(r['ratio'], r['ratio_iqr'])}{versus} "
+            f"| {spread(r['ratio'], r['ratio_iqr'])} "
+            f"| {spread(r['vs_logging_loop'], r['vs_logging_loop_iqr'])}{versus} "
             f"| {r['extra_us']:.0f} "
             f"| {r['mb_per_step']:.1f} | {cell(r['comm_in_step_ms'], '.1f')} | {cell(r['exposed_ms'], '.1f')} "
             f"| {cell(r['sync_alone_ms'], '.1f')} "

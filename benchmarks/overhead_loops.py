@@ -36,7 +36,10 @@ class HandWritten:
     transformer block (or, without blocks, each layer that owns parameters), then the root.
     """
 
-    def __init__(self, overrides: list[str], strategy: str, ctx: ddist.DistContext) -> None:
+    def __init__(self, overrides: list[str], strategy: str, ctx: ddist.DistContext, log_every: int = 0) -> None:
+        """log_every > 0: every n steps the loss is all-reduced and read on the host, as torchtitan's
+        loop logs a row (its loss averaged over the ranks, one host sync); 0: nothing logged."""
+        self.log_every, self.step, self.logged = log_every, 0, 0.0
         cfg = compose_config(overrides)
         parts = build_parts(cfg, instantiate(cfg.trainer))  # the same model and dataset objects
         prepare_data(parts.data, ctx)  # data=text: rank 0 writes the token file the windows map
@@ -99,6 +102,11 @@ class HandWritten:
                     dist.all_reduce(param.grad)
                     param.grad.div_(self.world_size)
             self.optimizer.step()
+            self.step += 1
+            if self.log_every and self.step % self.log_every == 0:  # torchtitan's row: the global mean loss
+                mean = loss.detach().clone()
+                dist.all_reduce(mean)
+                self.logged = mean.item() / self.world_size
 
 
 class Framework:
