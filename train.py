@@ -15,7 +15,6 @@ others receive it through torchrun's store, so all ranks write into one run dire
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Any
 
 import hydra
@@ -26,14 +25,7 @@ from trainer.loop.summary import log_final_report
 from trainer.reliability.exits import exit_cleanly
 from trainer.setup import config as conf
 from trainer.setup import dist, precheck
-from trainer.setup.build import (
-    add_loggers,
-    build_parts,
-    build_trainer,
-    check_device,
-    instantiate,
-    prepare_data,
-)
+from trainer.setup.build import add_loggers, build_parts, build_trainer, check_device, prepare_data
 from trainer.setup.preflight import bytes_needed, check_output_dir
 
 
@@ -41,11 +33,11 @@ from trainer.setup.preflight import bytes_needed, check_output_dir
 def main(cfg: DictConfig) -> dict[str, Any]:
     loggers: list[MetricLogger] = []
     # ConfigError -> one message (rank 0's) + exit 2; SIGTERM -> flush + exit 143; Ctrl-C -> exit 130
-    with exit_cleanly(loggers, precheck.prints_bad_input_error):
+    with exit_cleanly(loggers, dist.prints_bad_input_error):
         config = conf.plain_config(cfg)
-        settings = instantiate(cfg.trainer)
         launch = dist.read_launch_env()  # read here, not at import: submitit tasks unpickle main()
-        parts = build_parts(cfg, settings, launch.world_size)  # every constructor runs here, before any collective
+        parts = build_parts(cfg, launch.world_size)  # validated, then every constructor, before any collective
+        settings = parts.settings
         check_output_dir(conf.run_dir(), bytes_needed(parts.model, settings.keep_checkpoints))  # full disk: fail now
         device = dist.resolve_device(settings.device, launch)
         check_device(parts, device)  # e.g. SyncBatchNorm needs CUDA: refused before any logger starts
@@ -56,7 +48,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
             prepare_data(parts.data, ctx)
             run_dir = conf.run_dir()
             add_loggers(loggers, cfg, config, ctx, run_dir, group=conf.job_name(cfg.run_name))
-            summary = build_trainer(parts, settings, ctx, loggers, run_dir, config).fit()
+            summary = build_trainer(parts, ctx, loggers, run_dir, config).fit()
             if ctx.is_main_process:
                 log_final_report(summary)
             return summary
@@ -68,11 +60,6 @@ if __name__ == "__main__":
     launch = dist.read_launch_env()
     store = dist.job_store(launch)
     # Bad input stops every rank here (exit 2), before Hydra's app creates the run dir.
-    precheck.check_command_line(sys.argv[1:], launch.rank, precheck.rank0_signal(store, launch))
+    precheck.check_command_line(sys.argv[1:], launch.rank, dist.rank0_signal(store, launch))
     conf.set_run_stamp(dist.agree_on_run_stamp(store, launch))
-    try:
-        main()
-    except SystemExit as exit_:
-        if exit_.code == 1 and not conf.job_started():  # Hydra rejected the command line
-            conf.explain_overrides(sys.argv[1:], Path(__file__).parent / "conf")
-        raise
+    main()

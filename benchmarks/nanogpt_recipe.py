@@ -33,7 +33,7 @@ from benchmarks.overhead import iqr, timed  # noqa: E402
 from benchmarks.overhead_loops import Framework  # noqa: E402
 from data.text import Windows  # noqa: E402
 from trainer.setup import dist as ddist  # noqa: E402
-from trainer.setup.build import build_parts, instantiate, prepare_data  # noqa: E402
+from trainer.setup.build import build_parts, prepare_data  # noqa: E402
 from trainer.setup.config import compose_config  # noqa: E402
 
 LR, MIN_LR, WARMUP, BETAS, DECAY, CLIP, BATCH = 1e-3, 1e-4, 100, (0.9, 0.99), 0.1, 1.0, 12
@@ -70,7 +70,7 @@ class NanoGPTLoop:
 
     def __init__(self, overrides: list[str], steps: int, ctx: ddist.DistContext) -> None:
         cfg = compose_config(overrides)
-        parts = build_parts(cfg, instantiate(cfg.trainer))  # the same model and token file
+        parts = build_parts(cfg)  # the same model and token file
         prepare_data(parts.data, ctx)
         train, _ = parts.data.build_datasets()
         assert isinstance(train, Windows)

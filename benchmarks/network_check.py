@@ -35,8 +35,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from trainer.scaling.costs import Network, Topology  # noqa: E402
-from trainer.scaling.networks import PRESETS  # noqa: E402
+from trainer.links import (  # noqa: E402
+    PRESETS,  # noqa: E402
+    Network,
+    Topology,
+)
 from trainer.scaling.predict import Prediction, predict  # noqa: E402
 from trainer.scaling.profile import measured_step_s, read_profile  # noqa: E402
 

@@ -22,7 +22,7 @@ from torch.utils.data import BatchSampler, DistributedSampler, TensorDataset
 from data.text import Windows
 from trainer.logger.jsonl import JsonlLogger
 from trainer.setup import dist as ddist
-from trainer.setup.build import build_parts, build_trainer, instantiate, prepare_data
+from trainer.setup.build import build_parts, build_trainer, prepare_data
 from trainer.setup.config import compose_config
 
 
@@ -41,7 +41,7 @@ class HandWritten:
         loop logs a row (its loss averaged over the ranks, one host sync); 0: nothing logged."""
         self.log_every, self.step, self.logged = log_every, 0, 0.0
         cfg = compose_config(overrides)
-        parts = build_parts(cfg, instantiate(cfg.trainer))  # the same model and dataset objects
+        parts = build_parts(cfg)  # the same model and dataset objects
         prepare_data(parts.data, ctx)  # data=text: rank 0 writes the token file the windows map
         train, _ = parts.data.build_datasets()
         if isinstance(train, Windows):  # nanoGPT's get_batch: one gather of whole windows from the token file
@@ -128,11 +128,10 @@ class Framework:
                 *extra,  # the benchmark's --set: after the defaults above, so that it can change them
             ]
         )
-        settings = instantiate(cfg.trainer)
-        parts = build_parts(cfg, settings)
+        parts = build_parts(cfg)
         prepare_data(parts.data, ctx)
         self.jsonl = out / f"rank{ctx.rank}.jsonl"
-        self.trainer = build_trainer(parts, settings, ctx, [JsonlLogger(self.jsonl)], out, {})
+        self.trainer = build_trainer(parts, ctx, [JsonlLogger(self.jsonl)], out, {})
 
     def run(self, steps: int) -> None:
         self.trainer.train(self.trainer.step + steps)

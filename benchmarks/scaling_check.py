@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from trainer.scaling.costs import Network, Topology  # noqa: E402
+from trainer.links import Network, Topology  # noqa: E402
 from trainer.scaling.networks import fit_network  # noqa: E402
 from trainer.scaling.predict import predict  # noqa: E402
 from trainer.scaling.profile import RunProfile, measured_step_s, read_profile  # noqa: E402

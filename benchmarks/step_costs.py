@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from benchmarks.overhead import MODELS  # noqa: E402
 from benchmarks.overhead_loops import Framework  # noqa: E402
+from trainer.reliability import fault as faults  # noqa: E402
 from trainer.reliability.exits import StepBoundary  # noqa: E402
 from trainer.setup import dist as ddist  # noqa: E402
 
@@ -68,7 +69,7 @@ def measure(framework: Framework, number: int) -> list[tuple[str, float]]:
 
     def hooks() -> None:
         with StepBoundary():
-            fault.maybe_fire(0, trainer.step, 0, trainer.model)
+            faults.maybe_fire(fault, 0, trainer.step, 0, trainer.model)
             fault.poisons_loss(0, trainer.step, 0)
 
     def between_steps() -> None:  # an unlogged step's checks: nothing due

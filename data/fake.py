@@ -38,11 +38,6 @@ class FakeImageData(DataModule):
             raise ValueError(
                 f"data.image_shape={list(shape)} is invalid: must be [C, H, W] with C 1 or 3 and H, W >= 1"
             )
-        if num_samples < 1 or num_val_samples < 1 or num_classes < 2:
-            raise ValueError(
-                f"data.num_samples={num_samples}, data.num_val_samples={num_val_samples}, "
-                f"data.num_classes={num_classes}: sample counts must be >= 1 and classes >= 2"
-            )
         self.num_samples = num_samples
         self.num_val_samples = num_val_samples
         self.input_shape = shape

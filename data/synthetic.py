@@ -26,15 +26,7 @@ class SyntheticData(DataModule):
         num_workers: int = 0,
         drop_last: bool = True,
     ) -> None:
-        super().__init__(batch_size, num_workers, drop_last)
-        for key, value, least in (
-            ("num_samples", num_samples, 1),
-            ("num_val_samples", num_val_samples, 1),
-            ("input_dim", input_dim, 1),
-            ("num_classes", num_classes, 2),
-        ):
-            if value < least:
-                raise ValueError(f"data.{key}={value} is invalid: must be an integer >= {least}")
+        super().__init__(batch_size, num_workers, drop_last)  # sizes and counts: checked by the config's schema
         self.num_samples = num_samples
         self.num_val_samples = num_val_samples
         self.input_shape = (input_dim,)

@@ -11,7 +11,7 @@ import torch
 
 from tests.compose import compose_config
 from trainer.loop.timing import PHASES
-from trainer.setup.build import build_parts, instantiate
+from trainer.setup.build import build_parts
 
 CUDA = "trainer.device=cuda"
 QUICK = ["logger=none", "trainer.progress_bar=false", "data.num_samples=1024", "data.num_val_samples=128"]
@@ -29,7 +29,7 @@ def summary_of(run_dir: Path) -> dict[str, Any]:
 def initial_model(overrides: list[str]) -> torch.nn.Module:
     """The model every run with these overrides starts from (same seed), built here without training."""
     cfg = compose_config(overrides)
-    return build_parts(cfg, instantiate(cfg.trainer)).model
+    return build_parts(cfg).model
 
 
 def assert_phases_add_up(row: dict[str, Any]) -> None:

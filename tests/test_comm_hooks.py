@@ -11,7 +11,7 @@ from tests.compose import compose_config
 from tests.dist_helpers import run_on_ranks
 from tests.train_helpers import build, case_results, params_of, train_each
 from trainer.errors import ConfigError
-from trainer.setup.build import build_parts, instantiate
+from trainer.setup.build import build_parts
 from trainer.setup.precheck import check_overrides
 
 # 32 samples, 2 ranks x 8: 2 steps per epoch, so 12 steps see each sample 6 times; a row every 2 steps.
@@ -40,7 +40,7 @@ def train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dic
 
 def parameter_shapes() -> list[torch.Size]:
     cfg = compose_config(COMMON)
-    return [p.shape for p in build_parts(cfg, instantiate(cfg.trainer)).model.parameters()]
+    return [p.shape for p in build_parts(cfg).model.parameters()]
 
 
 def powersgd_numel(shape: torch.Size, rank: int) -> int:

@@ -32,7 +32,7 @@ import pytest
 
 from trainer.setup.precheck import EXIT_CODE, check_command_line
 from trainer.setup.schema import SCHEMAS
-from trainer.setup.schema.declare import Key, key_of, nested_schema
+from trainer.setup.validate import Key, key_of, nested
 
 
 class Row(NamedTuple):
@@ -193,12 +193,12 @@ def test_a_bad_value_is_refused_naming_the_key_and_the_value(row: Row, capsys: p
 
 def _leaves(schema: type, prefix: str) -> list[tuple[str, Key]]:
     """(full key, Key) of every leaf field, those of nested dataclasses (trainer.fault) included."""
-    hints = typing.get_type_hints(schema)
+    typing.get_type_hints(schema)
     found: list[tuple[str, Key]] = []
     for field in dataclasses.fields(schema):
-        nested = nested_schema(hints[field.name])  # trainer.fault
-        if nested is not None:
-            found += _leaves(nested, f"{prefix}{field.name}.")
+        inner = nested(schema, field.name)  # trainer.fault
+        if inner is not None:
+            found += _leaves(inner, f"{prefix}{field.name}.")
         else:
             found.append((f"{prefix}{field.name}", key_of(schema, field.name)))
     return found

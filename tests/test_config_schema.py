@@ -12,13 +12,15 @@ import typing
 from typing import Any
 
 import pytest
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from tests.compose import CONF_DIR, compose_config
 from trainer.errors import ConfigError
 from trainer.setup.precheck import check_overrides
-from trainer.setup.schema import MODULES, SCHEMAS
-from trainer.setup.schema.declare import Key, key_of, nested_schema
+from trainer.setup.schema import SCHEMAS
+from trainer.setup.validate import Key, key_of, nested, schema_of
+
+MODULES = {group: "trainer/core.py" if group == "trainer" else "trainer/setup/schema.py" for group in SCHEMAS}
 
 # Groups whose options are not typed nodes of their own: they set keys of the typed groups.
 UNTYPED_GROUPS = {
@@ -60,8 +62,8 @@ def test_every_group_directory_is_typed() -> None:
     on_disk = {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
     untyped = on_disk - set(SCHEMAS) - set(UNTYPED_GROUPS)
     assert not untyped, (
-        f"conf/{sorted(untyped)[0]}/ has no schemas: add a module to trainer/setup/schema/ with a dataclass per "
-        "option and list it in SCHEMAS in trainer/setup/schema/__init__.py (docs/configuration.md, adding a key)"
+        f"conf/{sorted(untyped)[0]}/ has no schemas: add a dataclass per option to trainer/setup/schema.py "
+        "and list them in its SCHEMAS (docs/configuration.md, adding a key)"
     )
 
 
@@ -71,19 +73,19 @@ def test_every_schema_has_its_yaml() -> None:
 
 
 def _compare(raw: DictConfig, schema: type, where: str, module: str) -> None:
-    """The YAML's keys and the schema's fields are the same set (fields with a default may be left out)."""
+    """The YAML's keys and the schema's fields are the same set: a field has no default, the YAML gives it."""
     fields = {f.name: f for f in dataclasses.fields(schema)}
     hints = typing.get_type_hints(schema)
     for name in (str(k) for k in raw if k != "defaults"):
         assert name in fields, (
             f"{where} sets `{name}`, which {schema.__name__} in {module} lacks: add the typed field "
-            f"`{name}: Annotated[<type>, Field(<range>)] = MISSING` (or a Literal of its choices) there "
+            f"`{name}: Annotated[<type>, Field(<range>)]` (or a Literal of its choices) there "
             "(docs/configuration.md, adding a key)"
         )
         if dataclasses.is_dataclass(hints[name]):
             _compare(raw[name], hints[name], f"{where} under {name}", module)
     for name, field in fields.items():
-        required = field.default is MISSING and field.default_factory is dataclasses.MISSING
+        required = field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
         assert not required or name in raw, (
             f"{schema.__name__} in {module} declares `{name}` without a default, but {where} does not set it: "
             "add its line (the value is the default) to the YAML"
@@ -94,17 +96,14 @@ def _compare(raw: DictConfig, schema: type, where: str, module: str) -> None:
 def test_every_yaml_option_has_a_schema_with_the_same_keys(group: str, option: str) -> None:
     where, module = f"conf/{group}/{option}.yaml", MODULES[group]
     schema = SCHEMAS[group].get(option)
-    line = f"/schema/{group}/{option}@_here_"
     assert schema is not None, (
-        f"{where} has no schema: add a dataclass for it to {module}, list it there in OPTIONS as "
-        f"'{option}', and start the YAML with `defaults: [{line}]` (docs/configuration.md, adding a key)"
+        f"{where} has no schema: add a dataclass for it to {module} and list it in SCHEMAS as "
+        f"'{option}' (docs/configuration.md, adding a key)"
     )
     raw = OmegaConf.load(CONF_DIR / group / f"{option}.yaml")
-    assert isinstance(raw, DictConfig) and line in list(raw.get("defaults") or []), (
-        f"{where} does not name its schema: start it with `defaults: [{line}]`"
-    )
+    assert isinstance(raw, DictConfig)
     _compare(raw, schema, where, module)
-    assert OmegaConf.get_type(compose_config([f"{group}={option}"])[group]) is schema
+    assert schema_of(group, compose_config(chosen(group, option))[group]) is schema
 
 
 def leaves(schema: type, prefix: str) -> list[tuple[str, Any, Key]]:
@@ -112,19 +111,21 @@ def leaves(schema: type, prefix: str) -> list[tuple[str, Any, Key]]:
     found = []
     hints = typing.get_type_hints(schema)
     for field in dataclasses.fields(schema):
-        nested = nested_schema(hints[field.name])  # trainer.fault
-        if nested is not None:
-            found += leaves(nested, f"{prefix}{field.name}.")
+        inner = nested(schema, field.name)  # trainer.fault
+        if inner is not None:
+            found += leaves(inner, f"{prefix}{field.name}.")
         else:
             found.append((f"{prefix}{field.name}", hints[field.name], key_of(schema, field.name)))
     return found
 
 
 def _base(annotation: Any) -> Any:
-    """int for `int | None`, list for `list[int]`."""
+    """int for `int | None`, list for `list[int]`, str for `Literal["a", "b"]`."""
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     if typing.get_origin(annotation) is list:
         return list
+    if typing.get_origin(annotation) is typing.Literal:
+        return type(args[0])
     return _base(args[0]) if args else annotation
 
 
@@ -242,7 +243,7 @@ MORE = {
     "sweep-value": (["-m", "sync.bucket_cap_mb=1,5,lots"], ["sync.bucket_cap_mb='lots' is invalid"]),
     "experiment-then-bad-value": (["-m", "experiment=bucket_sweep", "trainer.max_steps=-3"], ["trainer.max_steps=-3"]),
     "strategy-sweep-then-bad-value": (
-        ["-m", "+strategy=ddp,bucketed", "sync.comm_hook=fp16"],
+        ["-m", "sync=ddp,bucketed", "sync.comm_hook=fp16"],
         ["'sync.comm_hook' is not a config key", "bucket_cap_mb"],  # bucketed has no comm_hook
     ),
     "both-lengths-null": (["trainer.max_steps=null", "trainer.num_epochs=null"], ["both null"]),
@@ -273,9 +274,9 @@ def test_a_plain_node_replacing_a_group_is_still_checked_against_its_target() ->
 
 
 def test_the_sync_schemas_choices_are_the_strategies_own() -> None:
-    # The schema checks a choice; a strategy's constructor only says, in its annotation, which
-    # typed values it is handed. Both must name the same values.
-    from trainer.setup.schema import sync as schema
+    # A choice is declared once, where the strategy names it in its constructor's annotation; the
+    # schema uses that very declaration.
+    from trainer.setup import schema
     from trainer.sync.bucketed import BucketedSync
     from trainer.sync.ddp import DDPSync
     from trainer.sync.fsdp import MIXED_PRECISION, FSDPSync

@@ -11,9 +11,10 @@ from torch import nn
 
 from data.base import DataModule
 from tests.compose import CONF_DIR, compose_config
+from trainer.core import TrainSettings
 from trainer.logger.jsonl import JsonlLogger
 from trainer.setup.build import instantiate, optimizer_factory
-from trainer.setup.settings import TrainSettings
+from trainer.setup.validate import validate
 from trainer.sync.base import SyncStrategy
 
 GROUPS = ("model", "data", "sync", "optim", "schedule", "trainer", "logger", "network", "strategy", "experiment")
@@ -34,9 +35,18 @@ def test_every_group_has_options() -> None:
     assert on_disk <= set(GROUPS), on_disk - set(GROUPS)
 
 
-def test_strategy_sweep_lists_every_strategy_variant() -> None:
-    params = OmegaConf.load(CONF_DIR / "experiment" / "strategy_sweep.yaml").hydra.sweeper.params
-    assert sorted(params["+strategy"].split(",")) == options("strategy")
+def test_strategy_sweeps_list_every_strategy_and_every_preset() -> None:
+    strategies = OmegaConf.load(CONF_DIR / "experiment" / "strategy_sweep.yaml").hydra.sweeper.params
+    assert sorted(strategies["sync"].split(",")) == options("sync")
+    presets = OmegaConf.load(CONF_DIR / "experiment" / "strategy_variants.yaml").hydra.sweeper.params
+    assert sorted(presets["+strategy"].split(",")) == options("strategy")
+
+
+def test_every_strategy_preset_sets_more_than_its_sync_choice() -> None:
+    # sync=<name> chooses a strategy; a preset exists for a strategy together with knobs of its own.
+    for option in options("strategy"):
+        preset = OmegaConf.load(CONF_DIR / "strategy" / f"{option}.yaml")
+        assert "sync" in preset and len(preset.sync) > 0, f"conf/strategy/{option}.yaml only picks a sync option"
 
 
 def test_defaults_compose_and_resolve() -> None:
@@ -75,7 +85,7 @@ def test_option_composes_and_instantiates(group: str, option: str, tmp_path: Pat
         schedule = instantiate(cfg.schedule, total_steps=100)
         assert 0.0 < schedule(50) <= 1.0
     elif group == "trainer":
-        assert isinstance(instantiate(cfg.trainer), TrainSettings)
+        assert isinstance(validate(cfg)["trainer"], TrainSettings)
     elif group == "logger":
         logger = instantiate(cfg.logger, dir=str(tmp_path), name="rank-0", group="g", run_config={"a": 1}, rank=0)
         logger.log({"step": 1, "train/loss": 1.0})
@@ -86,8 +96,9 @@ def test_option_composes_and_instantiates(group: str, option: str, tmp_path: Pat
         link = instantiate(cfg.network).link(2)
         assert link is None if option == "none" else link is not None and link.describe().startswith(option)
     elif group == "experiment":
-        for node in ("model", "data", "sync", "optim", "schedule", "trainer", "logger", "network"):
+        for node in ("model", "data", "sync", "optim", "schedule", "logger", "network"):
             assert "_target_" in cfg[node]
+        validate(cfg)
     else:
         pytest.fail(f"no check for group {group}")
 

@@ -10,7 +10,7 @@ import torch
 from tests.compose import compose_config
 from tests.dist_helpers import run_on_ranks
 from tests.train_helpers import SIX_STEPS, assert_same_model, build, case_results, max_abs_diff, params_of, train_each
-from trainer.setup.build import build_parts, instantiate
+from trainer.setup.build import build_parts
 
 # 64 samples, 2 ranks x 8 = 4 steps per epoch: 6 steps cross an epoch boundary (set_epoch reshuffles).
 COMMON = [
@@ -92,7 +92,7 @@ def test_two_ranks_equal_one_process_with_twice_the_batch(
 def initial_params() -> dict[str, torch.Tensor]:
     """The weights every run starts from (same seed), built in this process without training."""
     cfg = compose_config(COMMON)
-    return build_parts(cfg, instantiate(cfg.trainer)).model.state_dict()
+    return build_parts(cfg).model.state_dict()
 
 
 def test_grad_accumulation_equals_the_full_batch(tmp_path: Path, single_process: dict[str, torch.Tensor]) -> None:

@@ -20,7 +20,7 @@ from tests.dist_helpers import run_on_ranks
 from tests.train_helpers import SIX_STEPS, bit_identical, build, case_results, max_abs_diff, train_each
 from trainer.errors import ConfigError
 from trainer.loop.metrics import optimizer_state_mb
-from trainer.setup.build import build_parts, check_device, instantiate
+from trainer.setup.build import build_parts, check_device
 from trainer.setup.precheck import check_overrides
 
 # As tests/test_equivalence.py: 64 samples, 2 ranks x 8 = 4 steps per epoch, 6 steps cross an epoch.
@@ -190,7 +190,7 @@ def test_two_ranks_equal_one_process_with_twice_the_batch(
 
 def initial_params() -> dict[str, torch.Tensor]:
     cfg = compose_config(COMMON)
-    return build_parts(cfg, instantiate(cfg.trainer)).model.state_dict()
+    return build_parts(cfg).model.state_dict()
 
 
 def test_each_rank_holds_half_the_optimizer_state(pairs: list[dict[str, Any]]) -> None:
@@ -217,7 +217,7 @@ def test_checkpoint_holds_the_plain_model_and_resume_is_bit_identical(pairs: lis
     # The contract: last.pt holds the plain model's state (and the optimizer's usual layout).
     saved = rank0["saved"]
     cfg = compose_config([*COMMON, "optim=adamw"])
-    plain = build_parts(cfg, instantiate(cfg.trainer)).model
+    plain = build_parts(cfg).model
     assert list(saved["model"]) == list(plain.state_dict())
     plain.load_state_dict(saved["model"], strict=True)
     assert bit_identical(plain.state_dict(), straight)
@@ -265,7 +265,7 @@ def test_bad_values_are_refused_with_the_key() -> None:
     with pytest.raises(ConfigError, match=r"sync\.reshard_after_forward=sometimes is invalid"):
         compose_config(["sync=fsdp", "sync.reshard_after_forward=sometimes"])  # typed: refused while composing
     cfg = compose_config(["sync=fsdp", "sync.mixed_precision=bf16"])
-    parts = build_parts(cfg, instantiate(cfg.trainer))
+    parts = build_parts(cfg)
     with pytest.raises(ConfigError, match=r"sync\.mixed_precision=bf16 cannot run on cpu.*trainer\.device=cuda"):
         check_device(parts, torch.device("cpu"))
     with pytest.raises(ConfigError, match=r"sync\.wrap='layer' is invalid: accepted: auto.*block.*module"):

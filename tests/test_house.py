@@ -88,6 +88,47 @@ def test_no_import_circles() -> None:
         visit(module)
 
 
+# What each package of trainer/ may import (besides the leaves: core, errors, clock, comm_math,
+# links, trace_names, which import nothing of trainer/ but each other): the composition root builds
+# everything; the loop uses sync, reliability and logger; reliability may read a strategy's state
+# (sync) and log (logger); sync imports none of the others. docs/architecture.md draws this.
+LEAVES = {"core", "errors", "clock", "comm_math", "links", "trace_names"}
+MAY_IMPORT = {
+    "setup": {"loop", "sync", "reliability", "logger"},
+    "loop": {"sync", "reliability", "logger"},
+    "reliability": {"sync", "logger"},
+    "logger": set(),
+    "sync": set(),
+    "scaling": set(),
+    "tools": {"setup", "loop", "sync", "reliability", "logger", "scaling"},
+}
+
+
+def test_the_packages_of_the_trainer_point_one_way() -> None:
+    """Package to package, imports under `if TYPE_CHECKING:` aside: no cycle, and only the allowed arrows."""
+    arrows: set[tuple[str, str]] = set()
+    for module, imports in our_modules().items():
+        parts = module.split(".")
+        if parts[0] != "trainer" or len(parts) < 2:
+            continue
+        path = REPO.joinpath(*parts).with_suffix(".py")
+        path = path if path.exists() else REPO.joinpath(*parts, "__init__.py")
+        checked_only = {
+            f"{node.module}.{a.name}" if node.module else a.name
+            for guard in ast.walk(ast.parse(path.read_text()))
+            if isinstance(guard, ast.If) and "TYPE_CHECKING" in ast.unparse(guard.test)
+            for node in ast.walk(guard)
+            if isinstance(node, ast.ImportFrom)
+            for a in node.names
+        }
+        for imported in imports - checked_only:
+            target = imported.split(".")
+            if target[0] == "trainer" and len(target) > 1 and target[1] != parts[1]:
+                arrows.add((parts[1], target[1]))
+    wrong = sorted((a, b) for a, b in arrows if b not in LEAVES and (a in LEAVES or b not in MAY_IMPORT.get(a, set())))
+    assert not wrong, f"imports against the layers (docs/architecture.md): {wrong}"
+
+
 def test_a_leafs_value_error_reaches_the_user_as_a_config_error() -> None:
     with pytest.raises(ConfigError, match=r"data\.batch_size=0 is invalid"):
         instantiate(compose_config(["data.batch_size=0"]).data)
@@ -99,7 +140,7 @@ def test_logger_none_never_imports_wandb(tmp_path: Path) -> None:
         "import sys, torch; from pathlib import Path; from tests.compose import compose_config;"
         "from trainer.setup.dist import DistContext;"
         "from trainer.setup.build import add_loggers, build_parts, instantiate;"
-        "cfg = compose_config(['logger=none']); parts = build_parts(cfg, instantiate(cfg.trainer)); loggers = [];"
+        "cfg = compose_config(['logger=none']); parts = build_parts(cfg); loggers = [];"
         f"add_loggers(loggers, cfg, {{}}, DistContext(0, 0, 1, torch.device('cpu'), 'gloo'), Path('{tmp_path}'), 'g');"
         "print(len(loggers), 'wandb' in sys.modules)"
     )

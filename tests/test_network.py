@@ -19,10 +19,10 @@ import torch.distributed as dist
 from tests.dist_helpers import run_on_ranks
 from tests.train_helpers import SIX_STEPS, bit_identical, build, case_results, params_of, train_each
 from trainer.errors import ConfigError
+from trainer.links import EMULATED, PRESETS, ring_s
+from trainer.links import Preset as Link
 from trainer.loop.rows import sync_facts
-from trainer.scaling.costs import ring_s
-from trainer.scaling.networks import EMULATED, PRESETS
-from trainer.setup.schema.network import Link, NetworkConfig
+from trainer.setup.schema import Network as NetworkConfig
 from trainer.sync.comm import Comm
 from trainer.sync.network import Network
 

@@ -14,17 +14,22 @@ def sweep(name: str) -> dict[str, str]:
 
 def test_network_strategies_runs_each_strategy_on_one_emulated_link() -> None:
     params = sweep("network_strategies")
-    strategies = params["+strategy"].split(",")
-    assert list(params) == ["+repeat", "+strategy"] and params["+repeat"] == "1,2"  # repeats outermost: interleaved
-    assert set(strategies) == {"none", "manual", "bucketed", "ddp", "ddp_fp16", "ddp_powersgd", "zero"}
-    # fsdp: FSDP2's collectives do not reach the emulated link, so it would look as fast as loopback
-    assert "fsdp" not in strategies
+    strategies = params["sync"].split(",")
+    assert list(params) == ["+repeat", "sync"] and params["+repeat"] == "1,2"  # repeats outermost: interleaved
+    # every strategy, fsdp included: its collectives ride the link too
+    assert set(strategies) == {"none", "manual", "bucketed", "ddp", "zero", "fsdp"}
     for strategy in strategies:
-        cfg = compose_config(["experiment=network_strategies", f"+strategy={strategy}"])
+        cfg = compose_config(["experiment=network_strategies", f"sync={strategy}"])
         assert cfg.network.preset == "100gbe" and cfg.network.time_scale == 25
-        assert cfg.sync._target_.split(".")[2] == strategy.split("_")[0]
+        assert cfg.sync._target_.split(".")[2] == strategy
+    # compression: ddp's hooks on the same link and model
+    compression = sweep("network_compression")
+    assert compression["sync"] == "ddp" and compression["sync.comm_hook"].split(",") == ["none", "fp16", "powersgd"]
+    for hook in ("fp16", "powersgd"):
+        cfg = compose_config(["experiment=network_compression", "sync=ddp", f"sync.comm_hook={hook}"])
+        assert cfg.network.preset == "100gbe" and cfg.network.time_scale == 25 and cfg.sync.comm_hook == hook
     # larger than the default 25 MiB cap, so bucketed, ddp and zero build more than one bucket
-    cfg = compose_config(["experiment=network_strategies", "+strategy=ddp"])
+    cfg = compose_config(["experiment=network_strategies", "sync=ddp"])
     widths = [32, *cfg.model.hidden_sizes, 10]  # data=synthetic's input_dim and classes
     gradient_bytes = 4 * sum(a * b + b for a, b in zip(widths, widths[1:], strict=False))
     assert gradient_bytes > cfg.sync.bucket_cap_mb * 2**20

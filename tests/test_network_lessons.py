@@ -26,8 +26,7 @@ from typing import Any
 import pytest
 
 from tests.cli import CPU, output, torchrun
-from trainer.scaling.costs import Link, ring_s
-from trainer.scaling.networks import PRESETS
+from trainer.links import PRESETS, Link, ring_s
 
 TIME_SCALE = 3.0
 LINK = ["network=1gbe", "network.latency_us=2000", f"network.time_scale={TIME_SCALE:g}"]

@@ -20,6 +20,7 @@ from tests.cli import train_rows
 from tests.compose import compose_config
 from tests.dist_helpers import run_on_ranks
 from tests.train_helpers import case_results
+from trainer.core import DistContext
 from trainer.errors import ConfigError
 from trainer.logger.jsonl import JsonlLogger
 from trainer.reliability.checkpoint import (
@@ -29,8 +30,7 @@ from trainer.reliability.checkpoint import (
     save_checkpoint,
     step_files,
 )
-from trainer.setup.build import build_parts, build_trainer, instantiate, prepare_data
-from trainer.setup.dist import DistContext
+from trainer.setup.build import build_parts, build_trainer, prepare_data
 from trainer.setup.preflight import check_output_dir
 
 # 512 samples, 2 ranks x 32 = 8 steps per epoch: checkpoints at 4 and 12 are mid-epoch.
@@ -53,13 +53,12 @@ def fit(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dict:
     from trainer.setup.config import plain_config
 
     config = plain_config(cfg)
-    settings = instantiate(cfg.trainer)
-    parts = build_parts(cfg, settings, world_size)
+    parts = build_parts(cfg, world_size)
     ctx = DistContext(rank, rank, world_size, torch.device("cpu"), "gloo")
     prepare_data(parts.data, ctx)
     logger = JsonlLogger(Path(run_dir) / "metrics" / f"rank{rank}.jsonl")
     try:
-        trainer = build_trainer(parts, settings, ctx, [logger], Path(run_dir), config)
+        trainer = build_trainer(parts, ctx, [logger], Path(run_dir), config)
         trainer.fit()
     except (RuntimeError, ConfigError) as err:
         return {"error": f"{type(err).__name__}: {err}"}

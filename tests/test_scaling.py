@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from trainer.errors import ConfigError
-from trainer.scaling.costs import Link, Network, Topology, ring_s
+from trainer.links import Link, Network, Topology, ring_s
 from trainer.scaling.networks import fit_link, parse_network
 from trainer.scaling.predict import buckets, layered, overlapped, predict
 from trainer.scaling.profile import RunProfile, Tensor, read_profile
@@ -168,7 +168,7 @@ def test_fsdp_units_follow_sync_wrap() -> None:
     """sync.wrap's choice: module units (per owning module), or the root's tensors then one unit per
     block; auto is block only when the run recorded blocks (older summaries have none)."""
     from trainer.scaling.predict import FSDP_WRAPS, fsdp_units
-    from trainer.setup.schema.sync import Wrap
+    from trainer.sync.fsdp_units import Wrap
 
     assert typing.get_args(Wrap) == FSDP_WRAPS
     tensors = (

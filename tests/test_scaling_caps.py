@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from trainer.links import Network, Topology
 from trainer.scaling.caps import NOISE_BOUND, cap_advice, logged_step_s, noise_warning, tied_caps
-from trainer.scaling.costs import Network, Topology
 from trainer.scaling.predict import Prediction
 from trainer.scaling.profile import RunProfile, Tensor
 from trainer.scaling.report import plot

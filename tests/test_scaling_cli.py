@@ -15,8 +15,8 @@ import torch.distributed
 
 from tests.cli import CPU, output, python_train
 from tests.compose import REPO
+from trainer.links import KINDS, Link, ring_s
 from trainer.scaling.__main__ import main
-from trainer.scaling.costs import KINDS, Link, ring_s
 from trainer.scaling.predict import DDP_FIRST_BUCKET_MB, STRATEGIES, buckets
 from trainer.scaling.profile import measured_step_s, read_profile
 from trainer.tools.collective_ops import bandwidths

@@ -20,7 +20,7 @@ from tests.compose import compose_config
 from tests.dist_helpers import run_on_ranks
 from tests.train_helpers import SIX_STEPS, bit_identical, build, case_results, max_abs_diff, params_of, train_each
 from trainer.errors import ConfigError
-from trainer.setup.build import build_parts, convert_sync_batchnorm, instantiate, split_sync_batchnorm
+from trainer.setup.build import build_parts, convert_sync_batchnorm, split_sync_batchnorm
 from trainer.setup.precheck import check_overrides
 
 # A small cnn with BatchNorm on 8x8 fake images; 64 samples, 2 ranks x 8 = 4 steps per epoch, as in
@@ -52,7 +52,7 @@ def train_cnn(
 
 def initial_cnn_params() -> dict[str, torch.Tensor]:
     cfg = compose_config(CNN_BN)
-    return build_parts(cfg, instantiate(cfg.trainer)).model.state_dict()
+    return build_parts(cfg).model.state_dict()
 
 
 def weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -93,7 +93,7 @@ def test_sync_batchnorm_without_batchnorm_is_a_config_error(overrides: list[str]
     """An error, not a warning: the user asked for synchronised statistics and would get none."""
     cfg = compose_config([*overrides, "data=fake"])
     with pytest.raises(ConfigError) as caught:
-        build_parts(cfg, instantiate(cfg.trainer))
+        build_parts(cfg)
     message = str(caught.value)
     assert "model.sync_batchnorm=true" in message and "no BatchNorm layer" in message
     assert "model.batchnorm=true" in message and "model.sync_batchnorm=false" in message
@@ -111,7 +111,7 @@ def test_build_parts_keeps_plain_batchnorm_until_the_device_is_known(model: str)
     cfg = compose_config(
         [f"model={model}", "data=fake", "data.image_shape=[3,8,8]", "model.sync_batchnorm=true", *extra]
     )
-    parts = build_parts(cfg, instantiate(cfg.trainer))
+    parts = build_parts(cfg)
     assert parts.sync_batchnorm is True
     assert batchnorms(parts.model) and not any(isinstance(m, nn.SyncBatchNorm) for m in parts.model.modules())
 

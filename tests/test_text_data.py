@@ -19,7 +19,7 @@ from tests.cli import CPU, output, python_train
 from tests.compose import compose_config
 from tests.text_helpers import tiny_gpt, write_corpus
 from trainer.errors import ConfigError
-from trainer.setup.build import build_parts, instantiate
+from trainer.setup.build import build_parts
 from trainer.tools import sample
 
 
@@ -188,7 +188,7 @@ def test_a_bpe_run_samples_without_corpus_or_cache(tmp_path: Path, capsys: pytes
 def parts_error(tmp_path: Path, overrides: list[str]) -> str:
     cfg = compose_config(["logger=none", *overrides])
     with pytest.raises(ConfigError) as err:
-        build_parts(cfg, instantiate(cfg.trainer))
+        build_parts(cfg)
     return str(err.value)
 
 

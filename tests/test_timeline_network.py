@@ -16,9 +16,8 @@ import torch
 from torch.profiler import profile
 
 from tests.cli import CPU, output, torchrun
+from trainer.links import PRESETS, ring_s
 from trainer.logger.timeline import caption
-from trainer.scaling.costs import ring_s
-from trainer.scaling.networks import PRESETS
 from trainer.sync.network import Network
 from trainer.tools import timeline
 from trainer.trace_names import MARK, completion_after_us
@@ -55,7 +54,7 @@ def sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def emulated_s(nbytes: int) -> float:
-    """trainer/scaling/costs.py's ring all_reduce on 2 ranks over 1gbe, stretched as the runs are."""
+    """trainer/links.py's ring all_reduce on 2 ranks over 1gbe, stretched as the runs are."""
     return TIME_SCALE * ring_s("all_reduce", nbytes, 2, PRESETS["1gbe"].link("all_reduce"))
 
 

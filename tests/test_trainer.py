@@ -12,22 +12,21 @@ import torch
 from tests.compose import compose_config
 from tests.dist_helpers import run_on_ranks
 from tests.train_helpers import case_results, train_each
+from trainer.core import DistContext
 from trainer.logger.jsonl import JsonlLogger
-from trainer.setup.build import build_parts, build_trainer, instantiate, prepare_data
-from trainer.setup.dist import DistContext
+from trainer.setup.build import build_parts, build_trainer, prepare_data
 
 
 def fit(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dict:
     cfg = compose_config(
         ["logger=none", "trainer.progress_bar=false", "data.num_samples=256", "data.num_val_samples=32", *overrides]
     )
-    settings = instantiate(cfg.trainer)
-    parts = build_parts(cfg, settings)
+    parts = build_parts(cfg)
     initial = {k: v.clone() for k, v in parts.model.state_dict().items()}
     ctx = DistContext(rank, rank, world_size, torch.device("cpu"), "gloo")
     prepare_data(parts.data, ctx)
     logger = JsonlLogger(Path(run_dir) / "metrics" / f"rank{rank}.jsonl")
-    trainer = build_trainer(parts, settings, ctx, [logger], Path(run_dir), {"note": "test"})
+    trainer = build_trainer(parts, ctx, [logger], Path(run_dir), {"note": "test"})
     summary = trainer.fit()
     logger.close()
     changed = any(not torch.equal(initial[k], v) for k, v in trainer.model.state_dict().items())
@@ -117,7 +116,7 @@ def test_ddp_reports_the_bucket_layout_after_its_rebuild(two_ranks: Runs) -> Non
 
 def param_bytes(rank: int, world_size: int) -> int:
     cfg = compose_config(["model.hidden_sizes=[32,32]"])
-    return sum(p.numel() * p.element_size() for p in build_parts(cfg, instantiate(cfg.trainer)).model.parameters())
+    return sum(p.numel() * p.element_size() for p in build_parts(cfg).model.parameters())
 
 
 @pytest.mark.parametrize("sync", ["manual", "ddp", "bucketed", "zero"])

@@ -74,8 +74,8 @@ def reference(overrides: list[str], world_size: int = 2) -> dict[str, torch.Tens
     rank's micro-batches' gradients (loss / k) summed, divided by the world size; a rank with no
     batch left contributes nothing (zero), as shadowing promises."""
     cfg = compose_config(COMMON + overrides)
-    settings = instantiate(cfg.trainer)
-    parts = build_parts(cfg, settings)
+    parts = build_parts(cfg)
+    settings = parts.settings
     data, model, k = parts.data, parts.model, settings.grad_accum_steps
     data.setup()
     loaders = [data.train_loader(r, world_size, settings.seed) for r in range(world_size)]

@@ -69,7 +69,7 @@ def test_batch_and_step_arithmetic() -> None:
     ],
 )
 def test_settings_name_the_bad_value(kwargs: dict, message: str) -> None:
-    # TrainSettings trusts its values: the schema checks them (trainer/setup/schema/run.py), before it is built.
+    # TrainSettings is the trainer's schema (trainer/core.py): its values are checked before it is built.
     overrides = [f"trainer.{k}={'null' if v is None else v}" for k, v in kwargs.items()]
     with pytest.raises(ConfigError, match=message):
         check_overrides(overrides)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+import trainer.loop.faulty_step as faulty_step
 import trainer.loop.trainer as trainer_module
 from tests.compose import compose_config
 from tests.dist_helpers import collectives_stopped, run_on_ranks, still_in_step
@@ -32,7 +33,7 @@ from tests.train_helpers import (
 from trainer.errors import ConfigError
 from trainer.loop.metrics import optimizer_state_mb
 from trainer.reliability.checkpoint import load_checkpoint
-from trainer.setup.build import build_parts, instantiate
+from trainer.setup.build import build_parts
 from trainer.setup.precheck import check_overrides
 from trainer.sync.zero import ZeroSync
 
@@ -217,22 +218,23 @@ def _settled(rank: int, world_size: int, run_dir: str) -> dict[str, Any]:
     sync = trainer.sync
     assert isinstance(sync, ZeroSync)
     seen: dict[str, list[int]] = {"replica_check": [], "fault": []}
-    fault, fire = trainer.settings.fault, trainer.settings.fault.maybe_fire
+    fault, fire = trainer.settings.fault, faulty_step.faults.maybe_fire
 
     def check(model: nn.Module, step: int) -> None:  # the replica check, recording instead (rank 1 drifts)
         seen["replica_check"].append(len(sync._gathers))
 
-    def maybe_fire(rank_: int, step: int, attempt: int, model: nn.Module) -> None:
+    def maybe_fire(fault_: Any, rank_: int, step: int, attempt: int, model: nn.Module) -> None:
         if fault.due(rank_, step, attempt):
             seen["fault"].append(len(sync._gathers))
-        fire(rank_, step, attempt, model)
+        fire(fault_, rank_, step, attempt, model)
 
-    object.__setattr__(fault, "maybe_fire", maybe_fire)
     original, trainer_module.check_replicas = trainer_module.check_replicas, check
+    faulty_step.faults.maybe_fire = maybe_fire  # type: ignore[assignment]
     try:
         trainer.train(5)  # checks after steps 2 and 4; the fault and the end follow unchecked steps
     finally:
         trainer_module.check_replicas = original
+        faulty_step.faults.maybe_fire = fire  # type: ignore[assignment]
     return {**seen, "after_train": len(sync._gathers)}
 
 
@@ -308,7 +310,7 @@ def test_gradient_memory_is_the_shard_under_stage_2(ranks: list[dict[str, Any]],
 def initial_params() -> dict[str, torch.Tensor]:
     """The weights every run starts from (same seed), built in this process without training."""
     cfg = compose_config(COMMON)
-    return build_parts(cfg, instantiate(cfg.trainer)).model.state_dict()
+    return build_parts(cfg).model.state_dict()
 
 
 def test_each_rank_holds_half_of_ddps_optimizer_state(ranks: list[dict[str, Any]]) -> None:

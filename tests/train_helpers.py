@@ -12,10 +12,10 @@ from torch.distributed.tensor import DTensor
 
 from tests.compose import compose_config
 from tests.dist_helpers import collectives_stopped, still_in_step
+from trainer.core import DistContext
 from trainer.logger.base import MetricLogger
 from trainer.loop.trainer import Trainer
-from trainer.setup.build import build_parts, build_trainer, instantiate, prepare_data
-from trainer.setup.dist import DistContext
+from trainer.setup.build import build_parts, build_trainer, prepare_data
 
 # The equivalence tests' run: 64 samples, 2 ranks x 8 = 4 steps per epoch, so 6 steps cross an epoch
 # boundary (set_epoch reshuffles); a row every 2 steps, no evaluation.
@@ -40,11 +40,10 @@ def build(
 ) -> Trainer:
     """The Trainer train.py would build, on the process group the test helper started (gloo)."""
     cfg = compose_config(overrides)
-    settings = instantiate(cfg.trainer)
-    parts = build_parts(cfg, settings, world_size)  # as train.py: the world size sets what depends on it
+    parts = build_parts(cfg, world_size)  # as train.py: the world size sets what depends on it
     ctx = DistContext(rank, rank, world_size, torch.device(device), "gloo")
     prepare_data(parts.data, ctx)
-    return build_trainer(parts, settings, ctx, list(loggers), Path(run_dir), config or {})
+    return build_trainer(parts, ctx, list(loggers), Path(run_dir), config or {})
 
 
 def params_of(trainer: Trainer) -> dict[str, torch.Tensor]:

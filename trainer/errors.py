@@ -21,14 +21,6 @@ def check(ok: bool, key: str, value: object, accepted: str) -> None:
         raise ConfigError(f"{key}={value!r} is invalid: {accepted}")
 
 
-def is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 @contextmanager
 def from_leaves() -> Iterator[None]:
     """Calls into models/ or data/ (constructors, file checks): their ValueErrors are bad input."""

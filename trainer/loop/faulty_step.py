@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from trainer.loop.step import StepRunner
+from trainer.reliability import fault as faults
 
 
 class FaultyStepRunner(StepRunner):
@@ -23,7 +24,7 @@ class FaultyStepRunner(StepRunner):
         fault, ctx = self.settings.fault, self.ctx
         if fault.due(ctx.rank, step, ctx.attempt):
             self.sync.wait_for_parameters()  # kind=perturb nudges a parameter: after the last step's writes
-        fault.maybe_fire(ctx.rank, step, ctx.attempt, self.model)
+        faults.maybe_fire(fault, ctx.rank, step, ctx.attempt, self.model)
         self._poisoned = fault.poisons_loss(ctx.rank, step, ctx.attempt)
         super().run(batches, step, logged)
 

@@ -20,8 +20,7 @@ from torch import nn
 from data.base import DataModule
 from data.tokens import decode, encode
 from models.generate import generate
-from trainer.setup.dist import DistContext
-from trainer.setup.settings import TrainSettings
+from trainer.core import DistContext, TrainSettings
 
 # bf16 dense tensor-core peaks from the vendors' data sheets (TFLOP/s), matched by device name.
 CUDA_PEAK_TFLOPS = (("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("A100", 312.0))

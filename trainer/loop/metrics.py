@@ -35,6 +35,7 @@ class Window:
         self._grad_norms: list[torch.Tensor] = []  # every step's with max_grad_norm, else the logged step's
         self._norm_steps: list[int] = []
         self.grad_norm: float | None = None  # the last step's, before clipping: set by totals()
+        self.extra: dict[str, list[float]] = {}  # the other tensors totals() read, by name
         self.samples = 0
         self.tokens = 0
         self.micro_batches = 0  # with data: a rank that ran out of data (data.drop_last=false) has fewer
@@ -55,21 +56,27 @@ class Window:
         self._grad_norms.append(norm)
         self._norm_steps.append(step)
 
-    def totals(self) -> tuple[float, int, int]:
+    def totals(self, **extra: torch.Tensor | None) -> tuple[float, int, int]:
         """(sum of the micro-batches' losses, correct predictions, first step whose loss or gradient
-        norm was not finite or -1): one host sync, a handful of kernels per row. Sets grad_norm."""
+        norm was not finite or -1): the row's one host read, a handful of kernels. It also reads the
+        row's other tensors, `extra` (fp16's loss scale, the ranks' previous non-finite answers),
+        whose values land in self.extra by name, and the last step's gradient norm (self.grad_norm)."""
+        given = {name: tensor.flatten() for name, tensor in extra.items() if tensor is not None}
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         losses = torch.stack(self._losses).float() if self._losses else None
         norms = torch.stack(self._grad_norms).double() if self._grad_norms else None
         correct = (torch.cat(self._predictions) == torch.cat(self._targets)).sum() if self._losses else zero
-        loss_sum, count, norm_sum, last_norm = torch.stack(
-            [
-                losses.sum().double() if losses is not None else zero,
-                correct.double(),
-                norms.sum() if norms is not None else zero,
-                norms[-1] if norms is not None else zero,
-            ]
-        ).tolist()
+        parts = [
+            losses.sum().double() if losses is not None else zero,
+            correct.double(),
+            norms.sum() if norms is not None else zero,
+            norms[-1] if norms is not None else zero,
+            *(t.to(device=self.device, dtype=torch.float64) for t in given.values()),
+        ]
+        loss_sum, count, norm_sum, last_norm, *rest = torch.cat([p.flatten() for p in parts]).tolist()
+        self.extra = {}
+        for name, tensor in given.items():
+            self.extra[name], rest = rest[: tensor.numel()], rest[tensor.numel() :]
         self.grad_norm = last_norm if norms is not None else None
         bad = []  # rare: only now look for the step (a finite sum can't hide one)
         if losses is not None and not math.isfinite(loss_sum):

@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from trainer.core import DistContext, hostname
 from trainer.logger.base import MetricLogger
 from trainer.loop.comm_metrics import comm_metrics
 from trainer.loop.lm import TokenRates
@@ -19,7 +20,6 @@ from trainer.loop.step import StepRunner
 from trainer.loop.summary import rank_timing
 from trainer.loop.timing import StepTimer
 from trainer.reliability.save_cost import ResidentMemory, cuda_peak_mb
-from trainer.setup.dist import DistContext, hostname
 from trainer.sync.base import SyncStrategy
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ class TrainRows:
             **({"train/skipped_steps": runner.skipped_steps} if runner.skipped_steps else {}),
             # fp16: the loss scale in use, and the steps its overflows skipped so far.
             **(
-                {"train/grad_scale": runner.scaler.get_scale(), "train/overflow_steps": runner.overflow_steps}
+                {"train/grad_scale": window.extra["scale"][0], "train/overflow_steps": runner.overflow_steps}
                 if runner.scaler is not None
                 else {}
             ),

@@ -18,10 +18,9 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from trainer.core import DistContext, TrainSettings
 from trainer.loop.metrics import Window
 from trainer.loop.timing import StepTimer
-from trainer.setup.dist import DistContext
-from trainer.setup.settings import TrainSettings
 from trainer.sync.base import SyncStrategy
 
 log = logging.getLogger(__name__)
@@ -132,6 +131,11 @@ class StepRunner:
         timer.mark("optimizer")
         window.num_steps += 1
         timer.stop()
+
+    def scale(self) -> torch.Tensor | None:
+        """fp16: the loss scale in use, as a tensor (a row reads it with its other tensors, in one go);
+        else None. GradScaler's own get_scale() reads it on the host by itself."""
+        return None if self.scaler is None else self.scaler._get_scale_async()  # torch's GradScaler.update keeps it
 
     def _finite(self, norm: torch.Tensor | None) -> bool:
         """on_nonfinite=skip: whether this step's gradients are finite, the same answer on every rank.

@@ -12,7 +12,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from trainer.setup.dist import DistContext
+from trainer.core import DistContext
 from trainer.sync.fsdp_units import blocks_of
 
 MEDIAN_PREFIXES = ("time/", "comm/", "throughput/", "perf/")  # a rank's typical step

@@ -1,6 +1,6 @@
 """The data-parallel training loop.
 
-Trainer(...) resumes from a checkpoint when trainer.resume finds one; then fit():
+Trainer(...), then resume_from_checkpoint() from a checkpoint when trainer.resume finds one; then fit():
     for each epoch:
         sampler.set_epoch(epoch)                  # a new shuffle, the same permutation on every rank
         for each optimizer step (a SIGTERM waits for the iteration to end):
@@ -31,6 +31,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
 from data.base import DataModule, ResumableSampler
+from trainer.core import DistContext, TrainSettings
 from trainer.errors import from_leaves
 from trainer.logger.base import MetricLogger, resumed_at
 from trainer.loop.faulty_step import FaultyStepRunner
@@ -49,13 +50,12 @@ from trainer.loop.step_math import (
 )
 from trainer.loop.summary import gather_summary, parameter_layout, write_json
 from trainer.loop.timing import StepTimer
+from trainer.reliability import fault as faults
 from trainer.reliability import resume
 from trainer.reliability.exits import StepBoundary, Terminated
 from trainer.reliability.guards import NonFiniteCheck, check_replicas
 from trainer.reliability.save_cost import SaveCost
 from trainer.reliability.sharded import InFlight, checkpoint_group
-from trainer.setup.dist import DistContext
-from trainer.setup.settings import TrainSettings
 from trainer.sync.base import SyncStrategy
 
 log = logging.getLogger(__name__)
@@ -146,14 +146,17 @@ class Trainer:
         # checkpoint_async: the save in flight, its collectives on a gloo group of their own (every rank makes it)
         timeout = dt.timedelta(seconds=settings.collective_timeout_s)
         self._saves = InFlight(checkpoint_group(timeout)) if settings.checkpoint_async else None
-        state = self._state()  # trainer.resume: the state of a checkpoint, if there is one
-        if resume.resume_if_any(ctx, run_dir, settings.resume, state, config):
+
+    def resume_from_checkpoint(self) -> None:
+        """trainer.resume: continue from a checkpoint if there is one (every rank, a collective)."""
+        state = self._state()
+        if resume.resume_if_any(self.ctx, self.run_dir, self.settings.resume, state, self.config):
             self.step, self.epoch = state.step, state.epoch
             self._checkpoint_step = state.step
             resumed_at(self.loggers, state.step)  # the JSONL drops the interrupted attempt's later rows
             # The next pass over this epoch starts where the checkpoint stopped: skip the sample
             # indices of the micro-batches already trained on (no data is read to get there).
-            self._sampler.skip_next(state.batches_into_epoch * data.batch_size)
+            self._sampler.skip_next(state.batches_into_epoch * self.data.batch_size)
 
     def _state(self) -> resume.TrainState:
         """What a checkpoint holds of this trainer (the objects themselves, not copies)."""
@@ -274,8 +277,11 @@ class Trainer:
         if self._saves is not None:
             self._saves.poll()  # rank 0 publishes a save that has finished writing (no collective)
         if is_due(self.step, s.log_every_n_steps, self.total_steps):
-            totals = self._window.totals()  # the one host sync of a logged step
-            self._check_finite(totals[2])
+            checking = s.on_nonfinite == "raise"
+            answers = self._nonfinite.previous() if checking else None  # the last row's, not read yet
+            totals = self._window.totals(scale=self.runner.scale(), answers=answers)  # the row's one host read
+            if checking:  # the last row's answers raise if bad; this row's are sent (its one collective)
+                self._nonfinite.at_row(totals[2], self._window.extra.get("answers"))
             epoch = epoch_of(self.step, self.steps_per_epoch)
             loss = self._rows.log(self.step, epoch, self._window, totals, self._timer, self.runner)
             if bar is not None:
@@ -296,14 +302,10 @@ class Trainer:
         if self._saves is not None:
             self._saves.wait()
 
-    def _check_finite(self, first_bad_step: int | None = None) -> None:
-        """on_nonfinite=raise: stop every rank if any saw a non-finite loss (at a row: the answer
-        of the row before; before a checkpoint: everything so far, waited for)."""
+    def _check_finite(self) -> None:
+        """on_nonfinite=raise, before a checkpoint: stop every rank if any saw a non-finite loss so far."""
         if self.settings.on_nonfinite == "raise":
-            if first_bad_step is None:  # between rows (a checkpoint): look at the window so far
-                self._nonfinite.now(self._window.totals()[2])
-            else:
-                self._nonfinite.at_row(first_bad_step)
+            self._nonfinite.now(self._window.totals()[2])
 
     def save_checkpoint(self) -> None:
         """checkpoints/step-<step>.pt and last.pt (rank 0), after checking the state is worth keeping."""
@@ -320,7 +322,7 @@ class Trainer:
                 self.config,
                 self.settings.checkpoint_format,
                 self._saves,
-                self.settings.fault.in_save(self.ctx.rank, self.step, self.ctx.attempt),
+                faults.in_save(self.settings.fault, self.ctx.rank, self.step, self.ctx.attempt),
             )
         self._checkpoint_step = self.step
         self._rows.log_checkpoint(self.step, epoch_of(self.step, self.steps_per_epoch), cost.metrics())

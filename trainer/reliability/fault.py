@@ -1,4 +1,5 @@
-"""A switch that makes one rank fail on purpose: a testing aid for the failure paths.
+"""What trainer.fault does (trainer/core.py's Fault): make one rank fail on purpose, a testing aid
+for the failure paths.
 
 `trainer.fault.rank=1 trainer.fault.at_step=3 trainer.fault.kind=crash` makes rank 1 fail at the
 start of step 3, so tests (and users checking their cluster) can watch a real job lose a rank and
@@ -14,72 +15,45 @@ import logging
 import os
 import signal
 import time
-import typing
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import nn
 
-log = logging.getLogger(__name__)
+from trainer.core import Fault
 
-Kind = Literal[
-    "crash", "hang", "sigterm", "perturb", "nan_loss", "kill_in_save"
-]  # the schema's choices for trainer.fault.kind
-KINDS: tuple[str, ...] = typing.get_args(Kind)
+log = logging.getLogger(__name__)
 
 
 class InjectedFault(RuntimeError):
     """Raised by the fault switch; never by anything else."""
 
 
-@dataclass(frozen=True)
-class Fault:
-    """Off unless both rank and at_step are set."""
+def in_save(fault: Fault, rank: int, step: int, attempt: int) -> Callable[[], None] | None:
+    """kind=kill_in_save: what the save of this step calls between writing and publishing, or None."""
+    if fault.kind != "kill_in_save" or not fault.due(rank, step, attempt):
+        return None
 
-    rank: int | None = None
-    at_step: int | None = None
-    kind: Kind = "crash"
+    def kill() -> None:
+        log.warning("trainer.fault: kill_in_save on rank %d at step %d (a testing aid)", rank, step)
+        logging.shutdown()  # the warning reaches the log; then nothing else runs
+        os.kill(os.getpid(), signal.SIGKILL)
 
-    @property
-    def configured(self) -> bool:
-        return self.rank is not None and self.at_step is not None
+    return kill
 
-    def due(self, rank: int, step: int, attempt: int) -> bool:
-        """Whether this rank fires at this step (the first attempt only)."""
-        return attempt == 0 and rank == self.rank and step == self.at_step
 
-    def poisons_loss(self, rank: int, step: int, attempt: int) -> bool:
-        """kind=nan_loss: this rank's loss (so its gradients, so the averaged ones) becomes NaN."""
-        return self.kind == "nan_loss" and self.due(rank, step, attempt)
-
-    def in_save(self, rank: int, step: int, attempt: int) -> Callable[[], None] | None:
-        """kind=kill_in_save: what the save of this step calls between writing and publishing, or None."""
-        if self.kind != "kill_in_save" or not self.due(rank, step, attempt):
-            return None
-
-        def kill() -> None:
-            log.warning("trainer.fault: kill_in_save on rank %d at step %d (a testing aid)", rank, step)
-            logging.shutdown()  # the warning reaches the log; then nothing else runs
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        return kill
-
-    def maybe_fire(self, rank: int, step: int, attempt: int, model: nn.Module) -> None:
-        """Called at the start of every step (1-based) on every rank."""
-        if not self.due(rank, step, attempt) or self.kind in ("nan_loss", "kill_in_save"):
-            return
-        log.warning(
-            "trainer.fault: %s on rank %d at step %d (a testing aid; first attempt only)", self.kind, rank, step
-        )
-        if self.kind == "crash":
-            raise InjectedFault(f"injected fault (trainer.fault.kind=crash) on rank {rank} at step {step}")
-        if self.kind == "hang":
-            while True:  # as if stuck outside any collective: the others' next collective times out
-                time.sleep(3600)
-        if self.kind == "sigterm":
-            os.kill(os.getpid(), signal.SIGTERM)  # as if the launcher or Slurm stopped this rank
-        if self.kind == "perturb":
-            with torch.no_grad():  # this replica alone drifts: the replica check must notice
-                next(model.parameters()).view(-1)[0] += 1e-3
+def maybe_fire(fault: Fault, rank: int, step: int, attempt: int, model: nn.Module) -> None:
+    """Called at the start of every step (1-based) on every rank."""
+    if not fault.due(rank, step, attempt) or fault.kind in ("nan_loss", "kill_in_save"):
+        return
+    log.warning("trainer.fault: %s on rank %d at step %d (a testing aid; first attempt only)", fault.kind, rank, step)
+    if fault.kind == "crash":
+        raise InjectedFault(f"injected fault (trainer.fault.kind=crash) on rank {rank} at step {step}")
+    if fault.kind == "hang":
+        while True:  # as if stuck outside any collective: the others' next collective times out
+            time.sleep(3600)
+    if fault.kind == "sigterm":
+        os.kill(os.getpid(), signal.SIGTERM)  # as if the launcher or Slurm stopped this rank
+    if fault.kind == "perturb":
+        with torch.no_grad():  # this replica alone drifts: the replica check must notice
+            next(model.parameters()).view(-1)[0] += 1e-3

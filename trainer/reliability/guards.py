@@ -20,42 +20,48 @@ class NonFiniteCheck:
 
     The ranks must agree (each knows only its own losses), which takes a collective. At a logged
     row it is launched and not waited for: waiting would hold every rank at every row until the
-    slowest arrives, which on a sub-millisecond step costs more than the step (measured in
-    docs/performance.md). Its answer is read at the next row, so a non-finite loss stops the job
-    one logged row after the one that saw it. Before a checkpoint and at the end of training the
-    check waits and looks at everything so far: no checkpoint holds a model that saw one.
-    Every rank must call it at the same points (the loop's periodic events are on every rank alike).
+    slowest arrives, which on a sub-millisecond step costs more than the step. Its answer is read
+    at the next row, together with that row's own tensors (Window.totals: one host read), so a
+    non-finite loss stops the job one logged row after the one that saw it. Before a checkpoint
+    and at the end of training the check waits and looks at everything so far: no checkpoint holds
+    a model that saw one. Every rank must call it at the same points (the loop's periodic events
+    are on every rank alike).
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._pending: tuple[list[torch.Tensor], dist.Work] | None = None
+        self._pending: tuple[torch.Tensor, dist.Work] | None = None
 
-    def at_row(self, first_bad_step: int) -> None:
-        """This row's first bad step (-1: none here), sent; the previous row's answer, read."""
-        self._read_pending()
+    def previous(self) -> torch.Tensor | None:
+        """The previous row's answers (every rank's first bad step), waited for but not read: the
+        row reads them with its own tensors."""
+        if self._pending is None:
+            return None
+        gathered, work = self._pending
+        self._pending = None
+        work.wait()
+        return gathered
+
+    def at_row(self, first_bad_step: int, previous: list[float] | None = None) -> None:
+        """Raise for the previous row's answers (read), then send this row's first bad step (-1: none)."""
+        if previous:
+            _raise_if_bad([int(step) for step in previous])
         if dist.get_world_size() == 1:
             _raise_if_bad([first_bad_step])
             return
-        mine = torch.tensor(first_bad_step, dtype=torch.int64, device=self.device)
-        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        work = dist.all_gather(gathered, mine, async_op=True)
+        mine = torch.tensor([first_bad_step], dtype=torch.int64, device=self.device)
+        gathered = torch.empty(dist.get_world_size(), dtype=torch.int64, device=self.device)
+        work = dist.all_gather_into_tensor(gathered, mine, async_op=True)
         assert work is not None, "async_op=True returns the collective's Work"
         self._pending = (gathered, work)
 
     def now(self, first_bad_step: int) -> None:
         """Before a checkpoint and at the end: every rank's answer so far, waited for."""
-        self._read_pending()
-        self.at_row(first_bad_step)
-        self._read_pending()
-
-    def _read_pending(self) -> None:
-        if self._pending is None:
-            return
-        gathered, work = self._pending
-        self._pending = None
-        work.wait()
-        _raise_if_bad([int(step) for step in torch.stack(gathered).tolist()])
+        previous = self.previous()
+        self.at_row(first_bad_step, previous.tolist() if previous is not None else None)
+        last = self.previous()
+        if last is not None:
+            _raise_if_bad([int(step) for step in last.tolist()])
 
 
 def _raise_if_bad(first_bad_steps: list[int]) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from trainer.core import CONF_DIR, DistContext
 from trainer.reliability import sharded, world_change
 from trainer.reliability.checkpoint import (
     CheckpointError,
@@ -33,23 +34,9 @@ from trainer.reliability.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from trainer.setup.config import CONF_DIR
-from trainer.setup.dist import DistContext
-from trainer.sync import zero_checkpoint  # noqa: F401  (registers zero's parts of a sharded checkpoint)
+from trainer.sync.base import SyncStrategy
 
 log = logging.getLogger(__name__)
-
-
-class FullState(Protocol):
-    """How the model and optimizer state become one full, unsharded pair and back (a SyncStrategy)."""
-
-    trains_one_model: bool  # False (sync=none): each rank's model is its own, not mappable to another N
-
-    def state_dicts(self, model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any], dict[str, Any]]: ...
-
-    def load_state_dicts(
-        self, model: nn.Module, optimizer: Optimizer, model_state: dict[str, Any], optimizer_state: dict[str, Any]
-    ) -> None: ...
 
 
 @dataclass
@@ -59,7 +46,7 @@ class TrainState:
     model: nn.Module  # unwrapped: its state_dict keys are the plain model's
     optimizer: Optimizer
     scheduler: LRScheduler
-    full_state: FullState  # the sync strategy: a sharded one gathers the full state for the file
+    full_state: SyncStrategy  # a sharded one gathers the full state for a full checkpoint's file
     step: int  # optimizer steps done
     epoch: int  # the epoch the next step belongs to
     batches_into_epoch: int  # micro-batches of that epoch already trained on
@@ -241,7 +228,7 @@ def restore(ctx: DistContext, path: Path, saved: dict[str, Any], state: TrainSta
             "raise trainer.max_steps (or num_epochs) to train on from it, or start fresh with trainer.resume=never"
         )
     if saved.get("sharded"):  # every rank reads its own part (any world size): DCP, a collective
-        sharded.load_parts(state.full_state, state.model, state.optimizer, path, saved["param_groups"])
+        sharded.load(state.full_state, state.model, state.optimizer, path, saved["param_groups"])
     else:
         state.full_state.load_state_dicts(state.model, state.optimizer, saved["model"], saved["optimizer"])
     horizons = [getattr(f, "total_steps", None) for f in getattr(state.scheduler, "lr_lambdas", [])]

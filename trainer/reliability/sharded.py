@@ -25,7 +25,6 @@ import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
-from functools import singledispatch
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.optim import Optimizer
 
 from trainer.reliability.checkpoint import FORMAT, CheckpointError
+from trainer.sync.base import SyncStrategy
 
 META = "meta.pt"  # rank 0's: everything of a checkpoint but the model's and optimizer's tensors
 LAST = "last"
@@ -56,79 +56,11 @@ def quiet_sharded_tensor() -> Iterator[None]:
         yield
 
 
-def _flat(model_state: dict[str, Any], optim_state: dict[str, Any]) -> dict[str, torch.Tensor]:
-    tensors = {f"model/{name}": value for name, value in model_state.items()}
-    for name, state in optim_state["state"].items():
-        for key, value in state.items():
-            tensors[f"optim/{name}/{key}"] = value if isinstance(value, torch.Tensor) else torch.tensor(value)
-    return tensors
-
-
-def optimizer_entries(tensors: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """optim/<name>/<key> entries back as {name: {key: value}}."""
-    state: dict[str, dict[str, Any]] = {}
-    for flat, value in tensors.items():
-        if flat.startswith("optim/"):
-            name, _, key = flat.removeprefix("optim/").rpartition("/")
-            state.setdefault(name, {})[key] = value
-    return state
-
-
 def saved_tensors(checkpoint: Path) -> dict[str, Any]:
     """The checkpoint's tensor keys with their metadata (global size, dtype): from .metadata alone."""
     import torch.distributed.checkpoint as dcp
 
     return dict(dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata)
-
-
-@singledispatch
-def parts(strategy: object, model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """This rank's part of the model and optimizer state (flat keys), and the param groups by name.
-
-    For every strategy whose optimizer steps the model's own parameters, torch's state-dict API
-    gives it by name: whole tensors where they are plain, local shards where they are DTensors
-    (fsdp). A strategy whose optimizer steps something else registers its own (zero).
-    """
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-    optim_state: dict[str, Any] = dict(get_optimizer_state_dict(model, optimizer))
-    return _flat(get_model_state_dict(model), optim_state), list(optim_state["param_groups"])
-
-
-@singledispatch
-def load_parts(
-    strategy: object, model: nn.Module, optimizer: Optimizer, checkpoint: Path, groups: list[dict[str, Any]]
-) -> None:
-    """Read this rank's new part from the checkpoint into the model and optimizer (a collective).
-
-    The model's tensors are read in place; each optimizer entry into a tensor shaped as saved, a
-    DTensor laid out like its parameter where the parameter is one.
-    """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-    from torch.distributed.tensor import DTensor
-
-    params = dict(model.named_parameters())
-    model_state = get_model_state_dict(model)
-    template: dict[str, Any] = {f"model/{name}": value for name, value in model_state.items()}
-    for flat, meta in saved_tensors(checkpoint).items():
-        if not flat.startswith("optim/"):
-            continue
-        name = flat.removeprefix("optim/").rpartition("/")[0]
-        param = params.get(name)
-        if isinstance(param, DTensor) and tuple(meta.size) == tuple(param.shape):
-            template[flat] = torch.zeros_like(param)
-        else:
-            device = param.device if param is not None else torch.device("cpu")
-            template[flat] = torch.zeros(meta.size, dtype=meta.properties.dtype, device=device)
-    dcp.load(template, checkpoint_id=str(checkpoint))
-    set_model_state_dict(model, {n: template[f"model/{n}"] for n in model_state})
-    optim_state: Any = {"state": optimizer_entries(template), "param_groups": groups}  # torch's own layout, by name
-    set_optimizer_state_dict(model, optimizer, optim_state)
 
 
 def mine_to_write(tensors: dict[str, Any], rank: int, world_size: int, trains_one_model: bool) -> dict[str, Any]:
@@ -230,7 +162,7 @@ def save(
     is_main: bool,
     directory: Path,
     keep: int,
-    strategy: object,
+    strategy: SyncStrategy,
     model: nn.Module,
     optimizer: Optimizer,
     meta: dict[str, Any],
@@ -252,10 +184,8 @@ def save(
         shutil.rmtree(partial, ignore_errors=True)  # a save that died half-way
         partial.mkdir(parents=True)
     dist.barrier(group)
-    tensors, groups = parts(strategy, model, optimizer)
-    tensors = mine_to_write(
-        tensors, dist.get_rank(group), dist.get_world_size(group), getattr(strategy, "trains_one_model", True)
-    )
+    tensors, groups = strategy.sharded_state(model, optimizer)
+    tensors = mine_to_write(tensors, dist.get_rank(group), dist.get_world_size(group), strategy.trains_one_model)
     meta = {"format": FORMAT, "sharded": True, **meta, "param_groups": groups}
 
     def publish() -> None:
@@ -330,3 +260,15 @@ def load_model(checkpoint: Path) -> dict[str, torch.Tensor]:
     with quiet_sharded_tensor():
         dcp.load(template, checkpoint_id=str(checkpoint), no_dist=True)
     return {flat.removeprefix("model/"): value for flat, value in template.items()}
+
+
+def load(strategy: SyncStrategy, model: nn.Module, optimizer: Optimizer, checkpoint: Path, groups: list[Any]) -> None:
+    """Read this rank's new part of a step-<n>/ checkpoint into the model and optimizer (a collective):
+    the strategy lays out what it holds (sharded_state's template), DCP fills it."""
+    import torch.distributed.checkpoint as dcp
+
+    def read(template: dict[str, Any]) -> None:
+        with quiet_sharded_tensor():
+            dcp.load(template, checkpoint_id=str(checkpoint))
+
+    strategy.load_sharded_state(model, optimizer, saved_tensors(checkpoint), read, groups)

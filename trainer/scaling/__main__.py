@@ -9,10 +9,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from trainer.errors import ConfigError
+from trainer.links import PRESETS, Topology
 from trainer.scaling import report
 from trainer.scaling.caps import cap_advice, logged_step_s, noise_warning
-from trainer.scaling.costs import Topology
-from trainer.scaling.networks import PRESETS, fit_network, parse_network
+from trainer.scaling.networks import fit_network, parse_network
 from trainer.scaling.predict import FSDP_WRAPS, STRATEGIES, predict
 from trainer.scaling.profile import RunProfile, read_profile
 

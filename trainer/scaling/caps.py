@@ -12,7 +12,7 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
-from trainer.scaling.costs import Topology
+from trainer.links import Topology
 from trainer.scaling.predict import DDP_FIRST_BUCKET_MB, Prediction, best_cap, buckets
 from trainer.scaling.profile import RunProfile
 

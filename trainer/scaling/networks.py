@@ -1,5 +1,5 @@
-"""Networks to predict on: named presets, `alpha_us,beta_GBps`, or alpha and beta fitted to the
-collective benchmark's collectives.json (python -m trainer.tools.collectives)."""
+"""Networks to predict on: named presets (trainer/links.py), `alpha_us,beta_GBps`, or alpha and beta
+fitted to the collective benchmark's collectives.json (python -m trainer.tools.collectives)."""
 
 from __future__ import annotations
 
@@ -8,31 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from trainer.errors import ConfigError
-from trainer.scaling.costs import KINDS, Link, Network
-
-# alpha: latency per ring step; beta: bytes/s per rank and direction actually reached (a fraction of
-# the nominal rate, as nccl-tests' bus bandwidth shows). Sources and reasoning are in docs/scaling.md
-# ("Scaling beyond this machine"). loopback is this repository's 2-core build machine, fitted by
-# fit_network() from its collective benchmark (2 gloo ranks, float32, 4 KiB to 16 MiB): gloo runs
-# reduce_scatter as a full all_reduce, so each kind has its own link there.
-PRESETS: dict[str, Network] = {
-    "loopback": Network(
-        "loopback",
-        {
-            "all_reduce": Link(alpha_s=1.0e-3, beta_Bps=0.93e9),
-            "reduce_scatter": Link(alpha_s=1.8e-3, beta_Bps=0.24e9),
-            "all_gather": Link(alpha_s=1.0e-3, beta_Bps=0.39e9),
-        },
-    ),
-    "nvlink": Network.uniform("nvlink", alpha_s=2e-6, beta_Bps=360e9),  # NVLink 4 (H100 SXM): 450 GB/s each way
-    "ib-ndr400": Network.uniform("ib-ndr400", alpha_s=5e-6, beta_Bps=45e9),  # 400 Gb/s = 50 GB/s per NIC
-    "100gbe": Network.uniform("100gbe", alpha_s=15e-6, beta_Bps=10e9),  # 100 Gb/s = 12.5 GB/s, RoCE or TCP
-    "10gbe": Network.uniform("10gbe", alpha_s=25e-6, beta_Bps=1.1e9),  # 10 Gb/s = 1.25 GB/s, TCP
-    "1gbe": Network.uniform("1gbe", alpha_s=50e-6, beta_Bps=0.11e9),  # 1 Gb/s = 125 MB/s, TCP
-}
-# The presets network=<name> emulates (conf/network/): every one above but loopback, which is this
-# machine's measured gloo (emulating it on top of itself would count it twice).
-EMULATED = tuple(name for name in PRESETS if name != "loopback")
+from trainer.links import KINDS, PRESETS, Link, Network
 
 
 def parse_network(text: str) -> Network:

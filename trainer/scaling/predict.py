@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from itertools import groupby
 
 from trainer.errors import ConfigError
-from trainer.scaling.costs import Topology
+from trainer.links import Topology
 from trainer.scaling.profile import RunProfile
 
 STRATEGIES = ("none", "manual", "bucketed", "ddp", "zero", "fsdp")

@@ -21,13 +21,13 @@ from torch import nn
 from torch.optim import Optimizer
 
 from data.base import DataModule
+from trainer.core import DistContext, TrainSettings, hostname
 from trainer.errors import ConfigError, check, from_leaves
 from trainer.logger.base import MetricLogger
 from trainer.logger.jsonl import JsonlLogger
 from trainer.loop.lm import compiler_missing
 from trainer.loop.trainer import Trainer
-from trainer.setup.dist import DistContext, hostname
-from trainer.setup.settings import TrainSettings
+from trainer.setup.validate import validate
 from trainer.sync.base import DecayGroups, SyncStrategy
 from trainer.sync.comm import Comm
 from trainer.sync.network import EmulatedLink
@@ -110,6 +110,7 @@ def add_loggers(
 class Parts:
     """The job's swappable objects, built from config before any process group or file exists."""
 
+    settings: TrainSettings  # the trainer's keys, validated
     data: DataModule
     model: nn.Module
     sync: SyncStrategy
@@ -120,9 +121,10 @@ class Parts:
     link: EmulatedLink | None = None  # network=<preset>: handed to the strategy by build_trainer
 
 
-def build_parts(cfg: DictConfig, settings: TrainSettings, world_size: int = 1) -> Parts:
-    """Run every constructor: a bad value fails here, on every rank alike, before any collective."""
-    check_pairing(cfg)
+def build_parts(cfg: DictConfig, world_size: int = 1) -> Parts:
+    """Validate the composed config (trainer/setup/validate.py), then run every constructor once, on
+    values already checked: a bad value fails here, on every rank alike, before any collective."""
+    settings: TrainSettings = validate(cfg)["trainer"]
     if settings.global_batch_size is not None:
         with open_dict(cfg):
             cfg.data.batch_size = per_rank_batch(settings.global_batch_size, world_size, settings.grad_accum_steps)
@@ -136,6 +138,7 @@ def build_parts(cfg: DictConfig, settings: TrainSettings, world_size: int = 1) -
             "set model.batchnorm=true (cnn) or use model=resnet18, or set model.sync_batchnorm=false"
         )
     return Parts(
+        settings=settings,
         data=data,
         model=model,
         sync_batchnorm=sync_batchnorm,
@@ -163,19 +166,6 @@ def per_rank_batch(global_batch: int, world_size: int, grad_accum_steps: int) ->
         grad_accum_steps,
     )
     return global_batch // per_step
-
-
-def check_pairing(cfg: DictConfig) -> None:
-    """A model that reads token ids (takes_tokens) only with token data (a DataModule's `tokens`), and
-    no other model with it: refused before either is built (reading a corpus takes time), naming both."""
-    takes_tokens = bool(getattr(hydra.utils.get_object(cfg.model._target_), "takes_tokens", False))
-    if takes_tokens != bool(getattr(hydra.utils.get_object(cfg.data._target_), "tokens", False)):
-        model, source = cfg.model._target_, cfg.data._target_
-        raise ConfigError(
-            f"model {model} reads token ids but data {source} gives images or features: use data=text"
-            if takes_tokens
-            else f"data {source} gives token windows but model {model} does not read tokens: use model=gpt"
-        )
 
 
 def optimizer_factory(node: DictConfig) -> DecayGroups:
@@ -264,19 +254,15 @@ def prepare_data(data: DataModule, ctx: DistContext) -> None:
 
 
 def build_trainer(
-    parts: Parts,
-    settings: TrainSettings,
-    ctx: DistContext,
-    loggers: list[MetricLogger],
-    run_dir: Path,
-    config: dict[str, Any],
+    parts: Parts, ctx: DistContext, loggers: list[MetricLogger], run_dir: Path, config: dict[str, Any]
 ) -> Trainer:
+    """The Trainer over the parts, resumed from a checkpoint where trainer.resume finds one."""
     model = convert_sync_batchnorm(parts.model, ctx.device) if parts.sync_batchnorm else parts.model
     network = None if parts.link is None else parts.link.describe()  # the sync line names it
     # Before the trainer's wrap(): ddp registers its hook, zero picks its collectives, with the link known.
-    parts.sync.comm = Comm(parts.link, ctx.device, settings.time_comm_every_n_steps)
-    return Trainer(
-        settings=settings,
+    parts.sync.comm = Comm(parts.link, ctx.device, parts.settings.time_comm_every_n_steps)
+    trainer = Trainer(
+        settings=parts.settings,
         ctx=ctx,
         model=model,
         data=parts.data,
@@ -288,3 +274,5 @@ def build_trainer(
         config=config,
         network=network,
     )
+    trainer.resume_from_checkpoint()
+    return trainer

@@ -12,14 +12,15 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import os
-import socket
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from trainer.core import DistContext
 from trainer.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,8 @@ log = logging.getLogger(__name__)
 # config (the configured collective timeout is not known yet at that point).
 STARTUP_TIMEOUT = dt.timedelta(seconds=300)
 _STAMP_KEY = "ddplab/run_stamp"
+RANK_WAIT_S = 30.0  # how long a rank other than 0 waits for rank 0 to report the same bad input
+RANK0_FIRST_S = 5.0  # how long the others then let rank 0 exit first, so torchrun's report names it
 
 
 @dataclass(frozen=True)
@@ -48,24 +51,6 @@ class LaunchEnv:
 
     @property
     def is_main_process(self) -> bool:
-        return self.rank == 0
-
-
-@dataclass(frozen=True)
-class DistContext:
-    """A process's rank, device and backend once the process group exists."""
-
-    rank: int
-    local_rank: int
-    world_size: int
-    device: torch.device
-    backend: str
-    attempt: int = 0  # torchrun's restart count: 0 for the first attempt
-    store: dist.Store | None = None  # the process group's store (this job's key prefix)
-
-    @property
-    def is_main_process(self) -> bool:
-        # Global rank 0, never local rank 0: on two nodes there are two local rank 0s.
         return self.rank == 0
 
 
@@ -230,5 +215,35 @@ def check_ranks_agree(what: str, value: Any) -> None:
         raise RuntimeError(f"ranks disagree on {what}: {listing}")
 
 
-def hostname() -> str:
-    return socket.gethostname()
+def rank0_signal(store: dist.Store, env: LaunchEnv) -> Callable[[bool], bool]:
+    """Rank 0's word that it has reported the job's bad input, through the job's store."""
+    key = f"ddplab/{env.run_id}/attempt-{env.restart_count}/config-error"
+
+    def signal(publish: bool) -> bool:
+        if publish:
+            store.set(key, "reported")
+            return True
+        try:
+            store.wait([key], dt.timedelta(seconds=RANK_WAIT_S))
+        except Exception:  # timed out, or rank 0 and torchrun's store are gone: report it here
+            return False
+        return True
+
+    return signal
+
+
+def prints_bad_input_error() -> bool:
+    """For a bad-input error found inside the app (e.g. SyncBatchNorm on CPU, a missing data root):
+    whether this rank prints it. Rank 0 does and says so through the job's store; the others stay
+    quiet once rank 0 has spoken (they print their own if it has not: their error may be theirs alone).
+    """
+    launch = read_launch_env()
+    if launch.world_size == 1:
+        return True
+    word = rank0_signal(job_store(launch), launch)
+    if launch.rank == 0:
+        return word(True)
+    if not word(False):
+        return True
+    time.sleep(RANK0_FIRST_S)  # rank 0 exits first, so torchrun's report names it
+    return False

@@ -1,16 +1,14 @@
 """The command line checked before Hydra's app starts: one line naming the key, exit 2, nothing written.
 
 train.py calls check_command_line() on every rank before @hydra.main, which would create the run
-dir and .hydra/ first. It composes what Hydra will compose (every value of a sweep too), so that a
-bad override, a value of the wrong type (OmegaConf, against trainer/setup/schema/) or out of range
-(pydantic, through trainer/setup/validate.py) stops every rank alike before the process group, a logger or a file
-exists. Rank 0 prints the message; the other ranks wait for its word, then exit the same way.
+dir and .hydra/ first. It composes what Hydra will compose (every value of a sweep too) and
+validates it (trainer/setup/validate.py), so that bad input stops every rank alike before the process
+group, a logger or a file exists. Rank 0 prints the message; the other ranks wait for its word,
+then exit the same way.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import datetime as dt
 import difflib
 import os
 import re
@@ -19,7 +17,6 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch.distributed as dist
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from hydra.errors import MissingConfigException, OverrideParseException
@@ -28,14 +25,10 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from trainer.errors import ConfigError, from_leaves
 from trainer.setup import config as conf
-from trainer.setup.build import instantiate
-from trainer.setup.dist import LaunchEnv, job_store, read_launch_env
-from trainer.setup.schema.declare import accepted, declared_of
+from trainer.setup.dist import RANK0_FIRST_S
 from trainer.setup.validate import accepted_for, validate
 
 EXIT_CODE = 2
-RANK_WAIT_S = 30.0  # how long a rank other than 0 waits for rank 0 to report the same error
-RANK0_FIRST_S = 5.0
 
 
 def _compose(overrides: list[str], hydra_cfg: bool = False) -> DictConfig:
@@ -61,27 +54,21 @@ def _parse(overrides: list[str]) -> list[Override]:
             parsed += OverridesParser.create().parse_overrides([line])
         except OverrideParseException as err:
             reason = _first_line(err).removeprefix("Error parsing override ")
-            others = [o for j, o in enumerate(overrides) if j != i]
-            hint = _accepted_quietly(others, _key(line))
+            cfg = _compose_choices([o for j, o in enumerate(overrides) if j != i])
+            hint = accepted_for(cfg, _key(line)) if cfg is not None else None
             raise ConfigError(f"{line} cannot be parsed ({reason}){'; ' + hint if hint else ''}") from None
     return parsed
-
-
-def _accepted_quietly(overrides: list[str], key: str) -> str | None:
-    """What key accepts under these overrides' group choices, or None if that cannot be told."""
-    cfg = _compose_choices(overrides)
-    return accepted_for(cfg, key) if cfg is not None else None
 
 
 def _variants(parsed: list[Override], multirun: bool) -> Iterator[list[str]]:
     """The override lists to check: the first job's, then each other value of each sweep once."""
     fixed = [o.input_line or "" for o in parsed if not o.is_sweep_override()]
-    sweeps = [(o, [_single(o, v) for v in o.sweep_string_iterator()]) for o in parsed if o.is_sweep_override()]
+    sweeps = [[_single(o, v) for v in o.sweep_string_iterator()] for o in parsed if o.is_sweep_override()]
     if sweeps and not multirun:
         return  # Hydra itself refuses a sweep without --multirun, saying so
-    first = fixed + [values[0] for _, values in sweeps]
+    first = fixed + [values[0] for values in sweeps]
     yield first
-    for i, (_, values) in enumerate(sweeps):
+    for i, values in enumerate(sweeps):
         for value in values[1:]:
             yield [*first[: len(fixed) + i], value, *first[len(fixed) + i + 1 :]]
 
@@ -114,36 +101,26 @@ def explain_compose_error(err: BaseException, overrides: list[str]) -> ConfigErr
     cause: BaseException | None = err
     while cause is not None and not (isinstance(cause, OmegaConfBaseException) and cause.full_key):
         cause = cause.__cause__ or cause.__context__
-    if cause is None:
-        return ConfigError(_first_line(err))
-    full_key = str(cause.full_key)
-    key = full_key.split("[")[0]
-    given = [o for o in overrides if _key(o) == key]
-    value = given[-1].split("=", 1)[1] if given else None
-    schema = getattr(cause, "object_type", None)
-    unknown = isinstance(cause, (ConfigKeyError, ConfigAttributeError))
-    if unknown and not given and isinstance(schema, type) and dataclasses.is_dataclass(schema):
-        return ConfigError(  # a YAML (or an experiment) sets a key its schema lacks: a developer's slip
-            f"{key} is set in a config file, but its schema {schema.__name__} has no field "
-            f"{key.rpartition('.')[2]}: add it in trainer/setup/schema/ (docs/configuration.md, adding a key)"
-        )
-    if unknown:
-        return ConfigError(conf.unknown_key_message(key, _compose_choices(overrides)) or _first_line(cause))
-    hint = _accepted_from_schema(cause, full_key)
-    if hint is None:  # e.g. an item of a list: compose again without the override to find the key's schema
-        hint = _accepted_quietly([o for o in overrides if _key(o) != key], full_key) or "see its YAML's comment"
-    what = f"{key}={value}" if value is not None else f"{full_key} ({_first_line(cause)}, set in a config file)"
-    return ConfigError(f"{what} is invalid: {hint}")
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):  # a key the composed config lacks
+        key = str(cause.full_key).split("[")[0]
+        return ConfigError(unknown_key_message(key, _compose_choices(overrides)) or _first_line(cause))
+    return ConfigError(_first_line(cause or err))
 
 
-def _accepted_from_schema(cause: OmegaConfBaseException, full_key: str) -> str | None:
-    """What the key accepts, from the schema OmegaConf names in its error (no second compose)."""
-    declared = declared_of(getattr(cause, "object_type", None))
-    leaf = full_key.rpartition(".")[2]
-    if declared is None or "[" in leaf:
+def unknown_key_message(key: str, cfg: DictConfig | None) -> str | None:
+    """ "'trainer.max_step' is not a config key. Did you mean trainer.max_steps? Keys under 'trainer': ...", or None.
+
+    The suggestion comes first: it is what the reader needs, the list is for when it is wrong.
+    """
+    parent_key, _, leaf = key.rpartition(".")
+    parent = OmegaConf.select(cfg, parent_key, default=None) if cfg is not None and parent_key else cfg
+    if not isinstance(parent, DictConfig) or leaf in parent:
         return None
-    known = any(f.name == leaf for f in dataclasses.fields(declared))
-    return accepted(declared, leaf) if known else None
+    accepted = sorted(str(k) for k in parent if not str(k).startswith("_"))
+    close = difflib.get_close_matches(leaf, accepted, n=1)
+    hint = f" Did you mean {parent_key}.{close[0]}?" if close else ""
+    listed = ", ".join(accepted) if accepted else "(none)"
+    return f"'{key}' is not a config key.{hint} Keys under '{parent_key}': {listed}."
 
 
 def _compose_choices(overrides: list[str]) -> DictConfig | None:
@@ -182,35 +159,11 @@ def _check(overrides: list[str], multirun: bool) -> None:
             with open_dict(cfg):
                 del cfg["hydra"]
         if not swept:
-            _validate(cfg)
+            validate(cfg)
     except Exception as err:
         raise explain_compose_error(err, overrides) from None
     for variant in _variants(_parse(swept), multirun=True) if swept else ():
         _check([*overrides, *variant], multirun=False)
-
-
-def _validate(cfg: DictConfig) -> None:
-    validate(cfg)
-    # The constructors that cost nothing run too, so their own checks also come before any file.
-    for group in ("trainer", "data", "sync"):
-        instantiate(cfg[group])
-
-
-def rank0_signal(store: dist.Store, env: LaunchEnv) -> Callable[[bool], bool]:
-    """Rank 0's word that it has reported the job's bad input, through the job's store."""
-    key = f"ddplab/{env.run_id}/attempt-{env.restart_count}/config-error"
-
-    def signal(publish: bool) -> bool:
-        if publish:
-            store.set(key, "reported")
-            return True
-        try:
-            store.wait([key], dt.timedelta(seconds=RANK_WAIT_S))
-        except Exception:  # timed out, or rank 0 and torchrun's store are gone: report it here
-            return False
-        return True
-
-    return signal
 
 
 def check_command_line(argv: list[str], rank: int, wait_for_rank0: Callable[[bool], bool] | None = None) -> None:
@@ -235,20 +188,3 @@ def check_command_line(argv: list[str], rank: int, wait_for_rank0: Callable[[boo
             # as the first failure; torchrun then stops this rank, or it exits 2 itself.
             time.sleep(RANK0_FIRST_S)
         raise SystemExit(EXIT_CODE) from None
-
-
-def prints_bad_input_error() -> bool:
-    """For a bad-input error found inside the app (e.g. SyncBatchNorm on CPU, a missing data root):
-    whether this rank prints it. Rank 0 does and says so through the job's store; the others stay
-    quiet once rank 0 has spoken (they print their own if it has not: their error may be theirs alone).
-    """
-    launch = read_launch_env()
-    if launch.world_size == 1:
-        return True
-    word = rank0_signal(job_store(launch), launch)
-    if launch.rank == 0:
-        return word(True)
-    if not word(False):
-        return True
-    time.sleep(RANK0_FIRST_S)  # rank 0 exits first, so torchrun's report names it
-    return False

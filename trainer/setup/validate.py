@@ -1,180 +1,282 @@
-"""Every composed value checked against its schema's range or choices, before anything starts.
-
-OmegaConf has already checked each value's type while composing (the schemas in
-trainer/setup/schema/); pydantic checks each typed node's values against the same declarations
-(ranges, choices, lengths, no key the schema lacks), and its first error becomes one ConfigError line
-naming the full key, the value and what the key accepts. check_rules adds the few rules that tie
-keys together. It runs in train.py before Hydra's app, on every rank alike, so a bad value stops the
-job before the process group, the loggers or any file exist.
+"""A composed config checked against its schema (trainer/setup/schema.py), once, before anything is
+built: the first bad value is one ConfigError line naming the full key, the value and what the key
+accepts (read back from the key's declaration), then the rules that tie keys together.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import typing
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
-from pydantic import ValidationError
-from pydantic_core import ErrorDetails
+from pydantic import TypeAdapter, ValidationError
 
-from trainer.errors import ConfigError, check
-from trainer.setup.schema.declare import accepted, adapter, declared_of, nested_schema
+from data.text import check_vocab_size
+from trainer.core import CONF_DIR, TrainSettings
+from trainer.errors import ConfigError, check, from_leaves
+from trainer.setup.schema import SCHEMAS
 
 
-def _refusal(error: ErrorDetails, declared: type, node: DictConfig, prefix: str) -> tuple[bool, str]:
-    """One of pydantic's errors as (the value is copied from another key, the one-line message).
+def schema_of(group: str, node: DictConfig) -> type | None:
+    """The schema a group's node is checked against: its option's, found by what it builds (the
+    trainer's is TrainSettings); None for a target no option builds (a plain `~optim +optim._target_=...`)."""
+    return TrainSettings if group == "trainer" else _by_target().get((group, str(node.get("_target_"))))
 
-    pydantic's location is followed through the nested schemas (trainer.fault, sync.bucket_timer) to the key's field;
-    what follows it (a list's index, a union's member) is the value's, which is named whole.
-    """
+
+@functools.cache
+def _by_target() -> dict[tuple[str, str], type]:
+    """(group, _target_) -> schema, from each option's YAML: its _target_ is declared there only."""
+    found = {}
+    for group, options in SCHEMAS.items():
+        for option, schema in options.items():
+            yaml = OmegaConf.load(CONF_DIR / group / f"{option}.yaml")
+            if isinstance(yaml, DictConfig) and "_target_" in yaml:
+                found[(group, str(yaml._target_))] = schema
+    return found
+
+
+@functools.cache
+def adapter(schema: type) -> TypeAdapter[Any]:
+    return TypeAdapter(schema)
+
+
+def validate(cfg: DictConfig) -> dict[str, Any]:
+    """Each group's checked value (an instance of its schema), or the first refusal as a ConfigError."""
+    run_name = cfg.get("run_name")
+    check(isinstance(run_name, str) and run_name != "", "run_name", run_name, "accepted: a non-empty name")
+    checked: dict[str, Any] = {}
+    for group in (str(g) for g in cfg if g != "hydra"):
+        node = cfg[group]
+        if not isinstance(node, DictConfig):
+            continue
+        if "_target_" in node:
+            check_target(node, group)
+        schema = schema_of(group, node)
+        if schema is None:
+            continue
+        try:
+            checked[group] = adapter(schema).validate_python(OmegaConf.to_container(node, resolve=True))
+        except ValidationError as err:
+            raise ConfigError(refusal(err.errors()[0], schema, node, f"{group}.")) from None
+    check_rules(cfg)
+    return checked
+
+
+def refusal(error: Any, schema: type, node: DictConfig, prefix: str) -> str:
+    """pydantic's first error as one line; its location is followed through nested schemas (trainer.fault)."""
     loc = list(error["loc"])
-    while len(loc) > 1 and isinstance(loc[0], str) and loc[0] in node:
-        inner = nested_schema(typing.get_type_hints(declared).get(loc[0]))
-        if inner is None:
-            break
-        prefix, node, declared, loc = f"{prefix}{loc[0]}.", node[loc[0]], inner, loc[1:]
+    while len(loc) > 1 and isinstance(loc[0], str) and (inner := nested(schema, loc[0])) is not None:
+        prefix, node, schema, loc = f"{prefix}{loc[0]}.", node[loc[0]], inner, loc[1:]
     name = str(loc[0]) if loc else ""
     if error["type"] == "unexpected_keyword_argument":  # added with +group.key=...
-        names = ", ".join(f.name for f in dataclasses.fields(declared) if not f.name.startswith("_"))
-        where = prefix.rstrip(".")
-        return False, f"{prefix}{name} is not a key of {where} ({declared.__name__}): accepted keys: {names}"
+        names = ", ".join(f.name for f in dataclasses.fields(schema) if not f.name.startswith("_"))
+        return f"{prefix}{name} is not a key of {prefix.rstrip('.')} ({schema.__name__}): accepted keys: {names}"
     if name not in node:
-        return False, f"{prefix}{'.'.join(str(part) for part in loc)}: {error['msg']}"
-    value = node[name]  # resolves interpolations
-    plain = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
-    return OmegaConf.is_interpolation(node, name), f"{prefix}{name}={plain!r} is invalid: {accepted(declared, name)}"
+        return f"{prefix}{'.'.join(str(part) for part in loc)}: {error['msg']}"
+    value = OmegaConf.to_container(node[name], resolve=True) if OmegaConf.is_config(node[name]) else node[name]
+    return f"{prefix}{name}={shown(value, typing.get_type_hints(schema)[name])!r} is invalid: {accepted(schema, name)}"
 
 
-def check_node(node: DictConfig, prefix: str) -> list[tuple[bool, str]]:
-    """pydantic's errors for a typed node's values (nested typed nodes included), none for an untyped one.
+def nested(schema: type, name: str) -> type | None:
+    """The schema of a nested node (trainer.fault), or None."""
+    hint = typing.get_type_hints(schema).get(name)
+    return hint if isinstance(hint, type) and dataclasses.is_dataclass(hint) else None
 
-    Each comes with whether its value is copied from another key (sync.time_every_n_steps:
-    ${trainer.log_every_n_steps}): validate() reports those last, so a bad value is named under its
-    own key first.
-    """
-    declared = declared_of(OmegaConf.get_type(node))
-    if declared is None:
-        return []
-    try:
-        adapter(declared).validate_python(OmegaConf.to_container(node, resolve=True))
-    except ValidationError as err:
-        return [_refusal(e, declared, node, prefix) for e in err.errors()]
-    return []
+
+def shown(value: Any, annotation: Any) -> Any:
+    """An integer given for a key that holds numbers reads as a number (1.0, [5.0, 0.0])."""
+    if _types(annotation) & {int, str} or float not in _types(annotation):
+        return value
+    as_float = lambda v: float(v) if isinstance(v, int) and not isinstance(v, bool) else v  # noqa: E731
+    return [as_float(v) for v in value] if isinstance(value, list) else as_float(value)
+
+
+def _types(annotation: Any) -> set[Any]:
+    """The plain types an annotation is made of (a Literal's choices count as theirs)."""
+    if typing.get_origin(annotation) is Annotated:
+        return _types(typing.get_args(annotation)[0])
+    if typing.get_origin(annotation) is typing.Literal:
+        return {type(a) for a in typing.get_args(annotation)}
+    args = typing.get_args(annotation)
+    return set().union(*(_types(a) for a in args)) if args else {annotation}
+
+
+@dataclass(frozen=True)
+class Key:
+    """What a key's declaration accepts, read back from pydantic's JSON schema of its annotation: for
+    the message's words and the tests that sweep every bound. pydantic does the checking."""
+
+    kind: str  # JSON schema's type: integer, number, boolean, string, array; "" for any value
+    items: str = ""  # an array's item type
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    choices: tuple[Any, ...] = ()
+    number: str | None = None  # a number or one of the choices (bucket_cap_mb: a number or auto): its type
+    length: int | None = None  # an array of exactly this many items (betas)
+    nonempty: bool = False  # an array or a string
+    nullable: bool = False
+    note: str = ""  # the declaration's description: what the key means
+
+
+_BOUNDS = {"minimum": "ge", "exclusiveMinimum": "gt", "maximum": "le", "exclusiveMaximum": "lt"}
+
+
+def _read(schema: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"kind": schema.get("type", "")}
+    out |= {_BOUNDS[k]: v for k, v in schema.items() if k in _BOUNDS}
+    if "enum" in schema or "const" in schema:
+        out["choices"] = tuple(schema["enum"]) if "enum" in schema else (schema["const"],)
+    if "anyOf" in schema:
+        members = [m for m in schema["anyOf"] if m != {"type": "null"}]
+        read = [_read(m) for m in members]
+        numbers = [r for r in read if not r.get("choices")]
+        choices = tuple(c for r in read for c in r.get("choices", ()))
+        out |= numbers[0] if numbers else {"kind": read[0]["kind"]}
+        if numbers and choices:
+            out |= {"number": numbers[0]["kind"], "kind": ""}
+        out |= {"choices": choices} if choices else {}
+        out["nullable"] = len(members) < len(schema["anyOf"])
+    if "items" in schema:
+        item = _read(schema["items"])
+        out |= {k: v for k, v in item.items() if k in _BOUNDS.values()}
+        out["items"] = item["kind"]
+    low, high = schema.get("minItems", schema.get("minLength")), schema.get("maxItems", schema.get("maxLength"))
+    if high is not None:
+        out["length"] = high
+    elif low is not None:
+        out["nonempty"] = True
+    out["note"] = schema.get("description", "")
+    return out
+
+
+@functools.cache
+def key_of(schema: type, name: str) -> Key:
+    """What field `name` of a schema accepts."""
+    annotation = typing.get_type_hints(schema, include_extras=True)[name]
+    if nested(schema, name) is not None:  # its own keys say the rest (trainer.fault)
+        return Key(kind="")
+    return Key(**_read(TypeAdapter(annotation).json_schema()))
+
+
+_KINDS = {"integer": "an integer", "number": "a number", "boolean": "true or false", "string": "a string"}
+
+
+def _kind(kind: str, items: str = "") -> str:
+    if kind == "array":
+        return f"a list of {_KINDS[items].split(' ', 1)[1]}s" if items else "a list"
+    return _KINDS.get(kind, "any value")
+
+
+def _num(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
+def accepted(schema: type, name: str) -> str:
+    """In words: "accepted: an integer >= 1", "accepted: all_reduce, rs_ag", "a number > 0, or auto"."""
+    key = key_of(schema, name)
+    pairs = ((">=", key.ge), (">", key.gt), ("<=", key.le), ("<", key.lt))
+    bounds = " and ".join(f"{op} {_num(v)}" for op, v in pairs if v is not None)
+    choices = ", ".join(str(c) for c in key.choices)
+    if key.number is not None:
+        text = f"{_kind(key.number)} {bounds}".strip() + (f", or {choices}" if choices else "")
+    elif key.choices:
+        text = choices
+    else:
+        text = f"{_kind(key.kind, key.items)} {bounds}".strip()
+        text += f" ({key.length} items)" if key.length is not None else " (not empty)" if key.nonempty else ""
+    text += ", or null" if key.nullable else ""
+    return f"accepted: {text}" + (f" ({key.note})" if key.note else "")
 
 
 def accepted_for(cfg: DictConfig, full_key: str) -> str | None:
-    """What a key accepts, from its schema ("accepted: an integer >= 1"), or None for an untyped key."""
-    parent_key, _, leaf = full_key.split("[")[0].rpartition(".")
-    parent = OmegaConf.select(cfg, parent_key, default=None) if parent_key else cfg
-    if not isinstance(parent, DictConfig):
+    """What a key accepts under this config's choices ("accepted: an integer >= 1"), or None if untyped."""
+    group, _, rest = full_key.split("[")[0].partition(".")
+    node = cfg.get(group) if isinstance(cfg, DictConfig) else None
+    schema = schema_of(group, node) if isinstance(node, DictConfig) else None
+    parent, _, leaf = rest.rpartition(".")
+    for part in parent.split(".") if parent else ():
+        schema = nested(schema, part) if schema is not None else None  # trainer.fault
+    if schema is None or leaf not in {f.name for f in dataclasses.fields(schema)}:
         return None
-    declared = declared_of(OmegaConf.get_type(parent))
-    if declared is None or leaf not in {f.name for f in dataclasses.fields(declared)}:
-        return None
-    return accepted(declared, leaf)
+    return accepted(schema, leaf)
 
 
-def _number(cfg: DictConfig, key: str) -> Any:
-    return OmegaConf.select(cfg, key, default=None)
-
-
-def check_rules(cfg: DictConfig) -> None:
-    """Rules that tie keys together (each one reads keys of two groups, or two keys of one)."""
-    max_steps, warmup = _number(cfg, "trainer.max_steps"), _number(cfg, "schedule.warmup_steps")
-    if max_steps is None and _number(cfg, "trainer.num_epochs") is None:
-        raise ConfigError("trainer.max_steps and trainer.num_epochs are both null: set at least one")
-    if warmup is not None and max_steps is not None:
-        check(
-            warmup <= max_steps,
-            "schedule.warmup_steps",
-            warmup,
-            f"must not exceed trainer.max_steps={max_steps} (the warm-up is part of the run)",
-        )
-    if _number(cfg, "trainer.checkpoint_async"):
-        check(
-            _number(cfg, "trainer.checkpoint_format") == "sharded",
-            "trainer.checkpoint_async",
-            True,
-            "needs trainer.checkpoint_format=sharded (DCP's async save writes a part per rank; "
-            f"trainer.checkpoint_format={_number(cfg, 'trainer.checkpoint_format')} writes one file from rank 0)",
-        )
-    comm_hook = _number(cfg, "sync.comm_hook")  # sync=ddp's
-    if comm_hook is not None and comm_hook != "none":
-        check(
-            not _number(cfg, "sync.time_buckets"),
-            "sync.comm_hook",
-            comm_hook,
-            "sync.time_buckets=true registers DDP's one communication hook already: use comm_hook=none, or "
-            "time_buckets=false (DDP's runtime statistics time the hooked communication too)",
-        )
-        check(
-            comm_hook != "powersgd" or _number(cfg, "sync.bucket_cap_mb") != "auto",
-            "sync.comm_hook",
-            comm_hook,
-            "with sync.bucket_cap_mb=auto: PowerSGD keeps per-bucket state (error feedback, warm start) that "
-            "a rebuild of the buckets would invalidate; give bucket_cap_mb a number",
-        )
-    if _number(cfg, "optim.nesterov"):  # torch's SGD raises for this when the trainer builds it
-        momentum, dampening = _number(cfg, "optim.momentum"), _number(cfg, "optim.dampening")
-        check(
-            momentum > 0 and dampening == 0,
-            "optim.nesterov",
-            True,
-            f"needs optim.momentum > 0 and optim.dampening=0 (have {momentum} and {dampening})",
-        )
-
-
-def check_target(node: DictConfig, group: str, keywords: bool) -> None:  # group: the node's key
-    """The group's _target_ is importable; with keywords, every key is one of its parameters.
-
-    keywords is for optim: a `_target_` swapped for another optimizer (optim._target_=torch.optim.Adam
-    with sgd's momentum) would otherwise reach the user as torch's TypeError, after the process group.
-    """
+def check_target(node: DictConfig, group: str) -> None:
+    """The group's _target_ is importable; for optim, every key is one of its parameters: a _target_
+    swapped for another optimizer would otherwise reach the user as torch's TypeError, later."""
     target = node.get("_target_")
     try:
         built = hydra.utils.get_object(str(target))
     except Exception:
         raise ConfigError(
             f"{group}._target_={target} is invalid: accepted: the dotted path of a class or function "
-            f"that can be imported (as in conf/{group.split('.')[0]}/*.yaml)"
+            f"that can be imported (as in conf/{group}/*.yaml)"
         ) from None
-    if not keywords:
+    if group != "optim":
         return
     params = inspect.signature(built).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return
-    # weight_decay_on is the builder's (trainer/setup/build.py's optimizer_factory), not the optimizer's.
-    for name in (str(k) for k in node if not str(k).startswith("_") and k != "weight_decay_on"):
-        check(
-            name in params,
-            f"{group}.{name}",
-            node[name],
-            f"{target} takes no keyword {name}; accepted: {', '.join(p for p in params if p != 'params')}",
+    for name in (str(k) for k in node if not str(k).startswith("_") and k != "weight_decay_on"):  # the builder's
+        takes = ", ".join(p for p in params if p != "params")
+        check(name in params, f"{group}.{name}", node[name], f"{target} takes no keyword {name}; accepted: {takes}")
+
+
+def check_rules(cfg: DictConfig) -> None:
+    """The rules that tie keys together."""
+    get = functools.partial(OmegaConf.select, cfg, default=None)
+    model, data = get("model._target_"), get("data._target_")
+    takes_tokens = bool(getattr(hydra.utils.get_object(model), "takes_tokens", False)) if model else False
+    if data and model and takes_tokens != bool(getattr(hydra.utils.get_object(data), "tokens", False)):
+        raise ConfigError(  # refused before either is built (reading a corpus takes time), naming both
+            f"model {model} reads token ids but data {data} gives images or features: use data=text"
+            if takes_tokens
+            else f"data {data} gives token windows but model {model} does not read tokens: use model=gpt"
         )
-
-
-def _with_targets(node: DictConfig, key: str) -> list[tuple[str, DictConfig]]:
-    """The node and the nodes inside it that name a `_target_` (trainer.fault), with their keys."""
-    found = [(key, node)] if "_target_" in node else []
-    for name in node:
-        child = node[name]
-        if isinstance(child, DictConfig):
-            found += _with_targets(child, f"{key}.{name!s}")
-    return found
-
-
-def validate(cfg: DictConfig) -> None:
-    """Raise a ConfigError for the first value out of range, or rule broken, anywhere in cfg."""
-    run_name = cfg.get("run_name")
-    check(isinstance(run_name, str) and run_name != "", "run_name", run_name, "accepted: a non-empty name")
-    groups = [(str(n), cfg[n]) for n in cfg if n != "hydra" and isinstance(cfg[n], DictConfig)]
-    refusals = [r for name, node in groups for r in check_node(node, f"{name}.")]
-    if refusals:
-        raise ConfigError(min(refusals, key=lambda r: r[0])[1])  # the first one of a key's own value
-    for name, node in groups:
-        for key, target_node in _with_targets(node, name):
-            check_target(target_node, key, keywords=key == "optim")
-    check_rules(cfg)
+    if get("data.tokenizer") is not None:  # data=text's own rule, run before the corpus is read
+        with from_leaves():
+            check_vocab_size(get("data.tokenizer"), get("data.vocab_size"))
+    max_steps, warmup = get("trainer.max_steps"), get("schedule.warmup_steps")
+    if max_steps is None and get("trainer.num_epochs") is None:
+        raise ConfigError("trainer.max_steps and trainer.num_epochs are both null: set at least one")
+    if warmup is not None and max_steps is not None:
+        check(warmup <= max_steps, "schedule.warmup_steps", warmup, f"must not exceed trainer.max_steps={max_steps}")
+    if get("trainer.checkpoint_async"):
+        check(
+            get("trainer.checkpoint_format") == "sharded",
+            "trainer.checkpoint_async",
+            True,
+            "needs trainer.checkpoint_format=sharded (DCP's async save writes a part per rank; "
+            f"trainer.checkpoint_format={get('trainer.checkpoint_format')} writes one file from rank 0)",
+        )
+    hook = get("sync.comm_hook")  # sync=ddp's
+    if hook is not None and hook != "none":
+        check(
+            not get("sync.time_buckets"),
+            "sync.comm_hook",
+            hook,
+            "sync.time_buckets=true registers DDP's one communication hook already: use comm_hook=none, or "
+            "time_buckets=false (the communication object times the hooked communication too)",
+        )
+        check(
+            hook != "powersgd" or get("sync.bucket_cap_mb") != "auto",
+            "sync.comm_hook",
+            hook,
+            "with sync.bucket_cap_mb=auto: PowerSGD keeps per-bucket state (error feedback, warm start) that "
+            "a rebuild of the buckets would invalidate; give bucket_cap_mb a number",
+        )
+    if get("optim.nesterov"):  # torch's SGD raises for this when the trainer builds it
+        momentum, dampening = get("optim.momentum"), get("optim.dampening")
+        check(
+            momentum > 0 and dampening == 0,
+            "optim.nesterov",
+            True,
+            f"needs optim.momentum > 0 and optim.dampening=0 (have {momentum} and {dampening})",
+        )

@@ -25,6 +25,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from trainer.sync.comm import Comm, CommCounters
+from trainer.sync.sharded_state import Read, load_state_parts, state_parts
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
 WeightDecayOn = Literal["all", "matrices"]
@@ -161,6 +162,23 @@ class SyncStrategy(ABC):
         """Load what state_dicts returned (every rank holds the full dicts, read from the file)."""
         model.load_state_dict(model_state)
         optimizer.load_state_dict(optimizer_state)
+
+    def sharded_state(self, model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """This rank's part of a sharded checkpoint (flat keys: model/<name>, optim/<name>/<key>; a
+        shard where ranks hold parts), and the param groups by name. Every rank calls it."""
+        return state_parts(model, optimizer)
+
+    def load_sharded_state(
+        self,
+        model: nn.Module,
+        optimizer: Optimizer,
+        saved: dict[str, Any],
+        read: Read,
+        groups: list[dict[str, Any]],
+    ) -> None:
+        """Load this rank's part of a sharded checkpoint, at any world size: lay out what this rank
+        holds from `saved` (the checkpoint's metadata by flat key), `read` fills it (a collective)."""
+        load_state_parts(model, optimizer, saved, read, groups)
 
     def zero_grad(self, optimizer: Optimizer) -> None:
         """After optimizer.step(): clear the gradients for the next step.

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
-from typing import Any, Literal
+from typing import Any
 
 import torch.distributed as dist
 from torch import nn
@@ -36,7 +36,7 @@ from trainer.errors import ConfigError
 from trainer.sync.autotune import DEFAULT_CANDIDATES_MB, CapTuner
 from trainer.sync.base import SyncStrategy
 from trainer.sync.buckets import InOrder
-from trainer.sync.flat import FlatGrads, group_by_size, names_of
+from trainer.sync.flat import Collective, FlatGrads, group_by_size, names_of
 from trainer.sync.unused import fewest_and_most, ranks_using, refuse_missing
 
 REFUSAL_FIX = "use sync=manual or sync=zero with sync.find_unused_parameters=true, sync=ddp with it, or sync=fsdp"
@@ -48,7 +48,7 @@ class BucketedSync(SyncStrategy):
     def __init__(
         self,
         bucket_cap_mb: float | str = 25.0,
-        collective: Literal["all_reduce", "rs_ag"] = "all_reduce",
+        collective: Collective = "all_reduce",
         auto_candidates_mb: Sequence[float] = DEFAULT_CANDIDATES_MB,
         auto_steps_per_trial: int = 3,
         auto_warmup_steps: int = 2,

@@ -23,7 +23,7 @@ which times a few steps with each candidate cap (trainer/sync/autotune.py) and r
 import inspect
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,7 @@ from trainer.errors import ConfigError
 from trainer.sync.autotune import DEFAULT_CANDIDATES_MB, CapTuner
 from trainer.sync.base import SyncStrategy
 from trainer.sync.comm import CommCounters
-from trainer.sync.ddp_hooks import AllReduceHook, SwappableDDP, TorchHook
+from trainer.sync.ddp_hooks import AllReduceHook, CommHook, SwappableDDP, TorchHook
 from trainer.sync.ddp_private import ReducerBooks, bucket_layout, logging_data
 
 # torch 2.14 renamed the per-forward buffer broadcast to forward_sync_buffers (the old name warns).
@@ -60,7 +60,7 @@ class DDPSync(SyncStrategy):
         auto_candidates_mb: Sequence[float] = DEFAULT_CANDIDATES_MB,
         auto_steps_per_trial: int = 3,
         auto_warmup_steps: int = 2,
-        comm_hook: Literal["none", "fp16", "bf16", "powersgd"] = "none",
+        comm_hook: CommHook = "none",
         powersgd_rank: int = 1,
         powersgd_start_step: int = 10,
     ) -> None:

@@ -8,7 +8,7 @@ by an emulated link like every other strategy's collectives.
 No `from __future__ import annotations` here: DDP checks a hook's annotations as real types.
 """
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,8 @@ from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer.sync.comm import Comm
+
+CommHook = Literal["none", "fp16", "bf16", "powersgd"]  # sync.comm_hook
 
 
 class AllReduceHook:

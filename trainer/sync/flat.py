@@ -11,9 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
+
+Collective = Literal[
+    "all_reduce", "rs_ag"
+]  # sync.collective (manual, bucketed): all_reduce = reduce_scatter + all_gather
 
 
 def names_of(model: nn.Module, params: Sequence[nn.Parameter]) -> list[str]:

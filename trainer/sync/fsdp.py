@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,7 @@ from trainer.errors import ConfigError
 from trainer.sync.base import OptimizerFactory, SyncStrategy
 from trainer.sync.comm import Comm
 from trainer.sync.fsdp_state import by_index, by_name
-from trainer.sync.fsdp_units import Wrap, choose_units, resolve
+from trainer.sync.fsdp_units import MixedPrecision, Wrap, choose_units, resolve
 from trainer.sync.fsdp_usage import FirstForwardCheck, expected_usage
 
 # What the parameters are all-gathered in, and the gradients reduce-scattered in.
@@ -114,7 +114,7 @@ class FSDPSync(SyncStrategy):
     def __init__(
         self,
         reshard_after_forward: bool = True,
-        mixed_precision: Literal["none", "bf16"] = "none",
+        mixed_precision: MixedPrecision = "none",
         wrap: Wrap = "auto",
     ) -> None:
         super().__init__()

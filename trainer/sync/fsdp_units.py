@@ -17,7 +17,8 @@ from typing import Literal
 
 from torch import nn
 
-Wrap = Literal["auto", "block", "module"]  # sync.wrap (trainer/setup/schema/sync.py checks it)
+Wrap = Literal["auto", "block", "module"]  # sync.wrap
+MixedPrecision = Literal["none", "bf16"]  # sync.mixed_precision (fsdp)
 
 
 def blocks_of(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -21,7 +21,7 @@ no rank used keeps no gradient (no update, as in one process) and one some rank 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from trainer.sync.base import SyncStrategy
-from trainer.sync.flat import FlatGrads, group_by_size, names_of
+from trainer.sync.flat import Collective, FlatGrads, group_by_size, names_of
 from trainer.sync.unused import Arrivals
 
 
@@ -41,7 +41,7 @@ class ManualSync(SyncStrategy):
     def __init__(
         self,
         coalesce_mb: float = 25.0,
-        collective: Literal["all_reduce", "rs_ag"] = "all_reduce",
+        collective: Collective = "all_reduce",
         find_unused_parameters: bool = False,
     ) -> None:
         super().__init__()

@@ -2,9 +2,9 @@
 a real link would have finished it, so overlap, bucket size, compression and sharding pay here as
 they do on a cluster.
 
-The link's time is trainer/scaling's alpha-beta model (trainer/scaling/costs.py: ring all_reduce
+The link's time is the scaling model's alpha-beta model (trainer/links.py: ring all_reduce
 2(n-1) steps, reduce_scatter and all_gather n-1, each alpha + S/(n beta); two levels when ranks
-form nodes), on the same presets (trainer/scaling/networks.py: one table for both), stretched by
+form nodes), on the same presets (trainer/links.py: one table for both), stretched by
 network.time_scale. The link carries one collective at a time, as NCCL's stream or gloo's thread
 does: a collective launched while another is on the link starts when that one is done. So its
 emulated completion is max(launch, link free) + its time, and it is handed on at the later of that
@@ -38,9 +38,8 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from trainer.errors import ConfigError
-from trainer.scaling.costs import Link, Topology
-from trainer.scaling.costs import Network as Preset
-from trainer.scaling.networks import EMULATED, PRESETS
+from trainer.links import EMULATED, PRESETS, Link, Topology
+from trainer.links import Network as Preset
 from trainer.trace_names import completion_mark
 
 

@@ -46,9 +46,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from trainer.sync import zero_checkpoint
 from trainer.sync.base import DecayGroups, OptimizerFactory, SyncStrategy
 from trainer.sync.buckets import InOrder
 from trainer.sync.flat import group_by_size, names_of
+from trainer.sync.sharded_state import Read
 from trainer.sync.unused import Arrivals, fewest_and_most
 from trainer.sync.zero_buckets import GradientBuckets
 from trainer.sync.zero_state import (
@@ -61,7 +63,9 @@ from trainer.sync.zero_state import (
     unchanged,
 )
 
-__all__ = ["ELEMENTWISE", "ZeroSync"]
+__all__ = ["ELEMENTWISE", "Stage", "ZeroSync"]
+
+Stage = Literal[1, 2]  # sync.stage
 
 
 class ZeroSync(SyncStrategy):
@@ -70,9 +74,7 @@ class ZeroSync(SyncStrategy):
     keeps_replicas_equal = True  # the all_gather leaves every rank the same full parameters
     grads_sharded = True  # the optimizer reads this rank's shard of the averaged gradient
 
-    def __init__(
-        self, stage: Literal[1, 2] = 2, bucket_cap_mb: float = 25.0, find_unused_parameters: bool = False
-    ) -> None:
+    def __init__(self, stage: Stage = 2, bucket_cap_mb: float = 25.0, find_unused_parameters: bool = False) -> None:
         super().__init__()
         self.stage, self.bucket_cap_mb = stage, float(bucket_cap_mb)
         self.find_unused_parameters = find_unused_parameters
@@ -301,6 +303,15 @@ class ZeroSync(SyncStrategy):
         optimizer.load_state_dict(
             shard_of_full_state(optimizer_state, self.layout, self._rank, self.spans, self.full_groups)
         )
+
+    def sharded_state(self, model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """Its shard as per-parameter ranges (zero_checkpoint.py): the optimizer steps a flat shard."""
+        return zero_checkpoint.state_parts(self, model, optimizer)
+
+    def load_sharded_state(
+        self, model: nn.Module, optimizer: Optimizer, saved: dict[str, Any], read: Read, groups: list[Any]
+    ) -> None:
+        zero_checkpoint.load_state_parts(self, model, optimizer, saved, read, groups)
 
     def describe(self) -> dict[str, Any]:
         info: dict[str, Any] = {"strategy": "zero", "stage": self.stage, "bucket_cap_mb": self.bucket_cap_mb}

@@ -1,4 +1,4 @@
-"""sync=zero in a sharded checkpoint (trainer/reliability/sharded.py): its shard as per-parameter ranges.
+"""sync=zero in a sharded checkpoint (its sharded_state / load_sharded_state): its shard as per-parameter ranges.
 
 zero's optimizer steps one flat piece of the shard per param group, not the model's parameters,
 so torch's state-dict API cannot name its state. Here each per-element entry (exp_avg, ...) of
@@ -10,15 +10,13 @@ would depend on N; as ranges of each parameter they read back at any world size.
 (Adam's step) is the same for every element and every rank: one plain tensor. The model's
 parameters are whole on every rank after the gathers: plain tensors, written once.
 
-Not imported by zero.py: checkpoint layout is not the algorithm. It reads zero's layout through
-the public attributes zero.py keeps for its own checkpoints (layout, spans, flat, param_shard,
-full_groups).
+zero.py's two methods call these; they read its layout through the public attributes it keeps for
+its checkpoints (layout, spans, flat, param_shard, full_groups).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -27,10 +25,22 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardM
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 from torch.optim import Optimizer
 
-from trainer.reliability import sharded
 from trainer.sync.flat import names_of
-from trainer.sync.zero import ZeroSync
+from trainer.sync.sharded_state import Read, optimizer_entries
 from trainer.sync.zero_state import Layout, _group_of, _is_piece
+
+
+class ZeroShard(Protocol):
+    """What these read of zero.py's ZeroSync: its layout and shard, public for its checkpoints."""
+
+    layout: Layout | None
+    spans: list[tuple[int, int]]
+    flat: torch.Tensor | None
+    param_shard: torch.Tensor | None
+    full_groups: list[list[int]]
+
+    def wait_for_parameters(self) -> None: ...
+
 
 Chunk = tuple[int, int, int]  # (start, end) in the flattened parameter, and where the start lies in the shard
 
@@ -59,15 +69,16 @@ def _sharded(local: torch.Tensor, mine: Chunk, every: list[Chunk], numel: int, r
     return ShardedTensor._init_from_local_shards_and_global_metadata(shards if mine[1] > mine[0] else [], global_meta)
 
 
-def _named(strategy: ZeroSync, model: nn.Module) -> tuple[Layout, list[str], list[int]]:
+def _named(strategy: ZeroShard, model: nn.Module) -> tuple[Layout, list[str], list[int]]:
     assert strategy.layout is not None, "wrap() and build_optimizer() first"
     layout = strategy.layout
     trainable = [p for p in model.parameters() if p.requires_grad]  # layout order
     return layout, names_of(model, trainable), _group_of(layout, strategy.spans)
 
 
-@sharded.parts.register
-def _parts(strategy: ZeroSync, model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def state_parts(
+    strategy: ZeroShard, model: nn.Module, optimizer: Optimizer
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     rank = dist.get_rank()
     strategy.wait_for_parameters()  # the model's parameters whole before they are written
     layout, names, group_of = _named(strategy, model)
@@ -91,18 +102,14 @@ def _parts(strategy: ZeroSync, model: nn.Module, optimizer: Optimizer) -> tuple[
     return tensors, groups
 
 
-@sharded.load_parts.register
-def _load_parts(
-    strategy: ZeroSync, model: nn.Module, optimizer: Optimizer, checkpoint: Path, groups: list[dict[str, Any]]
+def load_state_parts(
+    strategy: ZeroShard, model: nn.Module, optimizer: Optimizer, saved: dict[str, Any], read: Read, groups: list[Any]
 ) -> None:
-    import torch.distributed.checkpoint as dcp  # not at import: see trainer/reliability/sharded.py
-
     rank = dist.get_rank()
     strategy.wait_for_parameters()  # a gather landing after the load would overwrite it
     assert strategy.flat is not None and strategy.param_shard is not None
     layout, names, group_of = _named(strategy, model)
     template: dict[str, Any] = {f"model/{name}": value for name, value in model.state_dict().items()}  # in place
-    saved = sharded.saved_tensors(checkpoint)
     index = {name: i for i, name in enumerate(names)}
     for flat, meta in saved.items():
         if flat.startswith("optim/"):
@@ -114,15 +121,14 @@ def _load_parts(
                 template[flat] = _sharded(local, (a, b, at), every, numel, rank)
             else:
                 template[flat] = torch.zeros(meta.size, dtype=meta.properties.dtype)
-    with sharded.quiet_sharded_tensor():
-        dcp.load(template, checkpoint_id=str(checkpoint))
+    read(template)
     with torch.no_grad():
         strategy.param_shard.copy_(layout.shard_of(strategy.flat, rank))
     optimizer.load_state_dict(_shard_state(strategy, template, names, group_of, groups, layout))
 
 
 def _shard_state(
-    strategy: ZeroSync,
+    strategy: ZeroShard,
     loaded: dict[str, Any],
     names: list[str],
     group_of: list[int],
@@ -134,7 +140,7 @@ def _shard_state(
     assert strategy.flat is not None
     device = strategy.flat.device
     state: dict[int, dict[str, Any]] = {}
-    entries = sharded.optimizer_entries(loaded)
+    entries = optimizer_entries(loaded)
     for i, name in enumerate(names):
         g = group_of[i]
         lo, hi = strategy.spans[g]

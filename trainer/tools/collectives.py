@@ -24,6 +24,7 @@ import torch.distributed as dist
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from trainer.core import hostname
 from trainer.errors import ConfigError
 from trainer.setup import dist as ddist
 from trainer.tools.collective_ops import APIS, OPS, REPEATS, Record, run_sweep, sweep_sizes
@@ -149,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "device": str(device),
                 "dtype": args.dtype,
                 "torch_version": torch.__version__,
-                "hostname": ddist.hostname(),
+                "hostname": hostname(),
                 "iters": args.iters,
                 "warmup": args.warmup,
                 "repeats": REPEATS,

@@ -1,4 +1,6 @@
-"""What one collective costs: the alpha-beta model of ring algorithms, flat or in two levels.
+"""What one collective costs on a link: the alpha-beta model of ring algorithms, flat or in two levels,
+and the links the lab knows by name. A leaf: the emulated network (trainer/sync/network.py) and the
+scaling model (trainer/scaling/) both read it.
 
 A ring of n ranks moves a buffer of S bytes in steps of S/n per rank (the step counts are
 trainer/comm_math.py's ring_steps). Each step pays the link's latency alpha plus S/n bytes at its
@@ -17,7 +19,9 @@ form): inside each node over the fast network on the whole buffer, across nodes 
 from __future__ import annotations
 
 import math
+import typing
 from dataclasses import dataclass
+from typing import Literal
 
 from trainer.comm_math import ring_steps
 
@@ -105,3 +109,29 @@ class Topology:
         if kind == "all_reduce":
             return local_rs + across + local_ag
         return local_rs + across if kind == "reduce_scatter" else across + local_ag
+
+
+# alpha: latency per ring step; beta: bytes/s per rank and direction actually reached (a fraction of
+# the nominal rate, as nccl-tests' bus bandwidth shows). Sources and reasoning are in docs/scaling.md
+# ("Scaling beyond this machine"). loopback is this repository's 2-core build machine, fitted by
+# fit_network() from its collective benchmark (2 gloo ranks, float32, 4 KiB to 16 MiB): gloo runs
+# reduce_scatter as a full all_reduce, so each kind has its own link there.
+PRESETS: dict[str, Network] = {
+    "loopback": Network(
+        "loopback",
+        {
+            "all_reduce": Link(alpha_s=1.0e-3, beta_Bps=0.93e9),
+            "reduce_scatter": Link(alpha_s=1.8e-3, beta_Bps=0.24e9),
+            "all_gather": Link(alpha_s=1.0e-3, beta_Bps=0.39e9),
+        },
+    ),
+    "nvlink": Network.uniform("nvlink", alpha_s=2e-6, beta_Bps=360e9),  # NVLink 4 (H100 SXM): 450 GB/s each way
+    "ib-ndr400": Network.uniform("ib-ndr400", alpha_s=5e-6, beta_Bps=45e9),  # 400 Gb/s = 50 GB/s per NIC
+    "100gbe": Network.uniform("100gbe", alpha_s=15e-6, beta_Bps=10e9),  # 100 Gb/s = 12.5 GB/s, RoCE or TCP
+    "10gbe": Network.uniform("10gbe", alpha_s=25e-6, beta_Bps=1.1e9),  # 10 Gb/s = 1.25 GB/s, TCP
+    "1gbe": Network.uniform("1gbe", alpha_s=50e-6, beta_Bps=0.11e9),  # 1 Gb/s = 125 MB/s, TCP
+}
+# The presets network=<name> emulates (conf/network/): every one above but loopback, which is this
+# machine's measured gloo (emulating it on top of itself would count it twice).
+Preset = Literal["nvlink", "ib-ndr400", "100gbe", "10gbe", "1gbe"]
+EMULATED: tuple[str, ...] = typing.get_args(Preset)

@@ -1,0 +1,247 @@
+"""Every config key, declared once: its type, range or choices, and meaning, in pydantic's terms.
+
+One plain dataclass per option of each group (conf/<group>/<option>.yaml); the trainer's keys are
+trainer/core.py's TrainSettings. A field has no default: the defaults are the YAML's, the one place
+they live, so every YAML sets each of its schema's keys (a test checks both ways), and a key the
+schema lacks is refused (extra="forbid"). trainer/setup/validate.py checks a composed config
+against these; docs/configuration.md is checked against them (tests/test_docs.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+from pydantic import ConfigDict, Field
+
+from data.bpe import MIN_VOCAB
+from data.tokens import MAX_VOCAB, Tokenizer
+from trainer.core import SEED_BOUND, TrainSettings
+from trainer.links import EMULATED, Preset
+from trainer.logger.wandb import Mode as WandbMode
+from trainer.sync.base import WeightDecayOn
+from trainer.sync.ddp_hooks import CommHook
+from trainer.sync.flat import Collective
+from trainer.sync.fsdp_units import MixedPrecision, Wrap
+from trainer.sync.zero import Stage
+
+NonEmpty = Annotated[str, Field(min_length=1)]
+Count = Annotated[int, Field(ge=1)]
+Sizes = Annotated[list[Count], Field(min_length=1)]
+
+
+class Schema:
+    __pydantic_config__ = ConfigDict(extra="forbid")  # +group.key=... for a key the schema lacks
+
+
+@dataclass
+class Target(Schema):
+    """What every option builds (hydra.utils.instantiate)."""
+
+    _target_: NonEmpty
+
+
+# model (input shape and class count come from the data at run time)
+
+
+@dataclass
+class BatchNormModel(Target):
+    sync_batchnorm: Annotated[bool, Field(description="CUDA only: BatchNorm statistics over all ranks")]
+
+
+@dataclass
+class MLP(Target):
+    hidden_sizes: Annotated[list[Count], Field(description="hidden layer widths; [] gives a linear classifier")]
+
+
+@dataclass
+class CNN(BatchNormModel):
+    channels: Annotated[Sizes, Field(description="one conv stage per entry")]
+    hidden_size: Count
+    batchnorm: bool
+
+
+@dataclass
+class ResNet18(BatchNormModel):
+    small_input_stem: bool
+
+
+@dataclass
+class GPT(Target):
+    n_layer: Count
+    n_head: Annotated[int, Field(ge=1, description="must divide model.n_embd")]
+    n_embd: Count
+    block_size: Annotated[int, Field(ge=1, description="context in tokens; must fit in the validation split")]
+    dropout: Annotated[float, Field(ge=0, lt=1, description="> 0 breaks the equivalence of N ranks and one process")]
+    bias: bool
+    activation_checkpointing: Annotated[bool, Field(description="recompute each block in backward: less memory")]
+
+
+# data
+
+
+@dataclass
+class Data(Target):
+    batch_size: Annotated[int, Field(ge=1, description="per rank")]
+    num_workers: Annotated[int, Field(ge=0, description="0 loads in the training process")]
+    drop_last: bool
+
+
+@dataclass
+class Synthetic(Data):
+    num_samples: Count
+    num_val_samples: Count
+    input_dim: Count
+    num_classes: Annotated[int, Field(ge=2)]
+    seed: Annotated[int, Field(ge=0, lt=SEED_BOUND)]
+
+
+@dataclass
+class Fake(Data):
+    num_samples: Count
+    num_val_samples: Count
+    image_shape: Annotated[list[Count], Field(min_length=3, max_length=3, description="[C, H, W], C 1 or 3")]
+    num_classes: Annotated[int, Field(ge=2)]
+
+
+@dataclass
+class Mnist(Data):
+    root: NonEmpty
+    download: bool
+
+
+@dataclass
+class Cifar10(Mnist):
+    verify_md5: bool
+
+
+@dataclass
+class Text(Data):
+    path: Annotated[str | None, Field(description="a UTF-8 file or a directory of *.txt; null: Python's sources")]
+    tokenizer: Tokenizer
+    vocab_size: Annotated[
+        int | None, Field(ge=MIN_VOCAB, le=MAX_VOCAB, description="bpe's tokens (bytes and merges); null: char, byte")
+    ]
+    cache_dir: Annotated[str, Field(min_length=1, description="where rank 0 writes the token file")]
+    block_size: Annotated[int | None, Field(ge=1, description="the model's context (model.block_size)")]
+    num_workers: Annotated[int, Field(ge=0, le=0, description="only 0: a batch is one gather from the tokens")]
+
+
+# sync
+
+
+@dataclass
+class Buckets(Target):
+    """Bucketed all-reduce, by DDP or by hand, and the bucket_cap_mb=auto search."""
+
+    bucket_cap_mb: Annotated[
+        Annotated[float, Field(gt=0, strict=True)] | Literal["auto"],
+        Field(description="MiB of gradients per bucket; auto: try auto_candidates_mb first, keep the fastest"),
+    ]
+    auto_candidates_mb: Annotated[list[Annotated[float, Field(gt=0)]], Field(min_length=1)]
+    auto_steps_per_trial: Annotated[int, Field(ge=1, description="timed steps per candidate cap")]
+    auto_warmup_steps: Annotated[int, Field(ge=1, description="untimed steps per candidate first")]
+
+
+@dataclass
+class DDP(Buckets):
+    gradient_as_bucket_view: bool
+    static_graph: bool
+    find_unused_parameters: bool
+    broadcast_buffers: bool
+    comm_hook: CommHook
+    powersgd_rank: Annotated[int, Field(ge=1, description="PowerSGD's matrix_approximation_rank")]
+    # With error feedback and warm start PowerSGD refuses less: DDP rebuilds its buckets after step 1.
+    powersgd_start_step: Annotated[int, Field(ge=2, description="plain all-reduce steps before compressing")]
+    time_buckets: Annotated[bool, Field(description="CPU only: the all-reduce as a hook, every bucket timed")]
+
+
+@dataclass
+class Bucketed(Buckets):
+    collective: Collective
+
+
+@dataclass
+class Manual(Target):
+    coalesce_mb: Annotated[float, Field(ge=0, description="0: one buffer per gradient tensor")]
+    collective: Collective
+    find_unused_parameters: bool
+
+
+@dataclass
+class Zero(Target):
+    stage: Annotated[Stage, Field(description="1: optimizer state sharded; 2: gradients too; 0 is sync=ddp")]
+    bucket_cap_mb: Annotated[float, Field(gt=0, description="MiB of gradients per bucket")]
+    find_unused_parameters: bool
+
+
+@dataclass
+class FSDP(Target):
+    reshard_after_forward: Annotated[bool, Field(description="free a unit's parameters after its forward")]
+    mixed_precision: MixedPrecision
+    wrap: Annotated[Wrap, Field(description="the units: one per block (ModuleList element) or per module")]
+
+
+# optim: every keyword handed to torch's optimizer, in torch's own bounds (lr > 0: zero trains nothing)
+
+
+@dataclass
+class Optim(Target):
+    _partial_: Annotated[Literal[True], Field(description="the trainer binds the model's parameters")]
+    lr: Annotated[float, Field(gt=0)]
+    weight_decay: Annotated[float, Field(ge=0)]
+    weight_decay_on: Annotated[WeightDecayOn, Field(description="matrices: only parameters with >= 2 dims decay")]
+
+
+@dataclass
+class SGD(Optim):
+    momentum: Annotated[float, Field(ge=0, lt=1)]
+    dampening: Annotated[float, Field(ge=0, le=1)]
+    nesterov: Annotated[bool, Field(description="needs momentum > 0 and dampening 0")]
+
+
+@dataclass
+class AdamW(Optim):
+    betas: Annotated[list[Annotated[float, Field(ge=0, lt=1)]], Field(min_length=2, max_length=2)]
+    eps: Annotated[float, Field(gt=0)]
+    amsgrad: bool
+
+
+# schedule, logger, network
+
+
+@dataclass
+class WarmupCosine(Target):
+    warmup_steps: Annotated[int, Field(ge=0, description="not longer than trainer.max_steps")]
+    min_lr_ratio: Annotated[float, Field(ge=0, le=1)]
+
+
+@dataclass
+class Wandb(Target):
+    mode: Annotated[WandbMode, Field(description="also from the WANDB_MODE environment variable")]
+    project: NonEmpty
+    entity: Annotated[str | None, Field(description="null: your W&B default")]
+
+
+@dataclass
+class Network(Target):
+    preset: Annotated[Literal["none"] | Preset, Field(description="the link between nodes; none: no emulation")]
+    latency_us: Annotated[float | None, Field(ge=0, description="per ring step; null: the preset's")]
+    bandwidth_gbps: Annotated[float | None, Field(gt=0, description="per rank and direction, Gb/s; null: the preset's")]
+    gpus_per_node: Annotated[int, Field(ge=1, description="ranks per emulated node, a divisor of the world size")]
+    intra: Annotated[Preset, Field(description="the link inside a node (gpus_per_node > 1)")]
+    intra_latency_us: Annotated[float | None, Field(ge=0, description="null: the intra preset's")]
+    intra_bandwidth_gbps: Annotated[float | None, Field(gt=0, description="Gb/s; null: the intra preset's")]
+    time_scale: Annotated[float, Field(gt=0, description="every link time is multiplied by it")]
+
+
+SCHEMAS: dict[str, dict[str, type]] = {
+    "model": {"mlp": MLP, "cnn": CNN, "resnet18": ResNet18, "gpt": GPT},
+    "data": {"synthetic": Synthetic, "fake": Fake, "mnist": Mnist, "cifar10": Cifar10, "text": Text},
+    "sync": {"ddp": DDP, "bucketed": Bucketed, "manual": Manual, "zero": Zero, "fsdp": FSDP, "none": Target},
+    "optim": {"sgd": SGD, "adamw": AdamW},
+    "schedule": {"constant": Target, "warmup_cosine": WarmupCosine},
+    "trainer": {"default": TrainSettings},
+    "logger": {"wandb": Wandb, "none": Target},
+    "network": {name: Network for name in ("none", *EMULATED)},
+}
