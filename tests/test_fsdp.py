@@ -263,7 +263,7 @@ def test_bad_values_are_refused_with_the_key() -> None:
     with pytest.raises(ConfigError, match=r"sync\.mixed_precision='fp8' is invalid: accepted: none, bf16"):
         check_overrides(["sync=fsdp", "sync.mixed_precision=fp8"])
     with pytest.raises(ConfigError, match=r"sync\.reshard_after_forward=sometimes is invalid"):
-        compose_config(["sync=fsdp", "sync.reshard_after_forward=sometimes"])  # typed: refused while composing
+        check_overrides(["sync=fsdp", "sync.reshard_after_forward=sometimes"])  # train.py's check of its command line
     cfg = compose_config(["sync=fsdp", "sync.mixed_precision=bf16"])
     parts = build_parts(cfg)
     with pytest.raises(ConfigError, match=r"sync\.mixed_precision=bf16 cannot run on cpu.*trainer\.device=cuda"):

@@ -77,8 +77,8 @@ def test_route1_multirun_inside_torchrun(tmp_path: Path) -> None:
 
 
 def test_strategy_sweep_runs_each_strategy_variant_as_a_job(tmp_path: Path) -> None:
-    # Two of experiment=strategy_sweep's variants, each a sync choice with a knob; the report reads them.
-    args = ["-m", CPU, "logger=none", "experiment=strategy_sweep", "+strategy=bucketed_rs_ag,ddp_fp16", "+repeat=1"]
+    # Two of experiment=strategy_variants' presets, each a sync choice with a knob; the report reads them.
+    args = ["-m", CPU, "logger=none", "experiment=strategy_variants", "+strategy=bucketed_rs_ag,ddp_fp16", "+repeat=1"]
     proc = torchrun([*args, "model.hidden_sizes=[64]", *QUICK], cwd=tmp_path)
     assert proc.returncode == 0, output(proc)
     sweep = sweep_dir(tmp_path)

@@ -23,6 +23,7 @@ from tests.train_helpers import bit_identical, build, case_results, max_abs_diff
 from trainer.errors import ConfigError
 from trainer.loop.step_math import steps_per_epoch
 from trainer.setup.build import build_parts, instantiate
+from trainer.setup.precheck import check_overrides
 
 COMMON = [
     "logger=none",
@@ -149,7 +150,7 @@ def test_drop_last_keeps_its_meaning() -> None:
 
 def test_bad_drop_last_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match=r"data\.drop_last=maybe is invalid: accepted: true or false"):
-        instantiate(compose_config([*COMMON, "data.drop_last=maybe"]).data)
+        check_overrides([*COMMON, "data.drop_last=maybe"])  # train.py's check of its command line
 
 
 def test_too_few_samples_for_the_ranks_is_named(tmp_path: Path) -> None:

@@ -75,7 +75,7 @@ class TrainSettings:
     """How long to train, how often to log and evaluate, and where and in what precision."""
 
     max_steps: Annotated[int | None, Field(ge=0, description="optimizer steps; null: train num_epochs")]
-    num_epochs: Annotated[int | None, Field(ge=1, description="with max_steps too, whichever ends first")]
+    num_epochs: Annotated[int | None, Field(ge=1)]  # with max_steps too: whichever ends first
     seed: Annotated[int, Field(ge=0, lt=SEED_BOUND, description="model init and data shuffling")]
     log_every_n_steps: Annotated[int, Field(ge=1, description="a row on every rank; the last step always")]
     time_comm_every_n_steps: Annotated[

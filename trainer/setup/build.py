@@ -27,7 +27,7 @@ from trainer.logger.base import MetricLogger
 from trainer.logger.jsonl import JsonlLogger
 from trainer.loop.lm import compiler_missing
 from trainer.loop.trainer import Trainer
-from trainer.setup.validate import validate
+from trainer.setup.validate import check_group, check_pairing
 from trainer.sync.base import DecayGroups, SyncStrategy
 from trainer.sync.comm import Comm
 from trainer.sync.network import EmulatedLink
@@ -122,9 +122,12 @@ class Parts:
 
 
 def build_parts(cfg: DictConfig, world_size: int = 1) -> Parts:
-    """Validate the composed config (trainer/setup/validate.py), then run every constructor once, on
-    values already checked: a bad value fails here, on every rank alike, before any collective."""
-    settings: TrainSettings = validate(cfg)["trainer"]
+    """Run every constructor once, on the composed config train.py validated before Hydra's app
+    started (trainer/setup/precheck.py); the trainer's keys become TrainSettings here. A value the
+    schema cannot see (a data file, a model's shape) fails in its constructor, named, on every rank
+    alike, before any collective."""
+    settings: TrainSettings = check_group(cfg.trainer, "trainer")
+    check_pairing(cfg)  # the model and the data read the same kind of sample: before either is built
     if settings.global_batch_size is not None:
         with open_dict(cfg):
             cfg.data.batch_size = per_rank_batch(settings.global_batch_size, world_size, settings.grad_accum_steps)

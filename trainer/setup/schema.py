@@ -152,7 +152,9 @@ class DDP(Buckets):
     comm_hook: CommHook
     powersgd_rank: Annotated[int, Field(ge=1, description="PowerSGD's matrix_approximation_rank")]
     # With error feedback and warm start PowerSGD refuses less: DDP rebuilds its buckets after step 1.
-    powersgd_start_step: Annotated[int, Field(ge=2, description="plain all-reduce steps before compressing")]
+    powersgd_start_step: Annotated[
+        int, Field(ge=2, description="plain all-reduce steps first; with error feedback and warm start at least 2")
+    ]
     time_buckets: Annotated[bool, Field(description="CPU only: the all-reduce as a hook, every bucket timed")]
 
 
@@ -170,7 +172,13 @@ class Manual(Target):
 
 @dataclass
 class Zero(Target):
-    stage: Annotated[Stage, Field(description="1: optimizer state sharded; 2: gradients too; 0 is sync=ddp")]
+    stage: Annotated[
+        Stage,
+        Field(
+            description="1: optimizer state sharded; 2: gradients too; stage 3 (parameters sharded too) is "
+            "sync=fsdp, stage 0 (nothing sharded) is sync=ddp or sync=bucketed"
+        ),
+    ]
     bucket_cap_mb: Annotated[float, Field(gt=0, description="MiB of gradients per bucket")]
     find_unused_parameters: bool
 

@@ -52,19 +52,23 @@ def validate(cfg: DictConfig) -> dict[str, Any]:
     checked: dict[str, Any] = {}
     for group in (str(g) for g in cfg if g != "hydra"):
         node = cfg[group]
-        if not isinstance(node, DictConfig):
-            continue
-        if "_target_" in node:
-            check_target(node, group)
-        schema = schema_of(group, node)
-        if schema is None:
-            continue
-        try:
-            checked[group] = adapter(schema).validate_python(OmegaConf.to_container(node, resolve=True))
-        except ValidationError as err:
-            raise ConfigError(refusal(err.errors()[0], schema, node, f"{group}.")) from None
+        if isinstance(node, DictConfig):
+            if "_target_" in node:
+                check_target(node, group)
+            checked[group] = check_group(node, group)
     check_rules(cfg)
     return checked
+
+
+def check_group(node: DictConfig, group: str) -> Any:
+    """One group's node as an instance of its schema (None for an untyped one), or its first refusal."""
+    schema = schema_of(group, node)
+    if schema is None:
+        return None
+    try:
+        return adapter(schema).validate_python(OmegaConf.to_container(node, resolve=True))
+    except ValidationError as err:
+        raise ConfigError(refusal(err.errors()[0], schema, node, f"{group}.")) from None
 
 
 def refusal(error: Any, schema: type, node: DictConfig, prefix: str) -> str:
@@ -79,7 +83,9 @@ def refusal(error: Any, schema: type, node: DictConfig, prefix: str) -> str:
     if name not in node:
         return f"{prefix}{'.'.join(str(part) for part in loc)}: {error['msg']}"
     value = OmegaConf.to_container(node[name], resolve=True) if OmegaConf.is_config(node[name]) else node[name]
-    return f"{prefix}{name}={shown(value, typing.get_type_hints(schema)[name])!r} is invalid: {accepted(schema, name)}"
+    annotation = typing.get_type_hints(schema)[name]
+    words = isinstance(value, str) and _types(annotation) <= {int, float, bool, type(None)}  # lots, maybe: as typed
+    return f"{prefix}{name}={value if words else repr(shown(value, annotation))} is invalid: {accepted(schema, name)}"
 
 
 def nested(schema: type, name: str) -> type | None:
@@ -229,20 +235,28 @@ def check_target(node: DictConfig, group: str) -> None:
         check(name in params, f"{group}.{name}", node[name], f"{target} takes no keyword {name}; accepted: {takes}")
 
 
-def check_rules(cfg: DictConfig) -> None:
-    """The rules that tie keys together."""
+def check_pairing(cfg: DictConfig) -> None:
+    """The model and the data read the same kind of sample (and data=text's vocabulary fits its
+    tokenizer): refused before either is built, since reading a corpus takes time."""
     get = functools.partial(OmegaConf.select, cfg, default=None)
     model, data = get("model._target_"), get("data._target_")
     takes_tokens = bool(getattr(hydra.utils.get_object(model), "takes_tokens", False)) if model else False
     if data and model and takes_tokens != bool(getattr(hydra.utils.get_object(data), "tokens", False)):
-        raise ConfigError(  # refused before either is built (reading a corpus takes time), naming both
+        raise ConfigError(
             f"model {model} reads token ids but data {data} gives images or features: use data=text"
             if takes_tokens
-            else f"data {data} gives token windows but model {model} does not read tokens: use model=gpt"
+            else f"data {data} gives token windows but model {model} does not read tokens: use a model that "
+            "reads tokens (model=gpt). The lab's one is the GPT: with data=text, use model=gpt"
         )
-    if get("data.tokenizer") is not None:  # data=text's own rule, run before the corpus is read
+    if get("data.tokenizer") is not None:
         with from_leaves():
             check_vocab_size(get("data.tokenizer"), get("data.vocab_size"))
+
+
+def check_rules(cfg: DictConfig) -> None:
+    """The rules that tie keys together."""
+    check_pairing(cfg)
+    get = functools.partial(OmegaConf.select, cfg, default=None)
     max_steps, warmup = get("trainer.max_steps"), get("schedule.warmup_steps")
     if max_steps is None and get("trainer.num_epochs") is None:
         raise ConfigError("trainer.max_steps and trainer.num_epochs are both null: set at least one")
