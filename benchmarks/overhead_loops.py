@@ -32,8 +32,9 @@ class HandWritten:
     Strategies map to what the tutorial would use: none and manual as named (manual all-reduces each
     gradient, whatever the knobs), ddp and bucketed to PyTorch's DistributedDataParallel, zero to
     DDP with torch's ZeroRedundancyOptimizer (its optimizer-state sharding: all_reduce, then each
-    rank steps its share of the parameters and broadcasts them), fsdp to fully_shard on each
-    transformer block (or, without blocks, each layer that owns parameters), then the root.
+    rank steps its share of the parameters and broadcasts them), fsdp and zero:stage=3 to
+    fully_shard on each transformer block (or, without blocks, each layer that owns parameters),
+    then the root.
     """
 
     def __init__(self, overrides: list[str], strategy: str, ctx: ddist.DistContext, log_every: int = 0) -> None:
@@ -51,7 +52,9 @@ class HandWritten:
             self.fetch = lambda index: tuple(t[index] for t in train.tensors)
         self.sampler = DistributedSampler(train, ctx.world_size, ctx.rank, shuffle=True, seed=0, drop_last=True)
         self.loader = BatchSampler(self.sampler, batch_size=parts.data.batch_size, drop_last=True)
-        strategy = strategy.split(":")[0]  # the tutorial loop has no knobs: manual is one call per gradient
+        # The tutorial loop has no knobs (manual is one call per gradient); ZeRO stage 3 written as
+        # PyTorch's tutorials write it is FSDP2.
+        strategy = "fsdp" if strategy.startswith("zero:") and "stage=3" in strategy else strategy.split(":")[0]
         self.device, self.world_size, self.manual = ctx.device, ctx.world_size, strategy == "manual"
         model = parts.model.to(ctx.device)
         if strategy in ("ddp", "bucketed", "zero"):  # bucketed (DDP built by hand) is measured against PyTorch's DDP

@@ -106,7 +106,9 @@ TABLE: list[Row] = [
     Row("sync=manual", "sync.collective=reduce", "choice", "sync.collective='reduce'"),
     Row("sync=fsdp", "sync.mixed_precision=fp16", "choice", "sync.mixed_precision='fp16'"),
     Row("sync=fsdp", "sync.wrap=layer", "choice", "sync.wrap='layer'"),
-    Row("sync=zero", "sync.stage=3", "choice", "sync.stage=3"),
+    Row("sync=zero", "sync.stage=4", "choice", "sync.stage=4"),
+    Row("sync=zero", "sync.prefetch=-1", "low", "sync.prefetch=-1"),
+    Row("sync=zero", "sync.wrap=layer", "choice", "sync.wrap='layer'"),
     Row("sync=zero", "sync.stage=0", "choice", "sync.stage=0"),
     Row("sync=zero", "sync.bucket_cap_mb=0", "low", "sync.bucket_cap_mb=0.0"),
     # optim

@@ -24,6 +24,7 @@ from trainer.sync.fsdp import FSDPSync
 from trainer.sync.manual import ManualSync
 from trainer.sync.none import NoSync
 from trainer.sync.zero import ZeroSync
+from trainer.sync.zero3 import Zero3Sync
 
 
 def timed(make: Any) -> Any:
@@ -49,6 +50,9 @@ EVERY_STRATEGY = {
     "zero-stage1": partial(ZeroSync, stage=1, bucket_cap_mb=TINY_MB),
     "fsdp": FSDPSync,  # wrap=auto: the blocks are units, the tied embedding and head in the root
     "fsdp-module": partial(FSDPSync, wrap="module"),  # the tied modules are left to the root
+    "zero3": Zero3Sync,  # as fsdp's units: the blocks, the tied embedding and head in the root
+    "zero3-module": partial(Zero3Sync, wrap="module", prefetch=2),
+    "zero3-no-prefetch": partial(Zero3Sync, prefetch=0, reshard_after_forward=False),
 }
 MANUAL_GROUPINGS = {
     "manual": (partial(ManualSync, **FIND), "branchy"),
@@ -60,6 +64,7 @@ MANUAL_GROUPINGS = {
     "zero-tiny": (partial(ZeroSync, bucket_cap_mb=TINY_MB, **FIND), "branchy"),
     "zero-stage1": (partial(ZeroSync, stage=1, bucket_cap_mb=TINY_MB, **FIND), "branchy"),
     "ddp": (partial(DDPSync, **FIND), "branchy"),
+    "zero3": (partial(Zero3Sync, wrap="block", **FIND), "branchy"),  # no blocks: every parameter in the root
 }
 
 CASES: dict[str, Case] = {
@@ -78,6 +83,8 @@ CASES: dict[str, Case] = {
     "reused-nonreentrant-fsdp": Case("reused-nonreentrant", FSDPSync),
     "frozen-twice-fsdp": Case("frozen", FSDPSync),  # a unit run twice without grad, but frozen: not refused
     "reused-zero-stage1": Case("reused", partial(timed, partial(ZeroSync, stage=1, bucket_cap_mb=TINY_MB))),
+    "reused-nonreentrant-zero3": Case("reused-nonreentrant", Zero3Sync),  # a unit gathered twice in a forward
+    "reused-zero3-root": Case("reused", partial(Zero3Sync, wrap="block")),
     **{f"unused-all-{n}": Case(m, s) for n, (s, m) in MANUAL_GROUPINGS.items()},
     **{f"unused-one-{n}": Case(m, s, branch_ranks=(1,)) for n, (s, m) in MANUAL_GROUPINGS.items()},
     "unused-all-fsdp": Case("branchy", FSDPSync),
@@ -85,6 +92,7 @@ CASES: dict[str, Case] = {
     # zero after a plain optimizer.zero_grad() (set_to_none), and the flat-buffer strategies too
     "zero-grad-zero": Case("tied", ZeroSync, plain_zero_grad=True),
     "zero-grad-zero-stage1": Case("tied", partial(ZeroSync, stage=1, bucket_cap_mb=TINY_MB), plain_zero_grad=True),
+    "zero-grad-zero3": Case("tied", Zero3Sync, plain_zero_grad=True),
     "zero-grad-manual": Case("tied", ManualSync, plain_zero_grad=True),
     "zero-grad-bucketed": Case("tied", partial(BucketedSync, bucket_cap_mb=TINY_MB), plain_zero_grad=True),
 }
@@ -104,6 +112,13 @@ REFUSED = {
     # the shared layer is a unit run in two reentrant checkpoints and outside: FSDP2 reduces it early
     "reused-fsdp": (Case("reused", FSDPSync), "'shared.weight'"),
     "unused-one-fsdp-last": (Case("branchy-last", FSDPSync, branch_ranks=(1,)), "'branch.weight'"),
+    # zero stage 3: a unit one rank skips (module: the branch is one), refused in the first forward;
+    # a parameter of the root one rank leaves out, after the first backward (unused.py's rule)
+    "unused-one-zero3-unit": (Case("branchy", partial(Zero3Sync, **FIND), branch_ranks=(1,)), "zero unit branch"),
+    "unused-one-zero3-root": (Case("branchy", partial(Zero3Sync, wrap="block"), branch_ranks=(1,)), "1 of 2"),
+    "unused-all-zero3-noflag": (Case("branchy", partial(Zero3Sync, wrap="block")), "'branch.weight'"),
+    # the shared layer is a unit run under reentrant checkpoints: its backward reruns it unannounced
+    "reused-zero3": (Case("reused", Zero3Sync), "zero unit shared"),
 }
 
 

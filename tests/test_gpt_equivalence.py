@@ -46,12 +46,14 @@ CASES = {
     "ddp-auto": ["sync=ddp", "sync.bucket_cap_mb=auto", "sync.auto_steps_per_trial=1", "sync.auto_warmup_steps=1"],
     "ddp-accum": ["sync=ddp", "data.batch_size=4", "trainer.grad_accum_steps=2"],
     "zero": ["sync=zero"],
+    "zero-stage-3": ["sync=zero", "sync.stage=3"],  # the tied embedding and head stay in the root unit
+    "zero-stage-3-module": ["sync=zero", "sync.stage=3", "sync.wrap=module", "sync.prefetch=2"],
     "fsdp": ["sync=fsdp"],
 }
 # model.activation_checkpointing=true under the strategies whose hooks meet the recomputed blocks:
 # bucketed's and zero's post-accumulate-grad hooks (and their first-step check that every parameter
 # got a gradient), DDP's reducer, FSDP's unit gathers around each block.
-CHECKPOINTED = ("manual", "bucketed", "ddp", "zero", "fsdp")
+CHECKPOINTED = ("manual", "bucketed", "ddp", "zero", "zero-stage-3", "fsdp")
 # A fixed subset of the 7 validation windows: shards of 2 and 1 at 2 ranks; 1000 is more than the split.
 EVAL_MAX_SAMPLES = 3
 

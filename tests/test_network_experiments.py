@@ -28,6 +28,11 @@ def test_network_strategies_runs_each_strategy_on_one_emulated_link() -> None:
     for hook in ("fp16", "powersgd"):
         cfg = compose_config(["experiment=network_compression", "sync=ddp", f"sync.comm_hook={hook}"])
         assert cfg.network.preset == "100gbe" and cfg.network.time_scale == 25 and cfg.sync.comm_hook == hook
+    # zero stage 3 on the same link and model, with and without prefetching the next unit's gather
+    sharding = sweep("network_sharding")
+    assert (sharding["sync"], sharding["sync.stage"], sharding["sync.prefetch"]) == ("zero", 3, "0,1,2")
+    cfg = compose_config(["experiment=network_sharding", "sync=zero", "sync.stage=3", "sync.prefetch=0"])
+    assert cfg.network.preset == "100gbe" and cfg.network.time_scale == 25 and cfg.sync.prefetch == 0
     # larger than the default 25 MiB cap, so bucketed, ddp and zero build more than one bucket
     cfg = compose_config(["experiment=network_strategies", "sync=ddp"])
     widths = [32, *cfg.model.hidden_sizes, 10]  # data=synthetic's input_dim and classes

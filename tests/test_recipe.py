@@ -30,18 +30,26 @@ CASES = {
     "ddp-hook": ["sync=ddp", "sync.time_buckets=true"],
     "zero-stage-1": ["sync=zero", "sync.stage=1", "sync.bucket_cap_mb=0.002"],
     "zero": ["sync=zero", "sync.bucket_cap_mb=0.002"],
+    "zero-stage-3": ["sync=zero", "sync.stage=3"],  # the blocks' units gathered and recomputed in backward
     "fsdp": ["sync=fsdp"],
 }
 
 
 FP16 = ["trainer.precision=fp16", "trainer.max_steps=8"]
+FP16_SYNCS = {
+    "ddp": ["sync=ddp"],
+    "zero": ["sync=zero"],
+    "zero-stage-3": ["sync=zero", "sync.stage=3"],
+    "fsdp": ["sync=fsdp"],
+}
 HUGE_SCALE = 2.0**22  # the first steps overflow for certain: the scaler must back off alike on every rank
 
 
 def train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dict[str, Any]:
     trainer = build(rank, world_size, [*COMMON, *overrides], run_dir)
     scaler = trainer.runner.scaler
-    if scaler is not None:  # the same kind of scaler the trainer chose, started where it must overflow
+    if scaler is not None and not Path(run_dir).name.startswith("fp16-plain"):
+        # the same kind of scaler the trainer chose, started where it must overflow
         trainer.runner.scaler = type(scaler)(device="cpu", init_scale=HUGE_SCALE)
     trainer.fit()
     _, optimizer_state = trainer.sync.state_dicts(trainer.model, trainer.optimizer)  # a collective when sharded
@@ -63,8 +71,11 @@ def all_cases(rank: int, world_size: int, gpt: list[str], root: str) -> dict[str
     cases = {name: [*gpt, "data.batch_size=8", *DECAY, *CLIP, *o] for name, o in CASES.items()}
     # Without a clip the norm is still logged; sharded, it still needs the ranks' reduction.
     cases["zero-unclipped"] = [*gpt, "data.batch_size=8", *DECAY, "sync=zero"]
-    for sync in ("ddp", "zero", "fsdp"):  # replicated gradients, and sharded ones whose overflow the ranks agree on
-        cases[f"fp16-{sync}"] = [*gpt, "data.batch_size=8", *DECAY, *CLIP, *FP16, f"sync={sync}"]
+    for name, sync in FP16_SYNCS.items():  # replicated gradients, and sharded ones whose overflow the ranks agree on
+        cases[f"fp16-{name}"] = [*gpt, "data.batch_size=8", *DECAY, *CLIP, *FP16, *sync]
+    # fp16 at its default scale against fp32: the logged norm (and so the clip) is the unscaled gradient's
+    cases["fp16-plain-ddp"] = [*gpt, "data.batch_size=8", *DECAY, *CLIP, *FP16, "sync=ddp"]
+    cases["fp32-ddp"] = [*gpt, "data.batch_size=8", *DECAY, *CLIP, "trainer.max_steps=8", "sync=ddp"]
     return train_each(rank, world_size, train, cases, f"{root}/runs")
 
 
@@ -126,7 +137,7 @@ def test_matrices_decay_and_the_rest_does_not(single: dict[str, Any]) -> None:
     assert decayed and kept and not decayed & kept
 
 
-@pytest.mark.parametrize("case", ["zero", "zero-stage-1", "fsdp"])
+@pytest.mark.parametrize("case", ["zero", "zero-stage-1", "zero-stage-3", "fsdp"])
 def test_a_sharded_checkpoint_holds_what_a_replicated_one_does(pairs: list[dict[str, Any]], case: str) -> None:
     """zero's pieces of the shard (one per group) map back to the full state, groups and all, as ddp's."""
     ours, theirs = case_results(pairs, case)[0]["optimizer"], case_results(pairs, "ddp")[0]["optimizer"]
@@ -141,7 +152,7 @@ def test_a_sharded_checkpoint_holds_what_a_replicated_one_does(pairs: list[dict[
                 assert torch.allclose(mine, value, atol=1e-5), f"{case}: state {index}.{key}"
 
 
-@pytest.mark.parametrize("sync", ["ddp", "zero", "fsdp"])
+@pytest.mark.parametrize("sync", FP16_SYNCS)
 def test_fp16_scales_back_alike_on_every_rank_and_keeps_the_scale(pairs: list[dict[str, Any]], sync: str) -> None:
     rank0, rank1 = case_results(pairs, f"fp16-{sync}")
     assert rank0["scales"] == rank1["scales"] and rank0["overflows"] == rank1["overflows"]
@@ -152,3 +163,13 @@ def test_fp16_scales_back_alike_on_every_rank_and_keeps_the_scale(pairs: list[di
     assert max_abs_diff(rank0["params"], rank1["params"]) == 0.0, "every rank stepped alike"
     assert all(torch.isfinite(t).all() for t in rank0["params"].values())
     assert all(n is None or n > 0 for n in rank0["norms"])  # an overflowed step logs no norm
+
+
+def test_fp16_logs_and_clips_the_norm_of_the_unscaled_gradient(pairs: list[dict[str, Any]]) -> None:
+    """What fp16 clips by is the gradient's norm after the scaler divides it out: an fp32 run's, to
+    fp16's rounding (measured within 0.1 %), not the loss scale (65,536) times it."""
+    fp16, fp32 = case_results(pairs, "fp16-plain-ddp")[0], case_results(pairs, "fp32-ddp")[0]
+    compared = [(a, b) for a, b in zip(fp16["norms"], fp32["norms"], strict=True) if a is not None]
+    assert len(compared) >= 6, fp16["norms"]  # at most the first steps overflow at the default scale
+    assert all(abs(a - b) <= 0.02 * b for a, b in compared), compared
+    assert min(b for _, b in compared) > MAX_NORM, "the clip acts at every compared step"

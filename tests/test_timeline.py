@@ -48,6 +48,7 @@ CASES = {
     "ddp": ["sync=ddp", "sync.bucket_cap_mb=0.25", "model.hidden_sizes=[512,256,256]"],
     "zero": ["sync=zero", "sync.bucket_cap_mb=0.02"],  # several buckets, each reduce_scattered and gathered
     "fsdp": ["sync=fsdp"],
+    "zero3": ["sync=zero", "sync.stage=3"],  # each unit gathered (forward, backward) and reduced
     "wandb": ["sync=bucketed", "sync.bucket_cap_mb=0.02"],  # with an offline W&B run per rank
     "off": ["sync=bucketed", "sync.bucket_cap_mb=0.02", "trainer.profile=false"],  # the zero-cost case
 }
@@ -118,10 +119,11 @@ def test_every_strategy_end_to_end(runs: tuple[Path, list[dict[str, Any]]], case
                     continue  # ddp counts its collectives' bytes, not their kinds: its buckets below
                 expected = rows[step].get(f"comm/{kind}_per_step", 0)
                 assert sum(kind in n for n in mine) == expected, (case, rank, step, kind, mine)
-            if case == "fsdp":  # named by the unit whose gather or reduce it is; the all_reduce is
-                # the logged step's gradient norm (issue 32), counted above like any collective
-                units = [n for n in mine if not n.startswith("all_reduce ")]
-                assert units and all(re.search(r" \(fsdp unit net\.\d+\)$", n) for n in units), mine
+            if case in ("fsdp", "zero3"):  # named by the unit whose gather or reduce it is; a bare
+                # all_reduce is the logged step's gradient norm (issue 32), counted above like any collective
+                units = [n for n in mine if not re.match(r"all_reduce [\d.]+ \w+$", n)]
+                unit = "fsdp unit" if case == "fsdp" else "zero unit"
+                assert units and all(re.search(rf" \({unit} net\.\d+\)$", n) for n in units), mine
             if case == "ddp":  # DDP's own count of its reducer's collectives in this step
                 assert sum("all_reduce" in n for n in mine) == rows[step]["comm/collectives_per_step"]
             buckets = describe.get("num_buckets", describe.get("num_buffers"))
@@ -170,7 +172,7 @@ def test_report_timelines(runs: tuple[Path, list[dict[str, Any]]], tmp_path: Pat
     assert "job 2: " in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("case", ["manual", "bucketed", "ddp", "zero", "fsdp"])
+@pytest.mark.parametrize("case", ["manual", "bucketed", "ddp", "zero", "fsdp", "zero3"])
 def test_the_picture_says_what_it_draws(runs: tuple[Path, list[dict[str, Any]]], case: str) -> None:
     """One colour per meaning, every colour drawn named once in the legend, every collective in the
     collectives' colour, and each label kept inside its own bar."""

@@ -42,11 +42,8 @@ ELASTIC = ("trainer.global_batch_size=64",)  # data.batch_size 32 on 2 ranks, 64
 
 
 def full(rank: int, world_size: int, overrides: list[str], run_dir: Path) -> dict[str, Any]:
-    """fit(), with a sharded strategy's parameters gathered whole (every rank), to compare across world sizes."""
-    result = fit(rank, world_size, overrides, str(run_dir))
-    if "model" in result:
-        result["model"] = {k: getattr(v, "full_tensor", lambda v=v: v)().clone() for k, v in result["model"].items()}
-    return result
+    """fit(), whose model is gathered whole where sharded (every rank), to compare across world sizes."""
+    return fit(rank, world_size, overrides, str(run_dir))
 
 
 def cut_back_to_step_4(rank: int, run_dir: Path) -> None:
@@ -92,6 +89,9 @@ def guarded(cases: dict[str, Callable[[Path], Any]], root: Path) -> dict[str, An
 
 
 SHARDED = ("trainer.checkpoint_format=sharded",)
+STAGE3 = ("sync.stage=3",)
+# Two param groups (decay on matrices only): zero's shard holds a piece per group, at an offset.
+GROUPS = ("optim.weight_decay=0.01", "optim.weight_decay_on=matrices")
 
 
 def staged_copies_stay(rank: int) -> dict[str, bool]:
@@ -125,6 +125,15 @@ def on_two_ranks(rank: int, world_size: int, root: str) -> dict[str, Any]:
         {
             "ddp": lambda at: first_run(rank, world_size, "sync=ddp", at, TWO),
             "zero": lambda at: first_run(rank, world_size, "sync=zero", at, TWO),
+            "zero3": lambda at: first_run(rank, world_size, "sync=zero", at, TWO, STAGE3),
+            "zero3-sharded": lambda at: first_run(rank, world_size, "sync=zero", at, TWO, (*STAGE3, *SHARDED, *GROUPS)),
+            "zero-groups-sharded": lambda at: first_run(rank, world_size, "sync=zero", at, TWO, (*SHARDED, *GROUPS)),
+            "zero-groups-sharded-here": lambda _: full(
+                rank,
+                world_size,
+                ["sync=zero", *TWO, *CUT, *SHARDED, *GROUPS],
+                at / "zero-groups-sharded" / "resumed-here",
+            ),
             # the other two strategies, one format each: manual full, bucketed sharded
             "manual": lambda at: first_run(rank, world_size, "sync=manual", at, TWO),
             "bucketed-sharded": lambda at: first_run(rank, world_size, "sync=bucketed", at, TWO, SHARDED),
@@ -169,6 +178,14 @@ def on_one_rank_again(rank: int, world_size: int, root: str) -> dict[str, Any]:
         )
         cases[f"{sync}-sharded-resumed"] = lambda _, s=sync, b=batch: full(
             rank, world_size, [f"sync={s}", *b, *CUT, *SHARDED], at / f"{s}-sharded" / "resumed"
+        )
+    for case, extra in (
+        ("zero3", STAGE3),  # stage 3: the parameters sharded too
+        ("zero3-sharded", (*STAGE3, *SHARDED, *GROUPS)),
+        ("zero-groups-sharded", (*SHARDED, *GROUPS)),
+    ):
+        cases[f"{case}-resumed"] = lambda _, c=case, e=extra: full(
+            rank, world_size, ["sync=zero", *ONE, *CUT, *e], at / c / "resumed"
         )
     cases["elastic-resumed"] = lambda _: full(
         rank, world_size, ["sync=ddp", *ELASTIC, *CUT], at / "elastic" / "resumed"
@@ -225,6 +242,9 @@ def close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
         ("elastic", "two", "again"),
         ("bucketed-sharded", "two", "again"),
         ("zero", "two", "again"),
+        ("zero3", "two", "again"),
+        ("zero3-sharded", "two", "again"),
+        ("zero-groups-sharded", "two", "again"),
         ("fsdp", "one", "two"),
         ("ddp-sharded", "two", "again"),
         ("zero-sharded", "two", "again"),
@@ -293,7 +313,7 @@ def test_what_cannot_be_mapped_to_another_world_size_is_refused(tmp_path: Path) 
         check_world_change(tmp_path / "c.pt", {"world_size": 2}, 1, nn.Linear(2, 2), True)  # built without a config
 
 
-@pytest.mark.parametrize("sync", ["ddp-sharded", "zero-sharded"])
+@pytest.mark.parametrize("sync", ["ddp-sharded", "zero-sharded", "zero-groups-sharded"])
 def test_a_sharded_checkpoint_resumes_bit_identical_at_its_own_world_size(
     runs: tuple[Path, dict[str, list[dict[str, Any]]]], sync: str
 ) -> None:

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from tests.compose import compose_config
 from tests.dist_helpers import collectives_stopped, still_in_step
@@ -47,10 +46,10 @@ def build(
 
 
 def params_of(trainer: Trainer) -> dict[str, torch.Tensor]:
-    """The full parameters; a sharded (fsdp) tensor is gathered, so every rank must call this together."""
-    state = trainer.model.state_dict()
-    full = {name: t.full_tensor() if isinstance(t, DTensor) else t for name, t in state.items()}
-    return {name: t.detach().cpu().clone() for name, t in full.items()}
+    """The full parameters; sharded ones (fsdp's DTensors, zero stage 3's units) are gathered, so every
+    rank must call this together."""
+    state = trainer.sync.full_model_state(trainer.model)
+    return {name: t.detach().cpu().clone() for name, t in state.items()}
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -136,6 +136,13 @@ def evaluate(
     return metrics
 
 
+def parameters_mb(model: nn.Module) -> float:
+    """MiB of parameters this rank holds: a DTensor (fsdp) counts its local shard. zero stage 3, whose
+    parameters come and go with their unit, reports its shard itself (row_metrics)."""
+    local = (p.to_local() if hasattr(p, "to_local") else p for p in model.parameters())
+    return sum(t.numel() * t.element_size() for t in local) / 2**20
+
+
 def optimizer_state_mb(optimizer: Optimizer) -> float:
     """MiB of optimizer state this rank holds (momentum, Adam's moments, ...): what ZeRO and FSDP shard.
 

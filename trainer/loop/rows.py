@@ -15,7 +15,7 @@ from trainer.core import DistContext, hostname
 from trainer.logger.base import MetricLogger
 from trainer.loop.comm_metrics import comm_metrics
 from trainer.loop.lm import TokenRates
-from trainer.loop.metrics import Window, optimizer_state_mb
+from trainer.loop.metrics import Window, optimizer_state_mb, parameters_mb
 from trainer.loop.step import StepRunner
 from trainer.loop.summary import rank_timing
 from trainer.loop.timing import StepTimer
@@ -111,6 +111,7 @@ class TrainRows:
             "throughput/samples_per_s": window.samples / elapsed,
             **(self.rates.row(window.tokens, elapsed) if self.rates else {}),
             "memory/rss_mb": self._rss.bytes() / 2**20,
+            "memory/parameters_mb": parameters_mb(runner.model),
             "memory/optimizer_state_mb": optimizer_state_mb(runner.optimizer),
             **({"train/skipped_steps": runner.skipped_steps} if runner.skipped_steps else {}),
             # fp16: the loss scale in use, and the steps its overflows skipped so far.

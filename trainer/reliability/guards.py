@@ -6,6 +6,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainer.sync.comm import all_gather_tensor
+
 
 class NonFiniteError(RuntimeError):
     """A loss became NaN or infinite (trainer.on_nonfinite=raise)."""
@@ -51,7 +53,7 @@ class NonFiniteCheck:
             return
         mine = torch.tensor([first_bad_step], dtype=torch.int64, device=self.device)
         gathered = torch.empty(dist.get_world_size(), dtype=torch.int64, device=self.device)
-        work = dist.all_gather_into_tensor(gathered, mine, async_op=True)
+        work = all_gather_tensor(gathered, mine, async_op=True)  # torch 2.14 deprecates the older name
         assert work is not None, "async_op=True returns the collective's Work"
         self._pending = (gathered, work)
 

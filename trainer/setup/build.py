@@ -223,6 +223,9 @@ def check_device(parts: Parts, device: torch.device) -> None:
         raise ConfigError(
             f"trainer.compile=true cannot run on {device}: {missing}; install one, or set trainer.compile=false"
         )
+    refuses = parts.sync.refuses(parts.settings)
+    if refuses:
+        raise ConfigError(refuses)
 
 
 def _refuse_sync_batchnorm_on_cpu(device: torch.device) -> None:

@@ -175,12 +175,15 @@ class Zero(Target):
     stage: Annotated[
         Stage,
         Field(
-            description="1: optimizer state sharded; 2: gradients too; stage 3 (parameters sharded too) is "
-            "sync=fsdp, stage 0 (nothing sharded) is sync=ddp or sync=bucketed"
+            description="1: optimizer state sharded; 2: gradients too; 3: parameters too; stage 0 (nothing "
+            "sharded) is sync=ddp or sync=bucketed"
         ),
     ]
-    bucket_cap_mb: Annotated[float, Field(gt=0, description="MiB of gradients per bucket")]
+    bucket_cap_mb: Annotated[float, Field(gt=0, description="stages 1, 2: MiB of gradients per bucket")]
     find_unused_parameters: bool
+    wrap: Annotated[Wrap, Field(description="stage 3: the units, as sync=fsdp's")]
+    prefetch: Annotated[int, Field(ge=0, description="stage 3: units gathered ahead of the one computing")]
+    reshard_after_forward: Annotated[bool, Field(description="stage 3: free a unit's parameters after its forward")]
 
 
 @dataclass

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from trainer.core import TrainSettings
 from trainer.sync.comm import Comm, CommCounters
 from trainer.sync.sharded_state import Read, load_state_parts, state_parts
 
@@ -94,6 +95,11 @@ class SyncStrategy(ABC):
     def check_device(self, device: torch.device) -> None:
         """Refuse (ConfigError) options this device cannot run; called before any process group exists."""
 
+    def refuses(self, settings: TrainSettings) -> str | None:
+        """Why this strategy cannot run with these trainer settings (one line naming the key and
+        what is accepted), or None; asked before any process group exists."""
+        return None
+
     def build_optimizer(self, model: nn.Module, factory: OptimizerFactory) -> Optimizer:
         """The optimizer over what this rank updates, after wrap(): by default every parameter."""
         return factory(model.parameters())
@@ -147,6 +153,12 @@ class SyncStrategy(ABC):
         grads = optimizer_grads(optimizer)
         if grads:
             torch._foreach_mul_(grads, factor.to(grads[0].device))  # what clip_grad_norm_ itself does
+
+    def full_model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The whole model's state_dict on every rank: a sharded tensor (fsdp's DTensor) gathered, so
+        every rank must call it. For comparing models (tests, tools), not for checkpoints."""
+        state = model.state_dict()
+        return {name: t.full_tensor() if hasattr(t, "full_tensor") else t for name, t in state.items()}
 
     def state_dicts(self, model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
         """(model state, optimizer state) of the full unsharded model, for a checkpoint.

@@ -1,5 +1,6 @@
 """ZeRO by hand, stages 1 and 2: every rank keeps the full parameters, but only 1/N of the optimizer
-state and (stage 2) of the gradient.
+state and (stage 2) of the gradient. Stage 3, which shards the parameters too, is zero3.py;
+`zero_sync` at the bottom (sync=zero's _target_) builds either.
 
 build_optimizer() groups the trainable parameters into buckets of about `bucket_cap_mb` (bucketed's
 rule, reverse registration order; a bucket never mixes optim.weight_decay_on's groups) and lays
@@ -50,8 +51,10 @@ from trainer.sync import zero_checkpoint
 from trainer.sync.base import DecayGroups, OptimizerFactory, SyncStrategy
 from trainer.sync.buckets import InOrder
 from trainer.sync.flat import group_by_size, names_of
+from trainer.sync.fsdp_units import Wrap
 from trainer.sync.sharded_state import Read
 from trainer.sync.unused import Arrivals, fewest_and_most
+from trainer.sync.zero3 import Zero3Sync
 from trainer.sync.zero_buckets import GradientBuckets
 from trainer.sync.zero_state import (
     ELEMENTWISE,
@@ -63,9 +66,9 @@ from trainer.sync.zero_state import (
     unchanged,
 )
 
-__all__ = ["ELEMENTWISE", "Stage", "ZeroSync"]
+__all__ = ["ELEMENTWISE", "Stage", "ZeroSync", "zero_sync"]
 
-Stage = Literal[1, 2]  # sync.stage
+Stage = Literal[1, 2, 3]  # sync.stage
 
 
 class ZeroSync(SyncStrategy):
@@ -74,7 +77,9 @@ class ZeroSync(SyncStrategy):
     keeps_replicas_equal = True  # the all_gather leaves every rank the same full parameters
     grads_sharded = True  # the optimizer reads this rank's shard of the averaged gradient
 
-    def __init__(self, stage: Stage = 2, bucket_cap_mb: float = 25.0, find_unused_parameters: bool = False) -> None:
+    def __init__(
+        self, stage: Literal[1, 2] = 2, bucket_cap_mb: float = 25.0, find_unused_parameters: bool = False
+    ) -> None:
         super().__init__()
         self.stage, self.bucket_cap_mb = stage, float(bucket_cap_mb)
         self.find_unused_parameters = find_unused_parameters
@@ -329,3 +334,18 @@ class ZeroSync(SyncStrategy):
         if self._grads is not None:  # the gradient bytes per bucket, without padding, as bucketed lists them
             info["bucket_sizes_bytes"] = [n * self._grads.element_size for n in self._grads.numels]
         return info
+
+
+def zero_sync(
+    stage: Stage,
+    bucket_cap_mb: float,
+    find_unused_parameters: bool,
+    wrap: Wrap,
+    prefetch: int,
+    reshard_after_forward: bool,
+) -> SyncStrategy:
+    """sync=zero's builder: stages 1 and 2 bucket the gradients (bucket_cap_mb); stage 3 shards the
+    parameters by fsdp's units instead (wrap, prefetch, reshard_after_forward)."""
+    if stage == 3:
+        return Zero3Sync(wrap, prefetch, reshard_after_forward, find_unused_parameters)
+    return ZeroSync(stage, bucket_cap_mb, find_unused_parameters)

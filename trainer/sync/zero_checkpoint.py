@@ -7,11 +7,14 @@ is the part of the parameter its shard holds, at its offset, and the metadata li
 chunk (computed from the layout, no collective). Saved as one plain tensor per rank under one key,
 the shards would be taken as replicas and de-duplicated (all but one lost), and their padding
 would depend on N; as ranges of each parameter they read back at any world size. A scalar entry
-(Adam's step) is the same for every element and every rank: one plain tensor. The model's
-parameters are whole on every rank after the gathers: plain tensors, written once.
+(Adam's step) is the same for every element and every rank: one plain tensor. Under stages 1 and
+2 the model's parameters are whole on every rank after the gathers: plain tensors, written once.
+Under stage 3 (zero3.py, no full buffer: `flat` is None) each trainable parameter is written as
+its ranges too, from the parameter shard, so nothing is gathered to save or load; torch's DCP
+reads either form into the other, so a checkpoint moves between the stages and world sizes.
 
-zero.py's two methods call these; they read its layout through the public attributes it keeps for
-its checkpoints (layout, spans, flat, param_shard, full_groups).
+zero.py's and zero3.py's methods call these; they read the layout through the public attributes
+kept for checkpoints (layout, spans, flat, param_shard, full_groups).
 """
 
 from __future__ import annotations
@@ -31,11 +34,11 @@ from trainer.sync.zero_state import Layout, _group_of, _is_piece
 
 
 class ZeroShard(Protocol):
-    """What these read of zero.py's ZeroSync: its layout and shard, public for its checkpoints."""
+    """What these read of ZeroSync and Zero3Sync: the layout and shard, public for checkpoints."""
 
     layout: Layout | None
     spans: list[tuple[int, int]]
-    flat: torch.Tensor | None
+    flat: torch.Tensor | None  # the full parameters (stages 1, 2); None where they are sharded (stage 3)
     param_shard: torch.Tensor | None
     full_groups: list[list[int]]
 
@@ -69,6 +72,22 @@ def _sharded(local: torch.Tensor, mine: Chunk, every: list[Chunk], numel: int, r
     return ShardedTensor._init_from_local_shards_and_global_metadata(shards if mine[1] > mine[0] else [], global_meta)
 
 
+def _parameter_ranges(strategy: ZeroShard, model: nn.Module) -> dict[str, ShardedTensor]:
+    """Stage 3: every state_dict name of a trainable parameter (a tied one has several), as this
+    rank's range of it: a view of the parameter shard, written from and read into in place."""
+    assert strategy.layout is not None and strategy.param_shard is not None
+    layout, rank = strategy.layout, dist.get_rank()
+    index = {id(p): i for i, p in enumerate(p for p in model.parameters() if p.requires_grad)}  # layout order
+    ranges = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        i = index.get(id(tensor))
+        if i is not None:
+            every = chunks(layout, i)
+            a, b, at = every[rank]
+            ranges[name] = _sharded(strategy.param_shard[at : at + b - a], (a, b, at), every, tensor.numel(), rank)
+    return ranges
+
+
 def _named(strategy: ZeroShard, model: nn.Module) -> tuple[Layout, list[str], list[int]]:
     assert strategy.layout is not None, "wrap() and build_optimizer() first"
     layout = strategy.layout
@@ -94,6 +113,8 @@ def state_parts(
                 tensors[f"optim/{name}/{key}"] = _sharded(local, (a, b, at), every, layout.shapes[i].numel(), rank)
             else:
                 tensors[f"optim/{name}/{key}"] = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+    if strategy.flat is None:  # stage 3: each parameter (under each of its names) is this rank's range of it
+        tensors.update({f"model/{name}": part for name, part in _parameter_ranges(strategy, model).items()})
     all_names = names_of(model, list(model.parameters()))
     groups = [
         {**{k: v for k, v in group.items() if k != "params"}, "params": [all_names[p] for p in positions]}
@@ -107,23 +128,26 @@ def load_state_parts(
 ) -> None:
     rank = dist.get_rank()
     strategy.wait_for_parameters()  # a gather landing after the load would overwrite it
-    assert strategy.flat is not None and strategy.param_shard is not None
+    assert strategy.param_shard is not None
     layout, names, group_of = _named(strategy, model)
     template: dict[str, Any] = {f"model/{name}": value for name, value in model.state_dict().items()}  # in place
     index = {name: i for i, name in enumerate(names)}
+    if strategy.flat is None:  # stage 3: each trainable parameter read as this rank's range, into its shard
+        template.update({f"model/{name}": part for name, part in _parameter_ranges(strategy, model).items()})
     for flat, meta in saved.items():
         if flat.startswith("optim/"):
             i = index[flat.removeprefix("optim/").rpartition("/")[0]]
             every, numel = chunks(layout, i), layout.shapes[i].numel()
             a, b, at = every[rank]
             if tuple(meta.size) == (numel,) and numel > 0 and len(meta.size) == 1:
-                local = torch.zeros(b - a, dtype=meta.properties.dtype, device=strategy.flat.device)
+                local = torch.zeros(b - a, dtype=meta.properties.dtype, device=strategy.param_shard.device)
                 template[flat] = _sharded(local, (a, b, at), every, numel, rank)
             else:
                 template[flat] = torch.zeros(meta.size, dtype=meta.properties.dtype)
-    read(template)
-    with torch.no_grad():
-        strategy.param_shard.copy_(layout.shard_of(strategy.flat, rank))
+    read(template)  # stage 3's parameters land in the shard itself (its ranges are views of it)
+    if strategy.flat is not None:
+        with torch.no_grad():
+            strategy.param_shard.copy_(layout.shard_of(strategy.flat, rank))
     optimizer.load_state_dict(_shard_state(strategy, template, names, group_of, groups, layout))
 
 
@@ -137,8 +161,8 @@ def _shard_state(
 ) -> dict[str, Any]:
     """The loaded per-parameter chunks put back together as the shard optimizer's state_dict."""
     rank = dist.get_rank()
-    assert strategy.flat is not None
-    device = strategy.flat.device
+    assert strategy.param_shard is not None
+    device = strategy.param_shard.device
     state: dict[int, dict[str, Any]] = {}
     entries = optimizer_entries(loaded)
     for i, name in enumerate(names):

@@ -1,0 +1,514 @@
+"""ZeRO stage 3 by hand (sync=zero sync.stage=3): the parameters are sharded too.
+
+Each rank keeps 1/N of every unit's parameters (one flat shard), of their gradient and of the
+optimizer state; a unit's full parameters exist only while it computes. The units are fsdp's
+(sync.wrap, trainer/sync/fsdp_units.py: a transformer's blocks, or each module owning parameters;
+the root keeps the rest, and a parameter two units share stays in the root). A unit's parameters
+lie in flat buckets, one per optim.weight_decay_on group, each padded to a multiple of N
+(zero_state.Layout); a rank's shard is its 1/N slice of every bucket, one optimizer piece per group.
+
+A step, in the order it happens:
+1. forward, before each unit: all_gather its shards into its full buckets (on gloo one broadcast
+   per rank of its slice) and wait; its parameters are views of those buckets, whose storage is
+   what comes and goes. With `prefetch` n, the gathers of the next n units forward meets start
+   now, so they travel while this unit computes.
+2. forward, after each unit: free its buckets (reshard_after_forward), except the root's, which
+   backward needs at once. A hook on the unit's outputs marks where backward will reach it.
+3. backward, before each unit (its outputs' gradients arrived): gather it again, and start the
+   gathers of the next n units backward meets.
+4. backward, once every parameter of a unit has its gradient (a hook per parameter counts them):
+   copy the gradients into a padded bucket each, drop them, reduce_scatter each bucket into this
+   rank's gradient shard (gloo: all_reduce, then this rank's slice), and free the unit's
+   parameters. Units start strictly in backward's order (buckets.py's InOrder), so every rank
+   pairs up, and one unit's reductions are in flight at a time (the next waits for them), so
+   gradient memory stays about two units'. The root reduces after backward: its gradients come last
+   (an embedding's), and under reentrant checkpointing in parts.
+5. after_backward: the units not reduced yet go now (a gradient that never came counts as zero);
+   every reduction is waited for and the shard divided by N.
+6. optimizer_step: the optimizer updates this rank's shard. Nothing is gathered here: the next
+   forward gathers each unit in its turn.
+
+The first training forward learns the units' order and checks that every rank enters the same
+unit each time (one small all_reduce per unit, as fsdp_usage.py does for FSDP2): a unit one rank
+skips would pair its gathers with another unit's. In that step, and in every step with
+find_unused_parameters, no unit reduces during backward, so trainer/sync/unused.py's check of the
+parameters without a gradient comes before any gradient collective. A unit run without grad inside
+the training forward (reentrant activation checkpointing) is refused: its backward would rerun it
+with no hook announcing it; non-reentrant checkpointing regathers it in the recomputed forward.
+
+Gradient accumulation: under no_sync a unit's backward only frees its parameters; autograd keeps
+the full gradients until the last micro-batch, which reduces their sum once (as zero stage 2 and
+FSDP do: one reduce-scatter per step, at the price of full gradient memory while accumulating).
+A parameter no rank used keeps its value and optimizer state (zero_state.unchanged). Checkpoints
+gather every unit in turn (full) or write each rank's shard as per-parameter ranges (sharded,
+zero_checkpoint.py), which load at any world size and stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import _unsafe_preserve_version_counter
+from torch.optim import Optimizer
+
+from trainer.core import TrainSettings
+from trainer.errors import ConfigError
+from trainer.sync import zero_checkpoint
+from trainer.sync.base import DecayGroups, OptimizerFactory, SyncStrategy
+from trainer.sync.buckets import InOrder
+from trainer.sync.flat import names_of
+from trainer.sync.fsdp_units import Wrap, choose_units, resolve
+from trainer.sync.sharded_state import Read
+from trainer.sync.unused import Arrivals
+from trainer.sync.zero_state import (
+    Layout,
+    check_one_kind,
+    check_optimizer,
+    gather_full_state,
+    shard_of_full_state,
+    unchanged,
+)
+
+
+class Zero3Sync(SyncStrategy):
+    """Parameters, gradients and optimizer state sharded; each unit gathered just in time."""
+
+    keeps_replicas_equal = False  # between steps ranks hold shards; state_dicts() gathers the full model
+    grads_sharded = True
+
+    def __init__(
+        self,
+        wrap: Wrap = "auto",
+        prefetch: int = 1,
+        reshard_after_forward: bool = True,
+        find_unused_parameters: bool = False,
+    ) -> None:
+        super().__init__()
+        self.wrap_policy, self.prefetch = wrap, prefetch
+        self.reshard_after_forward, self.find_unused_parameters = reshard_after_forward, find_unused_parameters
+        self.layout: Layout | None = None
+        self.flat: torch.Tensor | None = None  # stage 3 keeps no full buffer (zero_checkpoint writes the shard)
+        self.param_shard: torch.Tensor | None = None
+        self.spans: list[tuple[int, int]] = []  # each optimizer piece's [lo, hi) in the shard
+        self.full_groups: list[list[int]] = []  # each group's positions in model.parameters(), for checkpoints
+        self._units: list[nn.Module] = []  # the root last
+        self._labels: list[str] = []  # "unit blocks.2": what its collectives are named
+        self._owner: dict[int, int] = {}  # id(parameter) -> its unit; the root's are not listed
+        self._buckets: list[list[int]] = []  # per unit, its buckets' indices in the layout
+        self._full: list[torch.Tensor] = []  # per bucket, its full buffer (storage freed between turns)
+        self._views: list[list[tuple[nn.Parameter, int]]] = []  # per bucket, (parameter, offset in it)
+        self._grads: torch.Tensor | None = None  # this rank's gradient shard
+        self._pieces: list[nn.Parameter] = []
+        self._gathers: dict[int, list[dist.Work]] = {}  # unit -> its gathers in flight
+        self._gathered: set[int] = set()  # units whose full parameters are in place
+        self._in_backward: set[int] = set()
+        self._forward: list[int] = []  # the units in forward's order (learned in the first training forward)
+        self._backward: list[int] = []  # the order units finish backward: forward's reversed, the root last
+        self._backward_gathers: list[int] = []  # the order backward reaches them: the root first
+        self._holding: set[int] = set()  # units whose full gradients exist (not reduced yet)
+        self._grad_bytes: list[int] = []  # per unit, its full gradients' bytes
+        self._num_params: list[int] = []  # per unit, its trainable parameters: the gradients to wait for
+        self._order: InOrder | None = None  # which units may reduce now
+        self._arrived: list[int] = []
+        self._reducing: list[tuple[int, torch.Tensor, dist.Work]] = []  # (bucket, its gradients, the reduction)
+        self._arrivals: Arrivals | None = None
+        self._unused: list[tuple[int, int]] = []
+        self._accumulating, self._rank, self._native, self._training = False, 0, True, False
+        # Step 1, and every step with find_unused_parameters: no unit reduces during backward, so the
+        # ranks' check of the unused parameters comes before any gradient collective (as zero.py).
+        self._after_backward_only = True
+        self._trainable: list[bool] = []  # per unit: whether it has trainable parameters
+        self._held = {"parameters": 0, "gradients": 0}  # bytes beyond the shards, now and at most
+        self._peak = {"parameters": 0, "gradients": 0}
+
+    def refuses(self, settings: TrainSettings) -> str | None:
+        if settings.compile:
+            return (
+                "trainer.compile=true cannot run under sync=zero sync.stage=3: its hooks free and refill the "
+                "parameters' storage around every unit, which torch.compile's graphs do not expect; accepted: "
+                "trainer.compile=false, or sync.stage=1 or 2, or sync=fsdp"
+            )
+        if settings.fault.kind == "perturb":
+            return (
+                "trainer.fault.kind=perturb nudges a parameter for the replica check, which sync=zero "
+                "sync.stage=3 does not run (each rank holds a shard); accepted: another fault kind or strategy"
+            )
+        return None
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        check_one_kind([p for p in model.parameters() if p.requires_grad])  # before any collective: on every rank
+        self.comm.broadcast_parameters(model)
+        self._rank = dist.get_rank()
+        self._native = dist.get_backend() != "gloo" or self.comm.link is not None
+        layers, _ = choose_units(model, self.wrap_policy)
+        self._units = [*layers, model]
+        recurse = resolve(model, self.wrap_policy) == "block"  # a block holds its submodules' parameters
+        self._owner = {id(p): u for u, unit in enumerate(layers) for p in unit.parameters(recurse=recurse)}
+        names = {id(m): name for name, m in model.named_modules()}
+        self._labels = [f"zero unit {names[id(m)] or 'root'}" for m in self._units]
+        self._trainable = [any(p.requires_grad for p in m.parameters()) for m in self._units]
+        return model  # sharded in build_optimizer(), by the optimizer's groups
+
+    def build_optimizer(self, model: nn.Module, factory: OptimizerFactory) -> Optimizer:
+        """The optimizer over this rank's shard, one piece per group of optim.weight_decay_on."""
+        rule = factory if isinstance(factory, DecayGroups) else DecayGroups(factory)
+        groups = rule.groups(model.parameters())
+        if self.layout is None:
+            self._shard(model, groups)
+        assert self.param_shard is not None and self._grads is not None
+        self._pieces = [nn.Parameter(self.param_shard[lo:hi]) for lo, hi in self.spans]
+        for piece, (lo, hi) in zip(self._pieces, self.spans, strict=True):
+            piece.grad = self._grads[lo:hi]
+        optimizer = rule.build_groups([([p], decays) for p, (_, decays) in zip(self._pieces, groups, strict=True)])
+        check_optimizer(optimizer, self._pieces)
+        return optimizer
+
+    def _shard(self, model: nn.Module, groups: list[tuple[list[nn.Parameter], bool]]) -> None:
+        """The buckets, group-major (every unit's decaying parameters, then every unit's others), so a
+        rank's shard holds each group's elements side by side; this rank's shard; the hooks."""
+        root = len(self._units) - 1
+        buckets: list[list[nn.Parameter]] = []
+        self._buckets, per_group = [[] for _ in self._units], []
+        for group, _ in groups:
+            per_group.append(0)
+            for u in range(len(self._units)):
+                params = [p for p in group if p.requires_grad and self._owner.get(id(p), root) == u]
+                if params:
+                    self._buckets[u].append(len(buckets))
+                    buckets.append(params)
+                    per_group[-1] += 1
+        self.layout = layout = Layout.of(model, buckets, dist.get_world_size())
+        self.spans = layout.group_spans(per_group)
+        position = {id(p): i for i, p in enumerate(model.parameters())}
+        self.full_groups = [[position[id(p)] for p in group] for group, _ in groups]
+        trainable = [p for p in model.parameters() if p.requires_grad]  # in layout order
+        full = torch.zeros(layout.padded_numel, dtype=trainable[0].dtype, device=trainable[0].device)
+        with torch.no_grad():
+            for param, view in zip(trainable, layout.split(full), strict=True):
+                view.copy_(param)
+        self.param_shard = layout.shard_of(full, self._rank)  # its own memory: the rest of `full` goes
+        self._grads = torch.zeros_like(self.param_shard)
+        offset = {id(p): o for p, o in zip(trainable, layout.offsets, strict=True)}
+        self._views = [
+            [(p, offset[id(p)] - start) for p in params]
+            for params, (start, _) in zip(buckets, layout.buckets, strict=True)
+        ]
+        self._full = [full[start : start + padded].clone() for start, padded in layout.buckets]
+        with torch.no_grad():
+            for bucket, views in zip(self._full, self._views, strict=True):
+                for param, at in views:  # from now on the parameter is a view of its bucket
+                    param.data = bucket[at : at + param.numel()].view_as(param)
+                bucket.untyped_storage().resize_(0)  # freed: gathered in the unit's turn
+        self._arrived = [0] * len(self._units)
+        self._num_params = [sum(len(self._views[b]) for b in self._buckets[u]) for u in range(len(self._units))]
+        self._grad_bytes = [
+            sum(p.numel() * p.element_size() for b in self._buckets[u] for p, _ in self._views[b])
+            for u in range(len(self._units))
+        ]
+        for u, unit in enumerate(self._units):
+            unit.register_forward_pre_hook(partial(self._before_forward, u))
+            unit.register_forward_hook(partial(self._after_forward, u))
+            for b in self._buckets[u]:
+                for param, _ in self._views[b]:
+                    param.register_post_accumulate_grad_hook(lambda _, u=u: self._gradient_ready(u))
+        self._arrivals = Arrivals(trainable, names_of(model, trainable), self.comm, "zero", self.find_unused_parameters)
+
+    # A unit's full parameters: gathered, waited for, freed.
+
+    def _grads_device(self) -> torch.device:
+        assert self._grads is not None, "build_optimizer() first"
+        return self._grads.device
+
+    def _gather(self, u: int) -> None:
+        """Start filling unit u's buckets with every rank's slice (their storage grown back first)."""
+        if u in self._gathered or u in self._gathers:
+            return
+        assert self.layout is not None and self.param_shard is not None
+        works = []
+        for b in self._buckets[u]:
+            full, (_, at, size) = self._full[b], self.layout.pieces(self._rank)[b]
+            full.untyped_storage().resize_(full.numel() * full.element_size())
+            self._count("parameters", full.numel() * full.element_size())
+            mine = self.param_shard[at : at + size]
+            # Autograd saved views of this buffer in the forward: refilling it must not bump their version.
+            with torch.no_grad(), _unsafe_preserve_version_counter(full):
+                if self._native:
+                    works.append(self.comm.all_gather(full, mine, self._labels[u]))
+                else:  # gloo, whose all_gather is a slow path: each rank broadcasts its own slice
+                    for owner in range(full.numel() // size):
+                        slot = mine if owner == self._rank else full[owner * size : (owner + 1) * size]
+                        works.append(self.comm.broadcast(slot, owner, self._labels[u]))
+                    full[self._rank * size : (self._rank + 1) * size].copy_(mine)
+        self._gathers[u] = works
+
+    def _wait(self, u: int) -> None:
+        self._gather(u)
+        for work in self._gathers.pop(u, []):
+            work.wait()
+        self._gathered.add(u)
+
+    def _free(self, u: int) -> None:
+        """Unit u's buckets back to no storage; its parameters' views stay, pointing at nothing."""
+        for work in self._gathers.pop(u, []):  # never free under a gather in flight
+            work.wait()
+            self._gathered.add(u)
+        if u not in self._gathered:
+            return
+        for b in self._buckets[u]:
+            self._full[b].untyped_storage().resize_(0)
+            self._count("parameters", -self._full[b].numel() * self._full[b].element_size())
+        self._gathered.discard(u)
+
+    def _count(self, kind: str, nbytes: int) -> None:
+        self._held[kind] += nbytes
+        self._peak[kind] = max(self._peak[kind], self._held[kind])
+
+    # The hooks: a unit's forward, its backward, each of its gradients.
+
+    def _before_forward(self, u: int, module: nn.Module, args: Any) -> None:
+        root, learning = u == len(self._units) - 1, self._order is None
+        if root:
+            self._training = torch.is_grad_enabled()  # an evaluation's forward runs without grad
+        if learning and self._training:  # the first training forward: every rank must enter the same unit
+            self._refuse_unless_agreed(u)
+            if not torch.is_grad_enabled() and self._trainable[u]:
+                raise ConfigError(
+                    f"sync=zero sync.stage=3 cannot train this model: {self._labels[u]} ran without grad inside "
+                    "the training forward, as under reentrant activation checkpointing (use_reentrant=True), "
+                    "whose backward reruns it where no hook says its gradients are coming; use "
+                    "use_reentrant=False (PyTorch's recommended form)"
+                )
+            if u not in self._forward:  # a unit run twice gathers twice, but is prefetched once
+                self._forward.append(u)
+        self._wait(u)
+        if not learning and u not in self._in_backward:  # prefetch the units forward meets next
+            at = self._forward.index(u)
+            for v in self._forward[at + 1 : at + 1 + self.prefetch]:
+                self._gather(v)
+
+    def _refuse_unless_agreed(self, u: int) -> None:
+        """The ranks' next unit (len(units): the forward's end), in one small all_reduce: each unit's
+        gathers pair up only if every rank enters it (fsdp's first-forward check, fsdp_usage.py)."""
+        at = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=self._grads_device())
+        at[self._rank] = u
+        where = self.comm.agree(at).tolist()
+        if len(set(where)) > 1:
+            label = [*self._labels, "the end of the forward"]
+            seen = "; ".join(f"rank {r}: {label[v]}" for r, v in enumerate(where))
+            raise ConfigError(
+                f"sync=zero sync.stage=3 cannot train this model: in the first step's forward the ranks reached "
+                f"different units ({seen}); every rank must run the same units, whose gathers pair up "
+                "(a unit used on all ranks, its output multiplied by 0 where unwanted), or use sync.stage=2"
+            )
+
+    def _after_forward(self, u: int, module: nn.Module, args: Any, output: Any) -> None:
+        root = u == len(self._units) - 1
+        if root and torch.is_grad_enabled() and self._order is None:  # forward's order known: backward's too
+            self._refuse_unless_agreed(len(self._units))
+            blocks = [v for v in reversed(self._forward) if v != u]
+            self._backward_gathers = [u, *blocks]  # the root's outputs are the first a backward reaches
+            skipped = [v for v in range(len(self._units)) if v not in self._forward]  # reduced after backward
+            self._backward = [*blocks, *skipped, u]  # the root's gradients complete last (an embedding's)
+            self._order = InOrder([1] * len(self._backward))
+        if torch.is_grad_enabled():  # backward reaches this unit when its outputs' gradients arrive
+            for tensor in _tensors(output):
+                if tensor.requires_grad:
+                    tensor.register_hook(lambda _, u=u: self._before_backward(u))
+        if not root and self.reshard_after_forward and u not in self._in_backward:
+            self._free(u)
+
+    def _before_backward(self, u: int) -> None:
+        if u in self._in_backward:
+            return
+        self._in_backward.add(u)
+        self._wait(u)
+        at = self._backward_gathers.index(u)
+        for v in self._backward_gathers[at + 1 : at + 1 + self.prefetch]:  # prefetch backward's next units
+            self._gather(v)
+
+    def _gradient_ready(self, u: int) -> None:
+        """A gradient of unit u arrived; once all did, its turn in backward is over."""
+        if u not in self._holding:  # its full gradients exist from now until _reduce drops them
+            self._holding.add(u)
+            self._count("gradients", self._grad_bytes[u])
+        self._arrived[u] += 1
+        if self._arrived[u] < self._num_params[u] or u == len(self._units) - 1:
+            return  # the root reduces after backward: under reentrant checkpointing its gradients arrive in parts
+        if self._accumulating or self._after_backward_only:  # the gradients wait; the parameters go
+            self._done(u)
+            return
+        assert self._order is not None
+        for position in self._order.arrived(self._backward.index(u)):  # strictly in backward's order
+            self._reduce(self._backward[position])
+
+    def _reduce(self, u: int) -> None:
+        """Unit u's gradients into a padded bucket each, reduce_scattered into this rank's gradient
+        shard; the full gradients dropped, the unit freed. The unit before it must have landed first:
+        one unit's reductions in flight at a time, so gradient memory stays about two units'."""
+        assert self.layout is not None and self._grads is not None
+        self._settle()
+        for b in self._buckets[u]:
+            bucket = self._grads.new_zeros(self.layout.buckets[b][1])  # a gradient that never came counts as zero
+            self._count("gradients", bucket.numel() * bucket.element_size())
+            for param, at in self._views[b]:
+                if param.grad is not None:
+                    bucket[at : at + param.numel()].copy_(param.grad.view(-1))
+                    param.grad = None
+            _, shard_at, size = self.layout.pieces(self._rank)[b]
+            if self._native:  # each rank receives only its 1/N slice of the sum
+                work = self.comm.reduce_scatter(self._grads[shard_at : shard_at + size], bucket, self._labels[u])
+            else:  # gloo's fast path: the whole sum, this rank's slice read after
+                work = self.comm.all_reduce(bucket, self._labels[u])
+            self._reducing.append((b, bucket, work))
+        if u in self._holding:
+            self._holding.discard(u)
+            self._count("gradients", -self._grad_bytes[u])
+        self._done(u)
+
+    def _settle(self) -> None:
+        """Wait for the reductions in flight; this rank's slice of each sum, divided by N, in its shard."""
+        assert self.layout is not None and self._grads is not None
+        for b, bucket, work in self._reducing:
+            work.wait()
+            _, at, size = self.layout.pieces(self._rank)[b]
+            shard = self._grads[at : at + size]
+            if self._native:
+                shard.div_(dist.get_world_size())
+            else:
+                torch.div(bucket[self._rank * size : (self._rank + 1) * size], dist.get_world_size(), out=shard)
+            self._count("gradients", -bucket.numel() * bucket.element_size())
+        self._reducing = []
+
+    def _done(self, u: int) -> None:
+        self._in_backward.discard(u)
+        self._arrived[u] = 0
+        self._free(u)
+
+    def after_backward(self, model: nn.Module) -> None:
+        assert self._arrivals is not None and self.layout is not None and self._order is not None
+        self._unused = self.layout.shard_slices(self._arrivals.unused_everywhere(), self._rank)
+        for position in self._order.rest():  # every rank, the same units in the same order
+            self._reduce(self._backward[position])
+        self._settle()
+        self._order.reset()
+        self._after_backward_only = self.find_unused_parameters
+        for u in list(self._gathered):  # the root, kept for backward
+            self._free(u)
+        assert self._grads is not None
+        for piece, (lo, hi) in zip(self._pieces, self.spans, strict=True):  # a plain zero_grad() may have
+            piece.grad = self._grads[lo:hi]  # set them to None: the optimizer reads the shard either way
+
+    def optimizer_step(self, optimizer: Optimizer) -> None:
+        assert self.param_shard is not None
+        with unchanged(self.param_shard, optimizer, self._unused, self.spans):  # one process skips them
+            optimizer.step()  # this rank's shard: the next forward gathers each unit anew
+
+    def zero_grad(self, optimizer: Optimizer) -> None:
+        """Nothing to clear: every reduction overwrites the shard, and the full gradients were dropped."""
+
+    @contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
+
+    def grads_finite(self, model: nn.Module, optimizer: Optimizer) -> bool:
+        """Each rank holds only its shard: the ranks agree (a one-element control all_reduce)."""
+        assert self._grads is not None, "build_optimizer() first"
+        finite = torch.isfinite(self._grads).all().to(torch.int32)
+        self.comm.agree(finite, dist.ReduceOp.MIN)  # every rank must reach this
+        return bool(finite.item())
+
+    def row_metrics(self) -> dict[str, float]:
+        """Memory beyond the shards since the last row, at most: gathered units, the gradients of a
+        unit being reduced (and while accumulating, every full gradient); the shards themselves."""
+        assert self.param_shard is not None and self._grads is not None
+        shard = self.param_shard.numel() * self.param_shard.element_size()
+        peak, self._peak = self._peak, dict(self._held)
+        return {
+            "memory/parameters_mb": shard / 2**20,
+            "memory/parameters_peak_mb": (shard + peak["parameters"]) / 2**20,
+            "memory/gradients_mb": shard / 2**20,  # the gradient shard, after backward
+            "memory/gradients_peak_mb": (shard + peak["gradients"]) / 2**20,
+        }
+
+    # Checkpoints: the full model in the usual terms, or this rank's shard.
+
+    def full_model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The whole model's state_dict on every rank (a collective): each unit gathered in turn, copied, freed."""
+        state = {}
+        for u in range(len(self._units)):
+            self._wait(u)
+            for b in self._buckets[u]:
+                for param, _ in self._views[b]:
+                    state[id(param)] = param.detach().clone()
+            self._free(u)
+        return {name: state.get(id(t), t).detach() for name, t in model.state_dict(keep_vars=True).items()}
+
+    def state_dicts(self, model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The full model and the full optimizer state, in a plain optimizer's terms (collectives)."""
+        assert self.layout is not None
+        full = gather_full_state(optimizer.state_dict(), self.layout, self.spans, self.full_groups, self.comm)
+        return self.full_model_state(model), full
+
+    def load_state_dicts(
+        self, model: nn.Module, optimizer: Optimizer, model_state: dict[str, Any], optimizer_state: dict[str, Any]
+    ) -> None:
+        """Every rank read the whole file: each keeps its own shard of the parameters and optimizer state."""
+        assert self.layout is not None and self.param_shard is not None
+        own = model.state_dict(keep_vars=True)  # a tied parameter under each of its names
+        missing, unexpected = sorted(own.keys() - model_state.keys()), sorted(model_state.keys() - own.keys())
+        if missing or unexpected:  # what load_state_dict(strict=True) refuses, before anything is changed
+            raise RuntimeError(
+                f"the checkpoint's model does not match: missing keys {missing}, unexpected keys {unexpected}"
+            )
+        names = {id(p): name for name, p in model.named_parameters()}
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        full = torch.zeros(self.layout.padded_numel, dtype=self.param_shard.dtype, device=self.param_shard.device)
+        for view, param in zip(self.layout.split(full), trainable, strict=True):
+            view.copy_(model_state[names[id(param)]])
+        with torch.no_grad():
+            self.param_shard.copy_(self.layout.shard_of(full, self._rank))
+        sharded = {id(p) for p in trainable}  # their storage is freed: never written through the module
+        rest = {k: v for k, v in model_state.items() if id(own[k]) not in sharded}
+        model.load_state_dict(rest, strict=False)  # buffers and frozen parameters, whole on every rank
+        state = shard_of_full_state(optimizer_state, self.layout, self._rank, self.spans, self.full_groups)
+        optimizer.load_state_dict(state)
+
+    def sharded_state(self, model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        return zero_checkpoint.state_parts(self, model, optimizer)
+
+    def load_sharded_state(
+        self, model: nn.Module, optimizer: Optimizer, saved: dict[str, Any], read: Read, groups: list[Any]
+    ) -> None:
+        zero_checkpoint.load_state_parts(self, model, optimizer, saved, read, groups)
+
+    def describe(self) -> dict[str, Any]:
+        info: dict[str, Any] = {"strategy": "zero", "stage": 3, "wrap": self.wrap_policy, "prefetch": self.prefetch}
+        info["reshard_after_forward"] = self.reshard_after_forward
+        info["collectives"] = "all_gather + reduce_scatter" if self._native else "broadcast + all_reduce"
+        if self.layout is not None:
+            info["num_units"] = len(self._units)
+            info["unit_bytes"] = [
+                sum(self._full[b].numel() * self._full[b].element_size() for b in u) for u in self._buckets
+            ]
+            info["shard_numel"] = self.layout.shard_numel
+        return info
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a forward's output (a tensor, or tuples, lists and dicts of them)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        yield from (t for v in value.values() for t in _tensors(v))
+    elif isinstance(value, (list, tuple)):
+        yield from (t for v in value for t in _tensors(v))
