@@ -6,6 +6,8 @@ resume -> the same final model as an uninterrupted run. The in-process tests are
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 import subprocess
 import time
@@ -167,3 +169,38 @@ def test_sigterm_checkpoint_then_resume_continues_step_count_and_schedule(tmp_pa
     after = [r for r in jsonl(metrics) if "train/loss" in r and r["step"] > stopped]
     assert after and all(r["train/lr"] == straight_lr[r["step"]] for r in after)
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 400
+
+
+@pytest.mark.slow
+def test_sigterm_during_async_sharded_saves_leaves_last_where_the_log_says(tmp_path: Path) -> None:
+    """A save every 2 steps, written in the background (trainer.checkpoint_async): SIGTERM arrives
+    with one in flight or about to be. The line the job prints, the `last` link, the step a resume
+    starts from and the checkpoints on disk all agree, and nothing half-written is left."""
+    run = tmp_path / "run"
+    args = [*BASE, CPU, "trainer.max_steps=400", "trainer.checkpoint_on_sigterm=true"]
+    args += ["trainer.checkpoint_format=sharded", "trainer.checkpoint_async=true", "trainer.checkpoint_every_n_steps=2"]
+    args += [f"hydra.run.dir={run}"]
+    launcher = subprocess.Popen(
+        [TORCHRUN, "--standalone", "--nproc_per_node=2", TRAIN, *args],
+        cwd=tmp_path,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    metrics = run / "metrics" / "rank0.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and len(train_rows(metrics)) >= 10) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    launcher.send_signal(signal.SIGTERM)
+    text = launcher.communicate(timeout=60)[0]
+    assert launcher.returncode != 0, text
+    said = re.findall(r"checkpoint written at step (\d+)", text)
+    assert said, text
+    stopped = int(said[-1])
+    ckpt = run / "checkpoints"
+    assert os.readlink(ckpt / "last") == f"step-{stopped}", text  # what the line said is what resume finds
+    assert not list(ckpt.glob(".*")), sorted(p.name for p in ckpt.iterdir())  # no save left half-written
+    resumed = torchrun([*args[:-1], "trainer.max_steps=" + str(stopped + 2), f"hydra.run.dir={run}"], cwd=tmp_path)
+    assert resumed.returncode == 0, output(resumed)
+    assert f"at step {stopped}" in resumed.stdout, output(resumed)
