@@ -7,18 +7,21 @@ from the schemas, so a key added later is swept without touching this file.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import typing
 from typing import Any
 
 import pytest
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
 from tests.compose import CONF_DIR, compose_config
 from trainer.errors import ConfigError
-from trainer.setup.precheck import check_overrides
+from trainer.setup.precheck import check_overrides, explain_compose_error
 from trainer.setup.schema import SCHEMAS
-from trainer.setup.validate import Key, key_of, nested, schema_of
+from trainer.setup.validate import Key, key_of, nested, schema_of, validate
 
 MODULES = {group: "trainer/core.py" if group == "trainer" else "trainer/setup/schema.py" for group in SCHEMAS}
 
@@ -194,10 +197,50 @@ def _refused(overrides: list[str]) -> str:
     return message
 
 
+@functools.cache
+def _composed(options: tuple[str, ...]) -> DictConfig:
+    return compose_config(list(options))
+
+
+def _refused_value(overrides: list[str]) -> str:
+    """check_overrides' verdict on one bad value, without composing the option again for each value.
+
+    The option is composed once (cached); the bad value is parsed by Hydra's own override parser and
+    set on a copy, then validated as check_overrides validates a composed config.
+    """
+    *options, line = overrides
+    cfg = copy.deepcopy(_composed(tuple(options)))
+    (override,) = OverridesParser.create().parse_overrides([line])
+    OmegaConf.update(cfg, override.key_or_group, override.value(), merge=False)
+    with pytest.raises(ConfigError) as caught:
+        try:
+            validate(cfg)
+        except Exception as err:
+            raise explain_compose_error(err, overrides) from None
+    message = str(caught.value)
+    assert "\n" not in message.strip(), message
+    return message
+
+
 @pytest.mark.parametrize(("overrides", "key"), CASES, ids=[" ".join(o) for o, _ in CASES])
 def test_every_leaf_refuses_a_wrong_value_naming_the_key(overrides: list[str], key: str) -> None:
-    message = _refused(overrides)
+    message = _refused_value(overrides)
     assert key in message and "accepted" in message, message
+
+
+# The shortcut above against the whole path (compose with the bad value, then validate): one case
+# of each kind of refusal, a word for a number, a bound, a choice.
+SAME_PATH = [
+    (["optim=sgd", "optim.lr=lots"], "optim.lr"),
+    (["optim=sgd", "optim.lr=0"], "optim.lr"),
+    (["sync=manual", "sync.collective=bogus"], "sync.collective"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "key"), SAME_PATH, ids=[" ".join(o) for o, _ in SAME_PATH])
+def test_the_shortcut_refuses_as_the_command_line_does(overrides: list[str], key: str) -> None:
+    assert (overrides, key) in CASES
+    assert _refused_value(overrides) == _refused(overrides)
 
 
 @pytest.mark.parametrize(("group", "option"), OPTIONS, ids=IDS)
