@@ -75,3 +75,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason="needs CUDA: torch.cuda.is_available() is False on this machine")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """The tiny GPT's overrides on a corpus of one 4-step epoch (tests/text_helpers.py), written once."""
+    from tests.text_helpers import tiny_gpt_corpus
+
+    return tiny_gpt_corpus(tmp_path_factory.mktemp("text"))

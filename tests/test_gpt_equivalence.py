@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 from tests.compose import REPO, compose_config
 from tests.dist_helpers import run_on_ranks
-from tests.text_helpers import tiny_gpt, write_corpus
 from tests.train_helpers import (
     assert_same_model,
     bit_identical,
@@ -29,9 +28,6 @@ from tests.train_helpers import (
 )
 from trainer.setup.config import plain_config
 
-# ~1150 characters: 1035 train tokens = 64 windows of 16, so 2 ranks x 8 = 4 steps per epoch and 6 steps
-# cross an epoch boundary (set_epoch reshuffles); 115 validation tokens.
-NUM_CHARS = 1150
 STEPS = ["trainer.max_steps=6", "trainer.log_every_n_steps=2", "trainer.eval_every_n_steps=0"]
 COMMON = ["logger=none", "trainer.progress_bar=false", "optim.lr=0.5", *STEPS]
 
@@ -140,12 +136,6 @@ def single_cases(rank: int, world_size: int, corpus: list[str], run_dir: str) ->
     """One process x 16 windows (the reference), and the evaluation cases at world size 1."""
     params = train(rank, world_size, [*corpus, "sync=none", "data.batch_size=16"], run_dir)
     return {"params": params, **eval_cases(rank, world_size, corpus, f"{run_dir}-eval")}
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    root = tmp_path_factory.mktemp("text")
-    return tiny_gpt(write_corpus(root / "corpus.txt", NUM_CHARS), root / "tokens")
 
 
 @pytest.fixture(scope="module")

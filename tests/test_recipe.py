@@ -12,10 +12,8 @@ import pytest
 import torch
 
 from tests.dist_helpers import run_on_ranks
-from tests.text_helpers import tiny_gpt, write_corpus
 from tests.train_helpers import assert_same_model, build, case_results, max_abs_diff, params_of, train_each
 
-NUM_CHARS = 1150  # 1035 train tokens: 64 windows of 16, 4 steps of 2 ranks x 8
 MAX_NORM = 0.05  # below the tiny gpt's gradient norm at every step (asserted): the clip always acts
 COMMON = ["logger=none", "trainer.progress_bar=false", "trainer.eval_every_n_steps=0"]
 COMMON += ["trainer.max_steps=4", "trainer.log_every_n_steps=1", "model.activation_checkpointing=true"]
@@ -77,12 +75,6 @@ def all_cases(rank: int, world_size: int, gpt: list[str], root: str) -> dict[str
     cases["fp16-plain-ddp"] = [*gpt, "data.batch_size=8", *DECAY, *CLIP, *FP16, "sync=ddp"]
     cases["fp32-ddp"] = [*gpt, "data.batch_size=8", *DECAY, *CLIP, "trainer.max_steps=8", "sync=ddp"]
     return train_each(rank, world_size, train, cases, f"{root}/runs")
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    root = tmp_path_factory.mktemp("text")
-    return tiny_gpt(write_corpus(root / "corpus.txt", NUM_CHARS), root / "tokens")
 
 
 def single_cases(rank: int, world_size: int, gpt: list[str], root: str) -> dict[str, Any]:

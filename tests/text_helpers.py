@@ -35,3 +35,13 @@ def tiny_gpt(corpus: Path, cache_dir: Path) -> list[str]:
         f"data.path={corpus}",
         f"data.cache_dir={cache_dir}",
     ]
+
+
+# ~1150 characters: 1035 train tokens = 64 windows of 16, so 2 ranks x 8 = 4 steps per epoch and 6 steps
+# cross an epoch boundary (set_epoch reshuffles); 115 validation tokens.
+EPOCH_CHARS = 1150
+
+
+def tiny_gpt_corpus(root: Path) -> list[str]:
+    """The tiny GPT on an EPOCH_CHARS corpus written under root: the overrides that train it."""
+    return tiny_gpt(write_corpus(root / "corpus.txt", EPOCH_CHARS), root / "tokens")
