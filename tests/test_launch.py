@@ -1,7 +1,7 @@
 """The launcher the README tells people to use (`make train`, python -m trainer.tools.launch): torchrun
 with the command line checked once before any worker starts, and a failed worker as one line.
 
-How long a refusal takes is measured side by side in benchmarks/bad_command.py, not asserted here.
+How long a refusal takes is measured side by side in `benchmarks/overhead.py command`, not asserted here.
 """
 
 from __future__ import annotations
@@ -57,3 +57,15 @@ def test_a_crash_in_training_exits_1_naming_the_rank(tmp_path: Path) -> None:
     last = text.splitlines()[-1]
     assert last.startswith("launch: rank ") and "exited with code 1: a failure in training" in last, text
     assert "ChildFailedError" not in text and "Root Cause" not in text, text
+
+
+def test_a_global_batch_the_ranks_cannot_share_is_refused_before_any_worker(tmp_path: Path) -> None:
+    # 64 samples do not split over 3 ranks: the launcher knows the world size from its own arguments.
+    proc = launch(["trainer.global_batch_size=64", "logger=none", CPU], cwd=tmp_path, nproc=3)
+    text = output(proc)
+    assert proc.returncode == 2, text
+    assert text.strip().splitlines() == [
+        "configuration error: trainer.global_batch_size=64 is invalid on 3 rank(s) x "
+        "trainer.grad_accum_steps=1: accepted: a multiple of 3"
+    ], text
+    assert not (tmp_path / "outputs").exists()  # no worker started: Hydra's app never ran

@@ -28,7 +28,7 @@ from trainer.reliability import sharded
 from trainer.reliability.checkpoint import CheckpointError
 from trainer.reliability.resume import find_checkpoint
 from trainer.reliability.world_change import check_world_change
-from trainer.setup.build import per_rank_batch
+from trainer.setup.validate import per_rank_batch
 from trainer.sync import zero_checkpoint
 from trainer.tools import export
 

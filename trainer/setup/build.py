@@ -27,7 +27,7 @@ from trainer.logger.base import MetricLogger
 from trainer.logger.jsonl import JsonlLogger
 from trainer.loop.lm import compiler_missing
 from trainer.loop.trainer import Trainer
-from trainer.setup.validate import check_group, check_pairing
+from trainer.setup.validate import check_group, check_pairing, per_rank_batch
 from trainer.sync.base import DecayGroups, SyncStrategy
 from trainer.sync.comm import Comm
 from trainer.sync.network import EmulatedLink
@@ -131,6 +131,13 @@ def build_parts(cfg: DictConfig, world_size: int = 1) -> Parts:
     if settings.global_batch_size is not None:
         with open_dict(cfg):
             cfg.data.batch_size = per_rank_batch(settings.global_batch_size, world_size, settings.grad_accum_steps)
+        log.info(
+            "trainer.global_batch_size=%d: data.batch_size=%d on %d rank(s) x %d micro-batch(es)",
+            settings.global_batch_size,
+            cfg.data.batch_size,
+            world_size,
+            settings.grad_accum_steps,
+        )
     data = instantiate(cfg.data)
     seed_everything(settings.seed)
     model_node, sync_batchnorm = split_sync_batchnorm(cfg.model)
@@ -151,24 +158,6 @@ def build_parts(cfg: DictConfig, world_size: int = 1) -> Parts:
         schedule_factory=hydra.utils.instantiate(cfg.schedule, _partial_=True, _convert_="all"),
         link=instantiate(cfg.network).link(world_size),
     )
-
-
-def per_rank_batch(global_batch: int, world_size: int, grad_accum_steps: int) -> int:
-    """trainer.global_batch_size's data.batch_size here; refused where it does not divide."""
-    per_step = world_size * grad_accum_steps
-    if global_batch % per_step:
-        raise ConfigError(
-            f"trainer.global_batch_size={global_batch} is invalid on {world_size} rank(s) x "
-            f"trainer.grad_accum_steps={grad_accum_steps}: accepted: a multiple of {per_step}"
-        )
-    log.info(
-        "trainer.global_batch_size=%d: data.batch_size=%d on %d rank(s) x %d micro-batch(es)",
-        global_batch,
-        global_batch // per_step,
-        world_size,
-        grad_accum_steps,
-    )
-    return global_batch // per_step
 
 
 def optimizer_factory(node: DictConfig) -> DecayGroups:

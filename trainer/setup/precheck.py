@@ -26,7 +26,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from trainer.errors import ConfigError, from_leaves
 from trainer.setup import config as conf
 from trainer.setup.dist import RANK0_FIRST_S
-from trainer.setup.validate import accepted_for, validate
+from trainer.setup.validate import accepted_for, per_rank_batch, validate
 
 EXIT_CODE = 2
 
@@ -131,8 +131,12 @@ def _compose_choices(overrides: list[str]) -> DictConfig | None:
         return None
 
 
-def check_overrides(argv: list[str]) -> None:
-    """Raise ConfigError if anything the command line would run is bad input (train.py's arguments)."""
+def check_overrides(argv: list[str], world_size: int | None = None) -> None:
+    """Raise ConfigError if anything the command line would run is bad input (train.py's arguments).
+
+    world_size, where the caller knows it (the launcher, a rank), adds the checks that depend on it:
+    trainer.global_batch_size must divide into the ranks' micro-batches.
+    """
     if any(a.startswith("-") and a not in ("-m", "--multirun") for a in argv):
         return  # Hydra's own flags (--help, --cfg, --config-name, ...): Hydra handles the command line
     stamp = os.environ.get(conf.RUN_STAMP_ENV)
@@ -141,13 +145,13 @@ def check_overrides(argv: list[str]) -> None:
         overrides = [a for a in argv if not a.startswith("-")]
         multirun = len(overrides) != len(argv)
         for variant in _variants(_parse(overrides), multirun):
-            _check(variant, multirun)
+            _check(variant, multirun, world_size)
     finally:
         if stamp is None:
             del os.environ[conf.RUN_STAMP_ENV]
 
 
-def _check(overrides: list[str], multirun: bool) -> None:
+def _check(overrides: list[str], multirun: bool, world_size: int | None = None) -> None:
     """Compose and validate one job's overrides (and, under -m, each value its experiment sweeps)."""
     try:
         cfg = _compose(overrides, hydra_cfg=multirun)
@@ -160,13 +164,18 @@ def _check(overrides: list[str], multirun: bool) -> None:
                 del cfg["hydra"]
         if not swept:
             validate(cfg)
+            global_batch = cfg.trainer.get("global_batch_size")
+            if world_size is not None and global_batch is not None:
+                per_rank_batch(global_batch, world_size, cfg.trainer.grad_accum_steps)
     except Exception as err:
         raise explain_compose_error(err, overrides) from None
     for variant in _variants(_parse(swept), multirun=True) if swept else ():
-        _check([*overrides, *variant], multirun=False)
+        _check([*overrides, *variant], multirun=False, world_size=world_size)
 
 
-def check_command_line(argv: list[str], rank: int, wait_for_rank0: Callable[[bool], bool] | None = None) -> None:
+def check_command_line(
+    argv: list[str], rank: int, wait_for_rank0: Callable[[bool], bool] | None = None, world_size: int | None = None
+) -> None:
     """On bad input: rank 0 prints one line and exits 2; the others exit 2 once rank 0 has said so.
 
     wait_for_rank0(publish: bool) -> bool publishes (rank 0) or awaits (other ranks) rank 0's
@@ -174,7 +183,7 @@ def check_command_line(argv: list[str], rank: int, wait_for_rank0: Callable[[boo
     """
     try:
         with from_leaves():
-            check_overrides(argv)
+            check_overrides(argv, world_size)
     except ConfigError as error:
         err = " ".join(str(error).split())  # one line, whatever the message
         if rank == 0 or wait_for_rank0 is None:

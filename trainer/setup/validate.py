@@ -294,3 +294,14 @@ def check_rules(cfg: DictConfig) -> None:
             True,
             f"needs optim.momentum > 0 and optim.dampening=0 (have {momentum} and {dampening})",
         )
+
+
+def per_rank_batch(global_batch: int, world_size: int, grad_accum_steps: int) -> int:
+    """trainer.global_batch_size's data.batch_size on world_size ranks; refused where it does not divide."""
+    per_step = world_size * grad_accum_steps
+    if global_batch % per_step:
+        raise ConfigError(
+            f"trainer.global_batch_size={global_batch} is invalid on {world_size} rank(s) x "
+            f"trainer.grad_accum_steps={grad_accum_steps}: accepted: a multiple of {per_step}"
+        )
+    return global_batch // per_step

@@ -31,11 +31,20 @@ def _is_train_py(script: str, is_module: bool) -> bool:
     return not is_module and Path(script).resolve() == TRAIN_PY
 
 
-def _check(overrides: list[str]) -> None:
+def _check(overrides: list[str], world_size: int | None) -> None:
     """train.py's command line, composed and validated once: one line and exit 2 if it is bad."""
     from trainer.setup import precheck  # imported here: --help answers without torch
 
-    precheck.check_command_line(overrides, rank=0)
+    precheck.check_command_line(overrides, rank=0, world_size=world_size)
+
+
+def _world_size(nnodes: str, nproc_per_node: str) -> int | None:
+    """The job's world size where torchrun's arguments fix it (--nnodes=2 --nproc_per_node=4: 8), else None
+    (an elastic range such as --nnodes=1:2, or nproc_per_node=auto/gpu: known only once workers start)."""
+    low, _, high = nnodes.partition(":")  # torchrun's default is "1:1"
+    if low.isdigit() and (high in ("", low)) and nproc_per_node.isdigit():
+        return int(low) * int(nproc_per_node)
+    return None
 
 
 def _exit_code(code: int) -> int:
@@ -75,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if _is_train_py(args.training_script, args.module):
-        _check(list(args.training_script_args))
+        _check(list(args.training_script_args), _world_size(str(args.nnodes), str(args.nproc_per_node)))
     # torchrun sets this to 1 itself for more than one rank, with a 4-line warning: set it quietly.
     if "OMP_NUM_THREADS" not in os.environ and str(args.nproc_per_node) not in ("1", "auto", "cpu", "gpu", "xpu"):
         os.environ["OMP_NUM_THREADS"] = "1"
