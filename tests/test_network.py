@@ -22,6 +22,7 @@ from trainer.errors import ConfigError
 from trainer.links import EMULATED, PRESETS, ring_s
 from trainer.links import Preset as Link
 from trainer.loop.rows import sync_facts
+from trainer.loop.summary import format_report
 from trainer.setup.schema import Network as NetworkConfig
 from trainer.sync.comm import Comm
 from trainer.sync.network import Network
@@ -91,9 +92,11 @@ CASES = {
 
 def train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dict[str, Any]:
     trainer = build(rank, world_size, COMMON + overrides, run_dir)
-    trainer.fit()
+    summary = trainer.fit()
     last = trainer._rows.rows[-1]
     return {
+        "screen": format_report(summary),
+        "ranks": summary["ranks"],
         "params": params_of(trainer),
         "comm": {k: v for k, v in last.items() if k.startswith("comm/") and k.endswith("_per_step")},
         "network": sync_facts(trainer.sync, trainer._rows.network).get("network"),
@@ -147,6 +150,15 @@ def test_an_emulated_link_changes_no_value_and_no_count(ranks: list[dict[str, An
         assert ("comm/reduce_scatter_per_step" in emulated["comm"]) == (variant == "zero")
     said = linked[0]["network"]
     assert said.startswith("1gbe (alpha 50 us, beta 0.11 GB/s)"), said
+    # The end-of-run summary says what the link cost; a run without it says nothing of a link.
+    assert not any(line.startswith("  link ") for line in plain[0]["screen"].splitlines())
+    (line,) = [line for line in linked[0]["screen"].splitlines() if line.startswith("  link ")]
+    def ms(key: str) -> str:  # the ranks' mean of their medians
+        return f"{1000 * sum(r[key] for r in linked[0]['ranks']) / 2:.2f} ms"
+
+    assert line.startswith(f"  link {said}: median step {ms('median_time/step_s')}"), line
+    assert f"communication waited for {ms('median_time/comm_exposed_s')}" in line, line
+    assert f"(the link alone: {ms('median_time/comm_exposed_link_s')})" in line, line
     assert "not emulated" not in said  # every strategy's collectives ride the link, FSDP2's through its custom hooks
 
 

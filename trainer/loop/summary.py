@@ -108,6 +108,7 @@ def format_report(summary: dict[str, Any]) -> str:
         f"  throughput {summary['throughput/global_samples_per_s']:.0f} samples/s{_tokens(summary)}"
         " (all ranks, whole-run mean)",
         *_language_model_lines(summary),
+        *_link_lines(summary),
         f"  run dir  {summary['run_dir']}   (summary.json, checkpoints/, metrics/rank*.jsonl, train_rank*.log)",
     ]
     offline = [(r["rank"], loc) for r in summary["ranks"] for loc in r.get("outputs", []) if "offline-run-" in loc]
@@ -135,6 +136,36 @@ def _language_model_lines(summary: dict[str, Any]) -> list[str]:
         text = summary["sample"].replace("\n", "\n    ")
         lines.append(f"  sample (temperature 0.8, top-k 40):\n    {text}")
     return lines
+
+
+def _ranks_mean(summary: dict[str, Any], key: str) -> float | None:
+    return _mean([r.get(key) for r in summary["ranks"]])
+
+
+def _link_lines(summary: dict[str, Any]) -> list[str]:
+    """network=<preset>: what the emulated link cost, so the run does not read like one without it.
+
+    The measured exposure beside the link-alone one (time/comm_exposed_link_s: what the step would
+    have waited if only the link's time counted) says how much of the cost is the link itself and
+    how much the strategy's own queueing and host work around it.
+    """
+    network = summary["sync"].get("network")
+    if network is None:
+        return []
+    step = _ranks_mean(summary, "median_time/step_s")
+    exposed = _ranks_mean(summary, "median_time/comm_exposed_s")
+    alone = _ranks_mean(summary, "median_time/comm_exposed_link_s")
+    line = f"  link {network}: median step {_ms(step)}"
+    if exposed is None:
+        return [line + ", communication not timed in any row (trainer.time_comm_every_n_steps)"]
+    line += f", of it communication waited for {_ms(exposed)}"
+    if alone is not None:
+        line += f" (the link alone: {_ms(alone)})"
+    return [line]
+
+
+def _ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{1000 * seconds:.2f} ms"
 
 
 def log_final_report(summary: dict[str, Any]) -> None:
