@@ -69,6 +69,10 @@ def test_route1_multirun_inside_torchrun(tmp_path: Path) -> None:
     assert first["sync"]["bucket_cap_mb"] == 1.0 and second["sync"]["bucket_cap_mb"] == 5.0
     assert groups(sweep / "0") == {f"{sweep.name}-0"} and groups(sweep / "1") == {f"{sweep.name}-1"}
     assert proc.stdout.count("Launching 2 jobs") == 1  # Hydra's own messages from rank 0 only
+    # The sweep ends on one line: its jobs, its dir and the report command, from rank 0 only.
+    assert proc.stdout.strip().splitlines()[-1] == (
+        f"sweep: 2 jobs in multirun/{sweep.name}; report: python -m trainer.tools.report multirun/{sweep.name}"
+    ), proc.stdout
     report = subprocess.run(
         [sys.executable, "-m", "trainer.tools.report", str(sweep)], cwd=REPO, capture_output=True, text=True
     )
@@ -144,6 +148,7 @@ def test_route2_torchrun_launcher_runs_each_job_as_its_own_group(tmp_path: Path)
     assert_job_complete(sweep / "0", wandb=True)
     assert_job_complete(sweep / "1", wandb=True)
     assert groups(sweep / "0") == {f"{sweep.name}-0"} and groups(sweep / "1") == {f"{sweep.name}-1"}
+    assert proc.stdout.strip().splitlines()[-1].startswith(f"sweep: 2 jobs in multirun/{sweep.name}; report: ")
 
 
 def test_route2_isolates_a_failing_job_and_exits_nonzero(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from tests.dist_helpers import run_on_ranks
 from tests.train_helpers import case_results, train_each
 from trainer.core import DistContext
 from trainer.logger.jsonl import JsonlLogger
+from trainer.loop.summary import format_report
 from trainer.setup.build import build_parts, build_trainer, prepare_data
 
 
@@ -156,7 +157,11 @@ def test_sync_none_sends_nothing(tmp_path: Path) -> None:
 
 
 def test_profile_flag_leaves_a_trace_per_rank(tmp_path: Path) -> None:
-    run_on_ranks(fit, 2, tmp_path / "job", ["trainer.profile=true", "trainer.max_steps=6"], str(tmp_path / "run"))
+    args = ["trainer.profile=true", "trainer.max_steps=6"]
+    (result, _) = run_on_ranks(fit, 2, tmp_path / "job", args, str(tmp_path / "run"))
+    # The end-of-run summary points at the traces and the command that draws them.
+    timeline = f"  profiler/ holds each rank's trace; draw them: python -m trainer.tools.timeline {tmp_path / 'run'}"
+    assert timeline in format_report(result["summary"]).splitlines()
     traces = sorted(p.name.split(".")[0] for p in (tmp_path / "run" / "profiler").glob("*.pt.trace.json"))
     assert traces == ["rank0", "rank1"]
     assert '"traceEvents"' in next((tmp_path / "run" / "profiler").glob("rank0.*")).read_text()[:2000]

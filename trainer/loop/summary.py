@@ -111,6 +111,10 @@ def format_report(summary: dict[str, Any]) -> str:
         *_link_lines(summary),
         f"  run dir  {summary['run_dir']}   (summary.json, checkpoints/, metrics/rank*.jsonl, train_rank*.log)",
     ]
+    if (Path(summary["run_dir"]) / "profiler").is_dir():  # trainer.profile=true
+        lines.append(
+            f"  profiler/ holds each rank's trace; draw them: python -m trainer.tools.timeline {summary['run_dir']}"
+        )
     offline = [(r["rank"], loc) for r in summary["ranks"] for loc in r.get("outputs", []) if "offline-run-" in loc]
     for rank, location in offline:
         lines.append(f"  W&B run rank-{rank}: {location}")
