@@ -214,3 +214,7 @@ def test_cli_auto_writes_the_cap_to_rows_and_the_trials_to_summary(tmp_path: Pat
         assert [row["sync/bucket_cap_mb"] for row in rows] == [1.0, 25.0, chosen, chosen, chosen]
     log = (run_dir / "train_rank0.log").read_text()
     assert log.count("bucket cap trial:") == 2 and f"bucket cap chosen: {chosen:g} MiB" in log
+    # The sync line comes once, after the choice, with the chosen cap's layout (not a trial's).
+    assert log.count("sync: strategy=ddp") == 1, log
+    assert log.index("bucket cap chosen:") < log.index("sync: strategy=ddp"), log
+    assert f"auto_chosen_mb={chosen}" in log and f"bucket_cap_mb_in_use={chosen}" in log, log

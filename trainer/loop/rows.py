@@ -76,6 +76,14 @@ class TrainRows:
         self._seconds = 0.0
         self._rss = ResidentMemory()
         self._saves: list[dict[str, float]] = []  # each checkpoint's cost to this rank
+        self._sync_line_shown = False
+
+    def show_sync_line(self) -> None:
+        """Once per job: at the first logged step where the strategy's layout is final (DDP has rebuilt
+        its buckets by then; bucket_cap_mb=auto has chosen), or at the end of a run too short for that."""
+        if not self._sync_line_shown and self.ctx.is_main_process:
+            log.info("%s", sync_lines(sync_facts(self.sync, self.network)))
+        self._sync_line_shown = True
 
     def log(
         self,
@@ -126,9 +134,8 @@ class TrainRows:
             **({"trainer/profiled_steps": timer.profiled} if timer.profiled else {}),
         }
         timer.profiled = 0
-        if not self.rows and self.ctx.is_main_process:
-            # Once per job, after the first logged step: DDP has rebuilt its buckets by then.
-            log.info("%s", sync_lines(sync_facts(self.sync, self.network)))
+        if not self._sync_line_shown and self.sync.settled():
+            self.show_sync_line()
         if self.ctx.device.type == "cuda":
             row["memory/cuda_max_allocated_mb"] = cuda_peak_mb(self.ctx.device)
         for logger in self.loggers:

@@ -350,6 +350,7 @@ class Trainer:
     def _finish(self, final_eval: dict[str, float], wall_s: float) -> dict[str, Any]:
         self.save_checkpoint()  # before the summary, which reports what the saves cost each rank
         self.wait_for_saves()  # the end of training waits for the last save
+        self._rows.show_sync_line()  # a run that ended before its layout settled still says what it did
         mine = self._rows.rank_record()
         facts = {
             "sync": sync_facts(self.sync, self._rows.network),

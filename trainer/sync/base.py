@@ -212,6 +212,11 @@ class SyncStrategy(ABC):
         """What the strategy does, for logs and summaries."""
         return {}
 
+    def settled(self) -> bool:
+        """Whether describe()'s layout is final: the run's `sync:` line waits for it (bucket_cap_mb=auto
+        is still trying caps before that)."""
+        return True
+
 
 def optimizer_grads(optimizer: Optimizer) -> list[torch.Tensor]:
     """The gradients the optimizer reads, as plain tensors (a DTensor's local shard)."""

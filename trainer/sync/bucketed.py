@@ -207,6 +207,9 @@ class BucketedSync(SyncStrategy):
     def row_metrics(self) -> dict[str, float]:
         return {"sync/bucket_cap_mb": self._cap_mb}
 
+    def settled(self) -> bool:
+        return self._tuner is None or self._tuner.done  # auto: rebuilt at the choice, final from then on
+
     def describe(self) -> dict[str, Any]:
         info: dict[str, Any] = {
             "strategy": "bucketed",

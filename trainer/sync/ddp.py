@@ -163,6 +163,11 @@ class DDPSync(SyncStrategy):
     def row_metrics(self) -> dict[str, float]:
         return {"sync/bucket_cap_mb": self._cap_mb}
 
+    def settled(self) -> bool:
+        # bucket_cap_mb=auto: the trials, then the chosen cap's DDP, whose buckets are final once
+        # rebuilt after its first step.
+        return self._tuner is None or (self._tuner.done and bool(self.describe().get("buckets_rebuilt", True)))
+
     def describe(self) -> dict[str, Any]:
         info: dict[str, Any] = {
             "strategy": "ddp",
