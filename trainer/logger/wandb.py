@@ -11,12 +11,19 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import re
 import shutil
 from pathlib import Path
 from typing import Any, Literal
 
 log = logging.getLogger(__name__)
+
+# W&B's own files outside a run (wandb-core's debug logs under the cache dir, artifact staging under
+# the data dir) default to ~/.cache/wandb and ~/.local/share/wandb; they go into the run dir's wandb/
+# unless the user chose these places before the process started.
+OWN_DIRS = {"WANDB_CACHE_DIR": "cache", "WANDB_DATA_DIR": "data"}
+USER_SET = frozenset(name for name in OWN_DIRS if name in os.environ)
 
 Mode = Literal["offline", "online", "disabled"]  # the schema's choices for logger.mode
 # Every metric is plotted against `step`, the optimizer step, not W&B's own row counter, and some
@@ -122,6 +129,9 @@ class WandbLogger:
         self.run_id = run_id(dir, rank)
         # Before init: this attempt's own offline dir must not count.
         earlier = last_offline_step(dir, self.run_id) if mode == "offline" else None
+        for variable, sub in OWN_DIRS.items():
+            if variable not in USER_SET:
+                os.environ[variable] = str(Path(dir) / "wandb" / sub)
         # wandb 0.31 sends its own usage telemetry based on the global settings, not init()'s, so
         # offline must be set here too, or an "offline" run still reaches for the network at exit.
         wandb.setup(settings=wandb.Settings(mode=mode))
