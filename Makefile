@@ -4,6 +4,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 NPROC ?= 2
 ARGS ?=
+# TORCH=cpu: PyTorch's CPU-only wheels from its own index, for a machine without an NVIDIA GPU: pip's
+# default torch on Linux is the CUDA build, which brings about 3 GB of nvidia-* libraries along.
+TORCH ?=
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: train test test-fast lint format gpu-check setup clean
 
@@ -13,10 +17,15 @@ setup: $(VENV)/.installed
 # configured with (on the project's build machines, wheels on local disk).
 # pip's install log goes to a file: one line on screen, its last lines and the path if it fails.
 $(VENV)/.installed: pyproject.toml
-	@echo "setting up $(VENV): pip install -e '.[dev]' (log: $(VENV)/pip.log)"
+	@case "$(TORCH)" in ""|cpu) ;; *) echo "TORCH=$(TORCH) is not a choice: accepted: cpu, or unset (pip's default torch)"; exit 2;; esac
+	@if [ -z "$(TORCH)" ] && ! command -v nvidia-smi > /dev/null; then \
+		echo "no NVIDIA GPU here: 'make $(firstword $(MAKECMDGOALS)) TORCH=cpu' would install the CPU-only torch (about 3 GB less)"; fi
+	@echo "setting up $(VENV): pip install -e '.[dev]'$(if $(TORCH), with torch from $(TORCH_CPU_INDEX),) (log: $(VENV)/pip.log)"
 	@$(PYTHON) -m venv $(VENV)
 	@$(BIN)/pip install --quiet --upgrade pip > $(VENV)/pip.log 2>&1 || \
 		{ tail -n 20 $(VENV)/pip.log; echo "pip upgrade failed: the whole log is $(VENV)/pip.log"; exit 1; }
+	$(if $(filter cpu,$(TORCH)),@$(BIN)/pip install torch torchvision --index-url $(TORCH_CPU_INDEX) >> $(VENV)/pip.log 2>&1 || \
+		{ tail -n 20 $(VENV)/pip.log; echo "pip install of the CPU-only torch failed: the whole log is $(VENV)/pip.log"; exit 1; })
 	@$(BIN)/pip install -e '.[dev]' >> $(VENV)/pip.log 2>&1 || \
 		{ tail -n 20 $(VENV)/pip.log; echo "pip install failed: the whole log is $(VENV)/pip.log"; exit 1; }
 	@touch $@

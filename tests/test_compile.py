@@ -34,7 +34,7 @@ def test_compiled_trains_as_eager_under_every_wrapping_strategy(tmp_path: Path) 
     gpt = [*tiny_gpt(write_corpus(tmp_path / "c.txt", 1150), tmp_path / "tok"), "data.batch_size=8"]
     mlp = ["model.hidden_sizes=[32,32]", "data.num_samples=64", "data.num_val_samples=16", "data.batch_size=8"]
     cases = {}
-    # fsdp on the mlp: on the gpt it stops at the tied head with or without compile (issue 26).
+    # fsdp on the mlp: on the gpt it stops at the tied head with or without compile.
     runs = [("ddp", gpt, "sync=ddp"), ("manual", gpt, "sync=manual"), ("fsdp", mlp, "sync=fsdp")]
     runs += [("bucketed", gpt, "sync=bucketed"), ("zero", gpt, "sync=zero")]
     for name, base, sync in runs:

@@ -1,6 +1,6 @@
 """A hand-written table of bad command-line values that train.py must refuse, naming the key and the value.
 
-Every range and choice a config key takes is declared once, in trainer/setup/schema/ (pydantic's
+Every range and choice a config key takes is declared once, in trainer/setup/schema.py (pydantic's
 `Field(ge=...)`, `Literal[...]`). tests/test_config_schema.py sweeps every key with bad values *derived from those
 declarations*, which has a blind spot: delete a bound from the schema (the `gt=0` of optim.lr, say)
 and its bad value disappears from the sweep together with the bound, so nothing fails. The values

@@ -1,4 +1,4 @@
-"""The equivalence promise at its edges (issue 26), on 2 real gloo ranks against one process in float64:
+"""The equivalence promise at its edges, on 2 real gloo ranks against one process in float64:
 tied weights under every strategy, a layer reused under reentrant checkpointing, a parameter unused
 on every rank or on one, every grouping of manual, zero after a plain optimizer.zero_grad(), and the
 timed collective's future. One launch serves every case (torch start-up is the cost)."""

@@ -1,5 +1,5 @@
 """What a run puts on the screen, launched as the README says: no noise that is not ours, the sync:
-lines in key=value form, one throughput statistic (issue 34's quiet screen)."""
+lines in key=value form, one throughput statistic (a quiet screen)."""
 
 from __future__ import annotations
 

@@ -120,7 +120,7 @@ def test_every_strategy_end_to_end(runs: tuple[Path, list[dict[str, Any]]], case
                 expected = rows[step].get(f"comm/{kind}_per_step", 0)
                 assert sum(kind in n for n in mine) == expected, (case, rank, step, kind, mine)
             if case in ("fsdp", "zero3"):  # named by the unit whose gather or reduce it is; a bare
-                # all_reduce is the logged step's gradient norm (issue 32), counted above like any collective
+                # all_reduce is the logged step's gradient norm, counted above like any collective
                 units = [n for n in mine if not re.match(r"all_reduce [\d.]+ \w+$", n)]
                 unit = "fsdp unit" if case == "fsdp" else "zero unit"
                 assert units and all(re.search(rf" \({unit} net\.\d+\)$", n) for n in units), mine

@@ -407,8 +407,8 @@ def test_refusals_name_the_key_and_the_reason(ranks: list[dict[str, Any]]) -> No
 
 
 def test_stage_0_is_refused_pointing_to_the_strategy_it_is() -> None:
-    # The schema refuses it, before any rank starts (the command-line check train.py runs). Stage 3,
-    # refused here until it was built by hand, is tests/test_zero3.py's.
+    # The schema refuses it, before any rank starts (the command-line check train.py runs). Stage 3
+    # is tests/test_zero3.py's.
     with pytest.raises(ConfigError) as refused:
         check_overrides([*ZERO, "sync.stage=0"])
     error = str(refused.value)
