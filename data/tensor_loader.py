@@ -1,8 +1,8 @@
 """Batches of tensors held in memory, without DataLoader's per-sample and per-batch machinery.
 
-DataLoader's default path indexes a dataset once per sample and stacks the samples (about 1 ms for
-64 small samples), and each batch also passes its fetcher, collate and profiler hooks (tens of µs):
-more than a small GPU step can hide. When the samples already sit in tensors, one gather per
+DataLoader's default path indexes a dataset once per sample and stacks the samples, and each
+batch also passes its fetcher, collate and profiler hooks: Python work per sample, on the training
+thread, that a small GPU step cannot hide. When the samples already sit in tensors, one gather per
 tensor builds the same batch, in the same order, with the same values.
 """
 

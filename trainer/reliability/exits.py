@@ -67,7 +67,8 @@ class StepBoundary:
     Parameters, optimizer and schedule then all belong to the same step, so a checkpoint written
     on the way out is one an uninterrupted run also passes through. A step stuck in a collective
     still ends: the collective fails (peer gone) or times out (trainer.collective_timeout_s).
-    A class, not a generator context manager: it is entered every step, and costs a third as much.
+    A class, not a generator context manager: it is entered every step, and a class's __enter__ and
+    __exit__ are plain calls, where a generator context manager builds a generator each time.
     """
 
     def __enter__(self) -> None:
