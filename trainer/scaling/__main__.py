@@ -118,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
         for topo in topologies
     ]
     print(report.format_table(predictions))
+    if note := report.above_one_note(predictions):
+        print(note)
     advice, best = cap_advice(profile, topologies, caps, overlap=args.overlap)
     print(advice)
     meta = {

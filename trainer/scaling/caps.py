@@ -16,7 +16,7 @@ from trainer.links import Topology
 from trainer.scaling.predict import DDP_FIRST_BUCKET_MB, Prediction, best_cap, buckets
 from trainer.scaling.profile import RunProfile
 
-NOISE_BOUND = 0.2  # interquartile range of the run's step times over their median above which it warns
+NOISE_BOUND = 0.2  # how far the median logged step time may lie above the fastest before it warns
 
 
 def ddp_layout(profile: RunProfile, cap_mb: float) -> tuple[int, ...]:
@@ -57,17 +57,23 @@ def cap_advice(
 
 
 def noise_warning(step_s: Sequence[float], bound: float = NOISE_BOUND) -> str | None:
-    """A warning when the run's logged step times spread too much to serve as its compute, else None."""
-    if len(step_s) < 4:
+    """A warning when other work slowed most of the run, so that its compute is not a stable base, else None.
+
+    Every step does the same work, and whatever else takes the core (another process, the run's own
+    threads without OMP_NUM_THREADS=1) only adds time: on an idle core the median logged step lies
+    within about a tenth of the fastest, and a median far above it is largely waiting for the CPU.
+    A spread measure such as the interquartile range would be symmetric where the noise is not, and
+    the ten rows of a 100-step run estimate it too loosely to tell a quiet run from a busy one.
+    """
+    if len(step_s) < 4:  # too few rows to call it either way
         return None
-    q1, _, q3 = statistics.quantiles(step_s, n=4)
-    median = statistics.median(step_s)
-    if median <= 0 or (q3 - q1) / median <= bound:
+    fastest, median = min(step_s), statistics.median(step_s)
+    if fastest <= 0 or median <= (1 + bound) * fastest:
         return None
     return (
-        f"warning: the run's step times are noisy (interquartile range {(q3 - q1) * 1e3:.3f} ms is "
-        f"{(q3 - q1) / median:.0%} of the median {median * 1e3:.3f} ms, above {bound:.0%}): its compute is not a "
-        "stable base for predictions; rerun it on a quieter machine, with OMP_NUM_THREADS=1 and more steps"
+        f"warning: the run's median step time ({median * 1e3:.3f} ms) is {median / fastest - 1:.0%} above its "
+        f"fastest ({fastest * 1e3:.3f} ms; over {bound:.0%}): something else took the CPU for most of the run, so "
+        "its compute is not a stable base for predictions; rerun it on an idle machine, with OMP_NUM_THREADS=1"
     )
 
 

@@ -26,6 +26,19 @@ def format_table(predictions: Sequence[Prediction]) -> str:
     return "\n".join(lines)
 
 
+def above_one_note(predictions: Sequence[Prediction]) -> str | None:
+    """The line that explains an efficiency above 1 in the table, or None when the table shows none.
+
+    Only a sharded strategy's step can undercut the 1-rank compute: each rank steps the optimizer
+    on its 1/N of the parameters. Unexplained on screen, such a value reads as a bug.
+    """
+    # As the table rounds: an efficiency that prints as 1.000 needs no explaining.
+    above = list(dict.fromkeys(p.strategy for p in predictions if round(p.efficiency, 3) > 1))
+    if not above:
+        return None
+    return f"efficiency > 1 ({', '.join(above)}): each rank's optimizer steps 1/N of the parameters (docs/scaling.md)"
+
+
 def rows(predictions: Sequence[Prediction]) -> list[dict[str, object]]:
     return [dataclasses.asdict(p) for p in predictions]
 
