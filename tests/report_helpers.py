@@ -1,10 +1,12 @@
-"""Hand-written job dirs for the sweep report's tests (test_report.py, test_report_edges.py)."""
+"""Hand-written job dirs for the sweep report's tests (test_report*.py), and readers of what it printed."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -114,3 +116,18 @@ def markdown_rows(text: str) -> dict[str, list[str]]:
     lines = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| job")]
     cells = [[c.strip() for c in line.strip("|").split(" | ")] for line in lines]
     return {c[0]: c for c in cells}
+
+
+def printed_columns(lines: Sequence[str]) -> dict[str, list[str]]:
+    """A printed table's cells by column: lines[0] is its header, whose names hold single spaces only
+    (columns are two apart), and every cell starts where its column's name does."""
+    starts = [(m.start(), m.group()) for m in re.finditer(r"\S+(?: \S+)*", lines[0])]
+    ends: list[int | None] = [start for start, _ in starts[1:]] + [None]
+    return {
+        name: [line[start:end].strip() for line in lines[1:]] for (start, name), end in zip(starts, ends, strict=True)
+    }
+
+
+def unwrapped(printed: str) -> str:
+    """What the report printed with every sentence it wrapped back on one line (it indents continuations)."""
+    return printed.replace("\n  ", " ")

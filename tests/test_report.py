@@ -17,6 +17,7 @@ from tests.report_helpers import (
     eval_row,
     markdown_header,
     markdown_rows,
+    printed_columns,
     run_cli,
     train_row,
     write_job,
@@ -184,13 +185,20 @@ EXPECTED_CELLS = {
 def test_table_markdown_and_csv_numbers(sweep: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
     assert main([str(sweep), "--out", str(out)]) == 0
-    printed = capsys.readouterr().out
-    assert "DDP bucket size sweep: sweep, 3 ranks" in printed
-    table = {line.split()[0]: line for line in printed.splitlines()[2:6]}
-    for job, cells in EXPECTED_CELLS.items():
-        tokens = " ".join(c for c in cells if c).split()
-        assert table[job].split() == tokens
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == "DDP bucket size sweep: sweep, 3 ranks"
     assert markdown_rows((out / "report.md").read_text()) == EXPECTED_CELLS
+    # On screen: the job, the one that did not finish, the swept keys' values, then the numbers that have
+    # a value somewhere; the ranks, RSS and the columns of `-` only are report.md's (and the csv's).
+    screen = printed_columns(printed[1:6])
+    names = ["job", "status", "sync", "bucket_cap_mb", "step ms", "samples/s", "sync %", "train loss", "eval acc"]
+    assert list(screen) == names
+    assert screen["status"] == ["", "", "", "incomplete"]
+    assert screen["sync"] == ["ddp", "ddp", "manual", "ddp"] and screen["bucket_cap_mb"] == ["1", "25", "", "5"]
+    header = markdown_header((out / "report.md").read_text())
+    for name in names[4:]:
+        at = header.index("samples/s (median row)" if name == "samples/s" else name)
+        assert screen[name] == [EXPECTED_CELLS[job][at] for job in "0123"], name
 
     records = {r["job"]: r for r in csv.DictReader((out / "report.csv").open())}
     assert list(records) == ["0", "1", "2", "3"]

@@ -1,6 +1,7 @@
 """The sweep report on small inputs: one rank's statistics, a truncated JSONL line, which overrides
 differ, a plot without bucket sizes, a single job dir and one without .hydra, the CLI refusing dirs
-without jobs or metrics, and the order of jobs. The hand-worked sweep is in test_report.py."""
+without jobs or metrics, the order of jobs, and a table too wide for the terminal made to fit. The
+hand-worked sweep is in test_report.py."""
 
 from __future__ import annotations
 
@@ -9,10 +10,21 @@ from pathlib import Path
 
 import pytest
 
-from tests.report_helpers import DDP, MANUAL, NONE, eval_row, run_cli, train_row, write_job
+from tests.report_helpers import (
+    DDP,
+    MANUAL,
+    NONE,
+    eval_row,
+    markdown_rows,
+    printed_columns,
+    run_cli,
+    train_row,
+    write_job,
+)
 from trainer.tools.report import find_jobs, main, read_jsonl
 from trainer.tools.report_plot import plot
 from trainer.tools.report_rows import build_rows, differing_overrides, rank_stats
+from trainer.tools.report_table import Column, fit
 
 
 def test_rank_stats_of_one_rank() -> None:
@@ -70,15 +82,27 @@ def test_single_job_dir_and_missing_hydra(tmp_path: Path, capsys: pytest.Capture
     overrides = ["sync=ddp", "sync.bucket_cap_mb=5", "logger=none", "run_name=s", "hydra.run.dir=/x"]
     job = write_job(tmp_path / "single", ranks, DDP, overrides, 5)
     assert main([str(job)]) == 0
-    line = capsys.readouterr().out.splitlines()[2]
-    assert line.split() == [
+    # One job: all its overrides label it, each under its key, but run_name and hydra.* (naming only).
+    screen = printed_columns(capsys.readouterr().out.splitlines()[1:3])
+    assert screen == {
+        "job": ["single"],
+        "sync": ["ddp"],
+        "bucket_cap_mb": ["5"],
+        "logger": ["none"],
+        "step ms": ["15.00"],
+        "samples/s": ["150"],
+        "sync %": ["0.0†"],
+        "peak RSS MB": ["700"],
+        "train loss": ["2.0000"],
+    }
+    assert markdown_rows((job / "report.md").read_text())["single"] == [
         "single",
         "ok",
-        "sync=ddp",
-        "sync.bucket_cap_mb=5",
-        "logger=none",
+        "sync=ddp sync.bucket_cap_mb=5 logger=none",
         "ddp",
         "5",
+        "",
+        "",
         "15.00",
         "150",
         "0.0†",
@@ -87,36 +111,29 @@ def test_single_job_dir_and_missing_hydra(tmp_path: Path, capsys: pytest.Capture
         "700",
         "-",  # opt state MB: no row has memory/optimizer_state_mb
         "2.0000",
-        "r1",
-        "(20.00",
-        "ms)",
-        "r0",
-        "(10.00",
-        "ms)",
+        "",
+        "r1 (20.00 ms)",
+        "r0 (10.00 ms)",
     ]
     assert (job / "report.csv").is_file() and (job / "report.png").is_file()
 
     opt = {"memory/optimizer_state_mb": 12.5}
     bare = write_job(tmp_path / "bare", [[train_row(10, 0.010, 0.0, 100, 1.0, opt)]], None, None, complete=False)
     assert main([str(bare)]) == 0
-    assert capsys.readouterr().out.splitlines()[2].split() == [
-        "bare",
-        "incomplete",
-        "(10.00)",
-        "(100)",
-        "(0.0)",
-        "-",
-        "-",
-        "(700)",
-        "(12.5)",  # opt state MB, like every number of an incomplete job, in parentheses
-        "(1.0000)",
-        "(r0",
-        "(10.00",
-        "ms))",
-        "(r0",
-        "(10.00",
-        "ms))",
-    ]
+    # No .hydra: no overrides, no strategy. Every number of an incomplete job is in parentheses; the
+    # fastest rank (the slowest, of one rank) does not fit in the terminal.
+    assert printed_columns(capsys.readouterr().out.splitlines()[1:3]) == {
+        "job": ["bare"],
+        "status": ["incomplete"],
+        "step ms": ["(10.00)"],
+        "samples/s": ["(100)"],
+        "sync %": ["(0.0)"],
+        "peak RSS MB": ["(700)"],
+        "opt state MB": ["(12.5)"],
+        "train loss": ["(1.0000)"],
+        "slowest": ["(r0 (10.00 ms))"],
+    }
+    assert markdown_rows((bare / "report.md").read_text())["bare"][-1] == "(r0 (10.00 ms))"
 
 
 def test_cli_rejects_dirs_without_jobs_or_metrics(tmp_path: Path) -> None:
@@ -137,3 +154,21 @@ def test_jobs_sorted_by_number_and_other_dirs_ignored(tmp_path: Path) -> None:
     (tmp_path / ".submitit").mkdir()
     (tmp_path / "notes").mkdir()
     assert [job.name for job in find_jobs(tmp_path)] == ["2", "10"]
+
+
+def test_a_table_too_wide_loses_columns_in_drop_order_then_cuts_its_longest_text() -> None:
+    sizes = "[" + ",".join(["1024"] * 12) + "]"  # a swept list: 62 characters of one override's value
+    columns = [
+        Column("job", ["0", "1"]),
+        Column("hidden_sizes", [sizes, "[64]"], clip=True, swept=True),
+        Column("step ms", ["10.00", "12.50"]),
+        Column("slowest", ["r1 (10.00 ms)", "r0 (12.50 ms)"]),
+        Column("same as", ["", ""]),  # blank in every row: never shown
+    ]
+    lines = fit(columns, ["slowest", "hidden_sizes"], width=50).splitlines()
+    assert max(len(line) for line in lines) == 50
+    # slowest goes first; a swept column is never dropped, its longest value is cut short instead.
+    screen = printed_columns(lines)
+    assert list(screen) == ["job", "hidden_sizes", "step ms"] and screen["step ms"] == ["10.00", "12.50"]
+    # 50 less `job` (3), `step ms` (7) and two gaps of 2: 36 characters, the last of them `…`.
+    assert screen["hidden_sizes"] == [sizes[:35] + "…", "[64]"]

@@ -1,5 +1,6 @@
 """The sweep report's honesty: the buckets each job built, identical layouts marked and warned about,
-repeats gathered into points with their spread, and the overlap sentence (the per-job time split:
+repeats gathered into points with their spread (and repeats that chose different caps under
+bucket_cap_mb=auto), and the overlap sentence (the per-job time split:
 test_report_time_split.py). Every expected number below is worked by hand from the hand-written rows."""
 
 from __future__ import annotations
@@ -9,7 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.report_helpers import DDP, MANUAL, markdown_header, markdown_rows, train_row, write_job
+from tests.report_helpers import (
+    DDP,
+    MANUAL,
+    markdown_header,
+    markdown_rows,
+    printed_columns,
+    train_row,
+    unwrapped,
+    write_job,
+)
 from trainer.tools.report import find_jobs, main
 from trainer.tools.report_layout import axis_warning, bucket_layout, format_layout
 from trainer.tools.report_plot import plot
@@ -103,7 +113,24 @@ def test_repeats_become_points_with_median_and_spread(repeated: Path, capsys: py
     assert "cap 1 and cap 25 are not distinguishable here" in printed and "warning" not in printed
     markdown = (repeated / "report.md").read_text()
     point_rows = {cells[0]: cells for cells in markdown_cells(markdown) if cells[0].startswith("cap ")}
-    assert point_rows["cap 4"][:5] == ["cap 4", "1,4,7", "2: 0.00 0.00 MB", "65.00", "60.00-70.00"]
+    assert point_rows["cap 4"][:6] == ["cap 4", "1,4,7", "4", "2: 0.00 0.00 MB", "65.00", "60.00-70.00"]
+    # On screen the cap is said once, under its key (bucket_mb repeats it, and is left off), the buckets
+    # by their count; hidden and exposed ms, `-` in every point (no row timed its communication), are
+    # left off too.
+    lines = printed.splitlines()
+    at = lines.index("Points (median over repeats, spread = min-max of the jobs' medians):") + 1
+    screen = printed_columns(lines[at : at + 4])
+    assert list(screen) == [
+        "bucket_cap_mb",
+        "jobs",
+        "buckets",
+        "step ms",
+        "spread ms",
+        "samples/s",
+        "compute ms",
+    ]
+    assert screen["bucket_cap_mb"] == ["1", "4", "25"] and screen["buckets"] == ["3 buckets", "2 buckets", "1 bucket"]
+    assert screen["spread ms"] == ["100.00-130.00", "60.00-70.00", "120.00-140.00"]
 
 
 def test_error_bars_span_each_points_spread(repeated: Path) -> None:
@@ -183,8 +210,8 @@ def test_report_shows_layouts_at_and_past_the_limit(tmp_path: Path, capsys: pyte
         [TWELVE_TEXT, ""],
     ]
     assert "warning" not in printed and "warning" not in markdown
-    table = {line.split()[0]: line for line in printed.splitlines() if line[:1].isdigit()}
-    assert FIVE_TEXT in table["1"] and TWELVE_TEXT in table["2"] and "4: 4.00 1.00 3.25 2.50 MB" in table["0"]
+    # On screen, the count: the sizes are report.md's (and the csv's).
+    assert printed_columns(printed.splitlines()[1:5])["buckets"] == ["4 buckets", "5 buckets", "12 buckets"]
 
 
 def test_warning_and_table_show_a_twelve_bucket_layout_summarised(
@@ -202,7 +229,9 @@ def test_warning_and_table_show_a_twelve_bucket_layout_summarised(
     assert axis_warning(rows) == warning
     assert main([str(root)]) == 0
     printed = capsys.readouterr().out
-    assert printed.splitlines().count(warning) == 1
+    assert unwrapped(printed).splitlines().count(warning) == 1
+    screen = printed_columns(printed.splitlines()[1:5])
+    assert screen["buckets"] == ["12 buckets"] * 3 and screen["same as"] == ["", "cap 1", "cap 1"]
     markdown = (root / "report.md").read_text()
     assert f"- {warning}" in markdown.splitlines()
     at = markdown_header(markdown).index("buckets")
@@ -212,3 +241,42 @@ def test_warning_and_table_show_a_twelve_bucket_layout_summarised(
         [TWELVE_TEXT, "cap 1"],
         [TWELVE_TEXT, "cap 1"],
     ]
+
+
+def test_repeats_that_chose_different_caps_show_each_choice(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """bucket_cap_mb=auto chooses in every run, from that run's own trials: the two repeats of ddp_auto
+    here chose 25 and 5 MiB and built 1 and 3 buckets. Each job shows its own choice, and the point
+    both; ddp's two repeats, at a fixed cap, built one layout, shown once."""
+    root = tmp_path / "sweep"
+    one, three = [12_771_368], [5_242_880, 5_242_880, 2_285_608]
+    for num, (repeat, preset, chosen, sizes) in enumerate(
+        [(1, "ddp_auto", 25.0, one), (1, "ddp", None, one), (2, "ddp_auto", 5.0, three), (2, "ddp", None, one)]
+    ):
+        ranks = [[train_row(10, 0.07 + 0.01 * num, 0.0, 100, 1.0)]] * 2
+        overrides = [f"+repeat={repeat}", f"+strategy={preset}", "logger=none"]
+        facts = {} if chosen is None else {"auto_chosen_mb": chosen, "bucket_cap_mb_in_use": chosen}
+        cap = 25 if chosen is None else "auto"
+        write_job(root / str(num), ranks, DDP, overrides, cap, bucket_sizes=sizes, sync_facts=facts)
+    assert main([str(root)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    markdown = (root / "report.md").read_text()
+
+    point_rows = {cells[0]: cells for cells in markdown_cells(markdown) if cells[0].startswith("+strategy=")}
+    assert point_rows["+strategy=ddp_auto"][1:4] == ["0,2", "auto (25\\|5)", "1: 12.77 MB \\| 3: 5.24 5.24 2.29 MB"]
+    assert point_rows["+strategy=ddp"][1:4] == ["1,3", "25", "1: 12.77 MB"]
+    at = markdown_header(markdown).index("bucket_mb")
+    jobs_md = markdown_rows(markdown)
+    assert [jobs_md[job][at] for job in "0123"] == ["auto (25)", "25", "auto (5)", "25"]
+    with (root / "report.csv").open() as f:
+        assert [r["bucket_cap_mb_in_use"] for r in csv.DictReader(f)] == ["25.0", "", "5.0", ""]
+
+    jobs = printed_columns(printed[1:6])
+    assert jobs["bucket_mb"] == ["auto (25)", "25", "auto (5)", "25"]
+    assert jobs["buckets"] == ["1 bucket", "1 bucket", "3 buckets", "1 bucket"]
+    at = printed.index("Points (median over repeats, spread = min-max of the jobs' medians):") + 1
+    points = printed_columns(printed[at : at + 3])
+    assert points["strategy"] == ["ddp_auto", "ddp"]
+    assert points["bucket_mb"] == ["auto (25|5)", "25"] and points["buckets"] == ["1|3 buckets", "1 bucket"]
+    # The plot's bar for the point names both layouts.
+    ticks = [t.get_text() for t in plot(build_rows(find_jobs(root)), "title").axes[0].get_xticklabels()]
+    assert ticks[0].endswith("\n1 bucket | 3 buckets") and ticks[1].endswith("\n1 bucket")

@@ -1,7 +1,8 @@
 """The sweep report on a strategy sweep: MB/step, exposed ms, peak RSS, peak CUDA and optimizer-state
 columns, each checked against arithmetic on rows written by the test (the CUDA column appears
 because one job ran on CUDA), and the bar plot's job labels; the buckets column of strategies
-without buckets, and the dagger's line under the printed table."""
+without buckets, the dagger's line under the printed table, and that table in 100 columns while
+report.md and report.csv keep every column."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from tests.report_helpers import (
     comm_keys,
     markdown_header,
     markdown_rows,
+    printed_columns,
     train_row,
     write_job,
 )
@@ -209,8 +211,14 @@ def test_buckets_column_names_what_each_strategy_has(tmp_path: Path, capsys: pyt
         "3": "- (sends nothing)",
         "4": "1: 4.00 MB",
     }
-    table = printed[1:7]
-    assert all(cell in line for cell, line in zip(cells.values(), table[1:], strict=True))
+    # On screen, what each has without its sizes (report.md's): the count, with the word for what it counts.
+    assert printed_columns(printed[1:7])["buckets"] == [
+        "2 buffers +3 in place",
+        "0 buffers +10 in place",
+        "5 units",
+        "-",
+        "1 bucket",
+    ]
     # The per-job bars name the count the same way (five points: one slanted line each).
     ticks = [t.get_text() for t in plot(build_rows(find_jobs(root)), "title").axes[0].get_xticklabels()]
     assert ticks == [
@@ -225,14 +233,53 @@ def test_buckets_column_names_what_each_strategy_has(tmp_path: Path, capsys: pyt
 
 
 def test_the_dagger_is_explained_under_the_printed_table(
-    strategy_sweep: Path, capsys: pytest.CaptureFixture[str]
+    strategy_sweep: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    # Where sync % fits on screen, the note under the table says what its dagger means.
+    root = tmp_path / "two"
+    rows = [[train_row(10, 0.05, 0.01, 100, 1.0, comm_keys(4e6, 0.02, 0.01))]] * 2
+    write_job(root / "0", rows, DDP, ["sync=ddp"], 25)
+    write_job(root / "1", rows, MANUAL, ["sync=manual"])
+    assert main([str(root)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed_columns(printed[1:4])["sync %"] == ["20.0†", "20.0"]  # 0.01 s of sync in a 0.05 s step
+    assert printed[4] == DAGGER_NOTE and DAGGER_NOTE.startswith("† ")
+    # The strategy sweep's table is wider: sync % is left off the screen, and with it the dagger and its
+    # note; report.md keeps both.
     assert main([str(strategy_sweep)]) == 0
     printed = capsys.readouterr().out.splitlines()
-    jobs = printed[2:7]
-    assert [line.split()[0] for line in jobs] == ["0", "1", "2", "3", "4"]
-    assert sum("†" in line for line in jobs) == 2  # the two ddp jobs' sync %
-    assert printed[7] == DAGGER_NOTE and DAGGER_NOTE.startswith("† ")
+    assert "sync %" not in printed[1] and not any("†" in line for line in printed)
     markdown = (strategy_sweep / "report.md").read_text()
     jobs_table = markdown.split("## Jobs")[1].split("## Legend")[0].strip().splitlines()
+    assert sum("†" in line for line in jobs_table[2:7]) == 2  # the two ddp jobs' sync %
     assert jobs_table[-1] == DAGGER_NOTE
+
+
+def test_the_printed_table_fits_100_columns_and_the_files_keep_every_column(
+    strategy_sweep: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Run from the dir above the sweep, as after `train.py -m`: the paths printed are the ones given.
+    monkeypatch.chdir(strategy_sweep.parent)
+    assert main([strategy_sweep.name]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    markdown = (strategy_sweep / "report.md").read_text()
+    assert max(len(line) for line in markdown.splitlines() if line.startswith("| ")) > 100  # it had to fit
+    assert [line for line in printed if len(line) > 100] == []
+    screen = printed_columns(printed[1:7])
+    # What a reader compares: the swept keys' values (each key once, in its own column), step time,
+    # throughput and exposed communication, as report.md has them.
+    assert screen["sync"] == ["none", "manual", "ddp", "ddp", "bucketed"]
+    assert screen["comm_hook"] == ["", "", "fp16", "", ""] and screen["collective"] == ["", "", "", "", "rs_ag"]
+    assert screen["bucket_cap_mb"] == ["", "", "", "auto", ""]
+    cells = markdown_rows(markdown)
+    header = markdown_header(markdown)
+    for name, full in (("step ms", "step ms"), ("samples/s", "samples/s (median row)"), ("exposed ms", "exposed ms")):
+        assert screen[name] == [cells[job][header.index(full)] for job in "01234"], name
+    # `same as` is empty in every job: not on screen, in report.md and report.csv.
+    assert "same as" not in screen and {cells[job][header.index("same as")] for job in "01234"} == {""}
+    records = list(csv.DictReader((strategy_sweep / "report.csv").open()))
+    assert [r["same_buckets_as"] for r in records] == [""] * 5
+    # The ranks and memory peaks did not fit: they are the files', and the last line says where those are.
+    assert {"slowest", "fastest", "peak RSS MB", "peak CUDA MB"}.isdisjoint(screen)
+    assert {"slowest", "fastest", "peak RSS MB", "peak CUDA MB"} <= set(header)
+    assert printed[-1] == "full tables (every column): report.md and report.csv in strategies; plot: report.png"

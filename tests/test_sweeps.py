@@ -15,6 +15,7 @@ import pytest
 
 from tests.cli import CPU, TRAIN, env, output, torchrun, train_rows
 from tests.compose import REPO
+from tests.report_helpers import printed_columns
 from trainer.logger.wandb_files import find_runs
 
 pytestmark = pytest.mark.slow
@@ -77,7 +78,9 @@ def test_route1_multirun_inside_torchrun(tmp_path: Path) -> None:
         [sys.executable, "-m", "trainer.tools.report", str(sweep)], cwd=REPO, capture_output=True, text=True
     )
     assert report.returncode == 0, report.stderr
-    assert "sync.bucket_cap_mb=1" in report.stdout and (sweep / "report.png").stat().st_size > 10_000
+    assert "sync.bucket_cap_mb=1" in (sweep / "report.md").read_text()
+    assert report.stdout.splitlines()[1].split()[:2] == ["job", "bucket_cap_mb"], report.stdout
+    assert (sweep / "report.png").stat().st_size > 10_000
 
 
 def test_strategy_sweep_runs_each_strategy_variant_as_a_job(tmp_path: Path) -> None:
@@ -96,7 +99,8 @@ def test_strategy_sweep_runs_each_strategy_variant_as_a_job(tmp_path: Path) -> N
         [sys.executable, "-m", "trainer.tools.report", str(sweep)], cwd=REPO, capture_output=True, text=True
     )
     assert report.returncode == 0, report.stderr
-    assert "Strategy sweep" in report.stdout and "+strategy=ddp_fp16" in report.stdout
+    assert "Strategy sweep" in report.stdout and "ddp_fp16" in report.stdout
+    assert "+strategy=ddp_fp16" in (sweep / "report.md").read_text()
 
 
 def test_bucket_sweep_builds_different_buckets_and_reports_repeats(tmp_path: Path) -> None:
@@ -113,9 +117,12 @@ def test_bucket_sweep_builds_different_buckets_and_reports_repeats(tmp_path: Pat
         [sys.executable, "-m", "trainer.tools.report", str(sweep)], cwd=REPO, capture_output=True, text=True
     )
     assert report.returncode == 0, report.stderr
-    points = [line.split() for line in report.stdout.splitlines() if line.startswith("cap ") and " MB" in line]
-    assert [p[:4] for p in points] == [["cap", "0.25", "0,2", "22:"], ["cap", "25", "1,3", "1:"]]
-    assert all("-" in p[-5] for p in points)  # a spread min-max for each cap
+    lines = report.stdout.splitlines()
+    at = lines.index("Points (median over repeats, spread = min-max of the jobs' medians):") + 1
+    points = printed_columns(lines[at : at + 3])
+    assert points["bucket_cap_mb"] == ["0.25", "25"] and points["jobs"] == ["0,2", "1,3"]
+    assert points["buckets"] == ["22 buckets", "1 bucket"]
+    assert all("-" in spread for spread in points["spread ms"])  # a spread min-max for each cap
     assert "warning" not in report.stdout and ("distinguishable" in report.stdout or "No two" in report.stdout)
 
 

@@ -5,9 +5,11 @@
         (also logs the table and the figure as a W&B run "report", grouped under the sweep's name)
 
 Read only from the files a job leaves behind (metrics/rank{r}.jsonl, .hydra/, summary.json), so it
-works on finished, failed and copied runs alike. This module is the entry point and the reading of
-those files; the numbers and their definitions (report.md's legend) are in report_rows.py, the
-table, report.md and CSV in report_table.py, the figure in report_plot.py, the W&B run in report_wandb.py.
+works on finished, failed and copied runs alike. What it prints fits a 100-column terminal (the
+columns a reader compares); report.md and report.csv hold every column. This module is the entry
+point and the reading of those files; the numbers and their definitions (report.md's legend) are
+in report_rows.py, the printed tables, report.md and CSV in report_table.py, the figure in
+report_plot.py, the W&B run in report_wandb.py.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -26,7 +29,14 @@ from trainer.tools.report_layout import axis_warning
 from trainer.tools.report_plot import plot
 from trainer.tools.report_points import Point, gather_points, spread_sentences
 from trainer.tools.report_rows import Job, JobRow, build_rows
-from trainer.tools.report_table import format_markdown, format_points, format_table, notes_under_table, write_csv
+from trainer.tools.report_table import (
+    SCREEN_WIDTH,
+    format_markdown,
+    notes_under_table,
+    screen_points,
+    screen_table,
+    write_csv,
+)
 from trainer.tools.report_timelines import plot_timelines
 from trainer.tools.report_wandb import MODES, log_report  # wandb itself is imported only by log_report
 
@@ -97,6 +107,12 @@ def notes(rows: Sequence[JobRow], points: Sequence[Point]) -> list[str]:
     return ([warning] if warning else []) + (spread_sentences(points) if len(points) > 1 else [])
 
 
+def say(text: str) -> None:
+    """Print a sentence in the terminal's width, continued lines indented (report.md keeps it on one line)."""
+    lines = textwrap.wrap(text, SCREEN_WIDTH, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)
+    print("\n".join(lines))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.tools.report", description=__doc__.splitlines()[0])
     parser.add_argument("dir", type=Path, help="a Hydra sweep dir (numbered job dirs) or one job dir")
@@ -126,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for j in jobs
             ]
             for line in plot_timelines(dirs, out):
-                print(line)
+                say(line)
         except TimelineError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
@@ -146,26 +162,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     points = gather_points(rows)
     repeated = [p for p in points if len(p.jobs) > 1]
     said = notes(rows, points)
-    print(f"{title}\n{format_table(rows)}")
-    for line in notes_under_table(rows):
-        print(line)
+    table = screen_table(rows)
+    print(f"{title}\n{table}")
+    for line in notes_under_table(table):
+        say(line)
     if repeated:
-        print(f"\nPoints (median over repeats, spread = min-max of the jobs' medians):\n{format_points(points)}")
+        print(f"\nPoints (median over repeats, spread = min-max of the jobs' medians):\n{screen_points(points)}")
     for line in said:
-        print(line)
+        say(line)
     if any(0 < min((r.timed_steps for r in row.ranks), default=0) < 5 for row in rows):
-        print("note: some ranks have fewer than 5 logged rows: their medians rest on few samples")
+        say("note: some ranks have fewer than 5 logged rows: their medians rest on few samples")
     markdown = format_markdown(rows, title, "report.png", points if repeated else (), said)
     (out / "report.md").write_text(markdown, encoding="utf-8")
     write_csv(rows, out / "report.csv")
     plot(rows, title, points).savefig(out / "report.png", dpi=110)
-    print(f"wrote {out / 'report.md'}, {out / 'report.csv'}, {out / 'report.png'}")
     if args.wandb:
         sweep = args.dir.resolve().name
         where = log_report(
             rows, jobs, sweep=sweep, image=out / "report.png", out=out, mode=args.wandb_mode, title=title
         )
         print(f"W&B run 'report' (group {sweep}, {args.wandb_mode}): {where}")
+    # Last, where a reader looks for what the screen left out.
+    print(f"full tables (every column): report.md and report.csv in {out}; plot: report.png")
     return 0
 
 

@@ -21,6 +21,7 @@ class HasLayout(Protocol):
     bucket_sizes: tuple[int, ...] | None
     same_buckets_as: str
     context: str
+    units: Units | None
 
 
 def bucket_layout(summary: dict[str, Any] | None) -> tuple[int, ...] | None:
@@ -41,6 +42,23 @@ def bucket_layout(summary: dict[str, Any] | None) -> tuple[int, ...] | None:
     return None
 
 
+def cap_in_use(summary: dict[str, Any] | None) -> float | None:
+    """The cap `bucket_cap_mb=auto` built the buckets with (summary.json's `sync.bucket_cap_mb_in_use`):
+    its choice, or a trial's cap when the run ended before it chose; None for a fixed cap.
+
+    Each run chooses for itself from its own timed trials, so repeats of one configuration can differ.
+    """
+    facts = (summary or {}).get("sync") or {}
+    value = facts.get("bucket_cap_mb_in_use", facts.get("auto_chosen_mb"))
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def cap_cell(setting: str, in_use: Sequence[float | None]) -> str:
+    """`25` as configured; `auto (5)`: the cap auto chose; `auto (5|1)`: runs that chose differently, in job order."""
+    chosen = list(dict.fromkeys(format(c, "g") for c in in_use if c is not None))
+    return f"{setting} ({'|'.join(chosen)})" if chosen else setting
+
+
 def format_layout(sizes: tuple[int, ...] | None, limit: int = 4, word: str = "") -> str:
     """`3: 36.13 36.01 0.39 MB`; past `limit` buckets the range and total instead of every size.
 
@@ -53,6 +71,11 @@ def format_layout(sizes: tuple[int, ...] | None, limit: int = 4, word: str = "")
     if len(sizes) <= limit:
         return f"{count}: " + " ".join(f"{m:.2f}" for m in mb) + " MB"
     return f"{count}: {min(mb):.2f}-{max(mb):.2f} MB, {sum(mb):.2f} in all"
+
+
+def bucket_count(sizes: tuple[int, ...]) -> str:
+    """`4 buckets`: the layout without its sizes (the printed table, the plot's ticks)."""
+    return f"{len(sizes)} bucket{'s' * (len(sizes) != 1)}"
 
 
 @dataclass(frozen=True)
@@ -80,6 +103,10 @@ class Units:
         """`1 buffer`, `5 units` (for the plot's tick labels)."""
         return f"{len(self.sizes)} {self.word}{'s' * (len(self.sizes) != 1)}"
 
+    def short(self) -> str:
+        """`2 buffers +3 in place`: the count without the sizes (for the printed table)."""
+        return self.count() + (f" +{self.in_place} in place" if self.in_place else "")
+
 
 def other_units(summary: dict[str, Any] | None) -> Units | None:
     """manual's buffers or fsdp's units (Units); None for a strategy with buckets, or without either."""
@@ -90,6 +117,26 @@ def other_units(summary: dict[str, Any] | None) -> Units | None:
     if isinstance(facts.get("unit_bytes"), list):
         return Units("unit", tuple(int(s) for s in facts["unit_bytes"]))
     return None
+
+
+def layout_cell(row: HasLayout) -> str:
+    """The buckets column: the buckets built, else what the strategy has instead, else why none."""
+    if row.bucket_sizes is not None:
+        return format_layout(row.bucket_sizes)
+    if row.units is not None:
+        return row.units.cell()
+    if row.sync == "none":  # the one strategy without communication (its MB/step is `-` too)
+        return "- (sends nothing)"
+    return ""
+
+
+def short_layout(row: HasLayout) -> str:
+    """The buckets column on screen: what was built, without its sizes (`4 buckets`, `1 buffer`)."""
+    if row.bucket_sizes is not None:
+        return bucket_count(row.bucket_sizes)
+    if row.units is not None:
+        return row.units.short()
+    return "-" if row.sync == "none" else ""
 
 
 def cap_label(setting: str) -> str:

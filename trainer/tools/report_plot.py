@@ -14,6 +14,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import NullFormatter
 
+from trainer.tools.report_layout import bucket_count, cap_cell
 from trainer.tools.report_plot_time import draw_time_split
 from trainer.tools.report_points import Point, gather_points
 from trainer.tools.report_rows import CAP_KEY, REPEAT_KEY, JobRow, override_key
@@ -38,7 +39,16 @@ def _layout_line(row: JobRow) -> str:
     if row.bucket_sizes is None:
         return f"\n{row.units.count()}" if row.units is not None else ""
     same = f"\n= {row.same_buckets_as}" if row.same_buckets_as else ""
-    return f"\n{len(row.bucket_sizes)} bucket{'s' * (len(row.bucket_sizes) != 1)}{same}"
+    return f"\n{bucket_count(row.bucket_sizes)}{same}"
+
+
+def _point_layout_line(point: Point) -> str:
+    """_layout_line of a point; repeats that built different buckets (`bucket_cap_mb=auto` chooses in
+    every run) each show theirs on one line: `2 buckets | 4 buckets`."""
+    each = point.each(_layout_line)
+    if len(each) == 1:
+        return each[0]
+    return "\n" + " | ".join(line.strip().replace("\n", " ") for line in each)
 
 
 def _median(point: Point, field: str) -> float:
@@ -80,7 +90,8 @@ def _against_cap(ax: Axes, marks: Axes, field: str, points: Sequence[Point], don
     others = [p for p in points if p.first.bucket_cap_mb is None]
     for color, p in zip(colors[len(series) :], others, strict=False):
         r = p.first
-        what = f"buckets {r.bucket_setting}" if r.bucket_setting else "no buckets"
+        cap = cap_cell(r.bucket_setting, [j.cap_in_use_mb for j in p.jobs])  # `auto (5|1)`: each run's choice
+        what = f"buckets {cap}" if cap else "no buckets"
         ax.axhline(_median(p, field), ls="--", color=color, label=f"{r.sync} (job {r.job}, {what})")
         if field == "step_ms":  # rank spread; on throughput the ranks sit at 1/N of the line
             values = [v for j in p.jobs for v in _values(j, field)]
@@ -107,9 +118,9 @@ def _per_point(ax: Axes, marks: Axes, field: str, points: Sequence[Point]) -> No
         words = [o for o in p.first.overrides.split() if override_key(o) != REPEAT_KEY]
         jobs = f"job{'s' * (len(p.jobs) > 1)} {','.join(j.job for j in p.jobs)}"
         if slant:
-            labels.append(" ".join(words) + f" ({jobs}" + _layout_line(p.first).replace("\n", ", ") + ")")
+            labels.append(" ".join(words) + f" ({jobs}" + _point_layout_line(p).replace("\n", ", ") + ")")
         else:
-            labels.append(f"{jobs}\n" + "\n".join(words) + _layout_line(p.first))
+            labels.append(f"{jobs}\n" + "\n".join(words) + _point_layout_line(p))
     ax.set_xticks(xs, labels, fontsize=8)
     if slant:
         ax.tick_params(axis="x", labelrotation=30)

@@ -3,16 +3,16 @@
 One run of 40 steps on a shared machine moves by 10-20 % from run to run, more than many of the
 differences a sweep looks for. A sweep that repeats every point (`+repeat=1,2,3`, interleaved by
 Hydra's cartesian order: every cap once, then every cap again) shows that variation; this module
-turns it into numbers and into the plain sentences the report prints.
+turns it into numbers, the points table's cells and the plain sentences the report prints.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from trainer.tools.report_layout import cap_label
+from trainer.tools.report_layout import cap_cell, cap_label, layout_cell
 from trainer.tools.report_rows import CAP_KEY, REPEAT_KEY, JobRow, override_key
 
 
@@ -50,6 +50,16 @@ class Point:
     def first(self) -> JobRow:
         return self.jobs[0]
 
+    def each(self, cell: Callable[[JobRow], str]) -> list[str]:
+        """One job's cell per distinct value, in job order: repeats of one configuration need not agree
+        (`bucket_cap_mb=auto` chooses its cap, and so its buckets, in every run anew)."""
+        return list(dict.fromkeys(cell(j) for j in self.jobs))
+
+
+def shown(value: float | None, spec: str) -> str:
+    """A number as every table of the report shows it; "" when it is missing."""
+    return "" if value is None else format(value, spec)
+
 
 def point_label(row: JobRow) -> str:
     """The job's differing overrides without its repeat, the cap written as `cap 5`."""
@@ -66,6 +76,45 @@ def gather_points(rows: Sequence[JobRow]) -> list[Point]:
             label = point_label(row)
             points.setdefault(label, Point(label)).jobs.append(row)
     return list(points.values())
+
+
+POINT_HEADERS = (
+    "point",
+    "jobs",
+    "bucket_mb",
+    "buckets",
+    "step ms",
+    "spread ms",
+    "samples/s (median row)",
+    "compute ms",
+    "hidden ms",
+    "exposed ms",
+)
+
+
+def point_cells(point: Point) -> list[str]:
+    """A point's medians over its repeats; `-` for the spread of a point that ran once. The cap and the
+    buckets are each repeat's where they differ (`auto (5|1)`), once where the repeats agree."""
+    spread = point.spread
+    first = point.first
+
+    def med(name: str) -> str:
+        return shown(point.median(name), ".2f") or "-"
+
+    same = point.each(lambda j: j.same_buckets_as)
+    said = f" (same as {same[0]})" if len(same) == 1 and same[0] else ""
+    return [
+        point.label,
+        ",".join(j.job for j in point.jobs),
+        cap_cell(first.bucket_setting, [j.cap_in_use_mb for j in point.jobs]),
+        " | ".join(point.each(layout_cell)) + said,
+        shown(point.step_ms, ".2f"),
+        "-" if spread is None else f"{spread[0]:.2f}-{spread[1]:.2f}",
+        shown(point.samples_per_s, ".0f"),
+        med("compute_ms"),
+        med("hidden_comm_ms"),
+        med("comm_exposed_ms"),
+    ]
 
 
 def _overlap(a: tuple[float, float], b: tuple[float, float]) -> bool:

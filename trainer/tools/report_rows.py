@@ -11,9 +11,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.tools.report_layout import Units, bucket_layout, mark_same_layouts, other_units
+from trainer.tools.report_layout import Units, bucket_layout, cap_in_use, mark_same_layouts, other_units
 
 LEGEND = """\
+- bucket_mb: the strategy's `bucket_cap_mb` as configured; `auto (5)`: the cap `bucket_cap_mb=auto`
+  chose from its timed trials and built the buckets with (summary.json's `sync.bucket_cap_mb_in_use`).
+  Each run chooses for itself: a point whose repeats chose differently shows each choice, `auto (5|1)`,
+  and each layout they built, `2: 8.44 4.33 MB | 4: 4.24 4.20 4.20 0.14 MB`, in job order.
 - step ms: per rank the median of `time/step_s` over its training rows; the job's value is the
   median over ranks. A row's `time/step_s` is the mean over the steps since the previous row.
 - samples/s (median row): sum over ranks of the median of each rank's `throughput/samples_per_s`
@@ -109,6 +113,7 @@ class JobRow:
     comm_ms: float | None = None
     bucket_sizes: tuple[int, ...] | None = None  # what the strategy built, in bytes; None: no buckets
     units: Units | None = None  # no buckets, but manual's flat buffers or fsdp's units
+    cap_in_use_mb: float | None = None  # the cap bucket_cap_mb=auto chose (this run's own); None for a fixed cap
     same_buckets_as: str = ""  # "cap 5": an earlier cap of the sweep built the same buckets
     repeat: str = ""  # the `repeat` override's value, "" when the sweep has none
     context: str = ""  # the differing overrides besides the cap and the repeat
@@ -180,7 +185,8 @@ def _bucket(setting: Any) -> tuple[float | None, str]:
     return None, str(setting)
 
 
-def _value_of(overrides: Sequence[str], key: str) -> str:
+def value_of(overrides: Sequence[str], key: str) -> str:
+    """The value the overrides give `key` (`+repeat=2` -> "2" for `repeat`); "" when none sets it."""
     return next((o.split("=", 1)[1] for o in overrides if "=" in o and override_key(o) == key), "")
 
 
@@ -217,7 +223,8 @@ def job_row(job: Job, overrides: Sequence[str]) -> JobRow:
         comm_ms=_median([r.comm_ms for r in ranks]),
         bucket_sizes=bucket_layout(job.summary),
         units=other_units(job.summary),
-        repeat=_value_of(job.overrides, REPEAT_KEY),
+        cap_in_use_mb=cap_in_use(job.summary),
+        repeat=value_of(job.overrides, REPEAT_KEY),
         context=" ".join(o for o in overrides if override_key(o) not in (REPEAT_KEY, CAP_KEY)),
     )
 

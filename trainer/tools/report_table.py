@@ -1,23 +1,21 @@
-"""The sweep report's text outputs: the printed table, report.md and report.csv.
+"""The sweep report's text outputs: the printed tables, report.md and report.csv.
 
 Kept apart from computing the rows (report_rows.py) so how a number is shown (digits, the
-parentheses of an incomplete job, the dagger) never changes what it is.
+parentheses of an incomplete job, the dagger) never changes what it is. report.md and report.csv
+hold every column; the printed tables keep what a reader compares in a 100-column terminal.
 """
 
 from __future__ import annotations
 
 import csv
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.tools.report_layout import format_layout
-from trainer.tools.report_points import Point
-from trainer.tools.report_rows import LEGEND, JobRow, RankStats
-
-
-def _num(value: float | None, spec: str) -> str:
-    return "" if value is None else format(value, spec)
+from trainer.tools.report_layout import cap_cell, layout_cell, short_layout
+from trainer.tools.report_points import POINT_HEADERS, Point, point_cells, shown
+from trainer.tools.report_rows import LEGEND, REPEAT_KEY, JobRow, RankStats, override_key, value_of
 
 
 def _rank(r: RankStats | None) -> str:
@@ -54,27 +52,17 @@ def headers(rows: Sequence[JobRow]) -> list[str]:
     return [*HEADERS[:at], CUDA_HEADER, *HEADERS[at:]]
 
 
-DAGGER_NOTE = "† ddp communicates inside backward, not in the sync phase: sync % is ~0, its comm is in time/backward_s"
+DAGGER_NOTE = "† ddp communicates inside backward (time/backward_s), not in the sync phase: its sync % is ~0"
 
 
-def notes_under_table(rows: Sequence[JobRow]) -> list[str]:
-    """What the table's marks mean, said right under it (report.md's legend has the whole story)."""
-    return [DAGGER_NOTE] if any(_dagger(row) for row in rows) else []
+def notes_under_table(table: str) -> list[str]:
+    """What the table's marks mean, said right under it (report.md's legend has the whole story); a mark
+    whose column the printed table left out needs no word."""
+    return [DAGGER_NOTE] if "†" in table else []
 
 
 def _dagger(row: JobRow) -> str:
     return "†" if row.sync == "ddp" and row.sync_share_pct is not None else ""
-
-
-def layout_cell(row: JobRow) -> str:
-    """The buckets column: the buckets built, else what the strategy has instead, else why none."""
-    if row.bucket_sizes is not None:
-        return format_layout(row.bucket_sizes)
-    if row.units is not None:
-        return row.units.cell()
-    if row.sync == "none":  # the one strategy without communication (its MB/step is `-` too)
-        return "- (sends nothing)"
-    return ""
 
 
 def table_cells(row: JobRow, cuda: bool = False) -> list[str]:
@@ -84,24 +72,25 @@ def table_cells(row: JobRow, cuda: bool = False) -> list[str]:
     carry (optimizer state in runs logged before it existed), as opposed to a blank.
     """
     dagger = _dagger(row)
-    memory = [_num(row.peak_rss_mb, ".0f")] + ([_num(row.peak_cuda_mb, ".0f") or "-"] if cuda else [])
+    memory = [shown(row.peak_rss_mb, ".0f")] + ([shown(row.peak_cuda_mb, ".0f") or "-"] if cuda else [])
     numbers = [
-        _num(row.step_ms, ".2f"),
-        _num(row.samples_per_s, ".0f"),
-        _num(row.sync_share_pct, ".1f") + dagger,
-        _num(row.mb_per_step, ".2f") or "-",
-        _num(row.comm_exposed_ms, ".2f") or "-",
+        shown(row.step_ms, ".2f"),
+        shown(row.samples_per_s, ".0f"),
+        shown(row.sync_share_pct, ".1f") + dagger,
+        shown(row.mb_per_step, ".2f") or "-",
+        shown(row.comm_exposed_ms, ".2f") or "-",
         *memory,
-        _num(row.opt_state_mb, ".1f") or "-",
-        _num(row.train_loss, ".4f"),
-        _num(row.eval_accuracy, ".3f"),
+        shown(row.opt_state_mb, ".1f") or "-",
+        shown(row.train_loss, ".4f"),
+        shown(row.eval_accuracy, ".3f"),
         _rank(row.slowest),
         _rank(row.fastest),
     ]
     if row.status != "ok":
         numbers = [f"({n})" if n not in ("", "-") else n for n in numbers]
     layout = [layout_cell(row), row.same_buckets_as]
-    return [row.job, row.status, row.overrides, row.sync, row.bucket_setting, *layout, *numbers]
+    cap = cap_cell(row.bucket_setting, [row.cap_in_use_mb])
+    return [row.job, row.status, row.overrides, row.sync, cap, *layout, *numbers]
 
 
 def _lines(rows: Sequence[JobRow]) -> list[list[str]]:
@@ -115,47 +104,99 @@ def _aligned(cells: Sequence[Sequence[str]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=False)).rstrip() for line in cells)
 
 
-def format_table(rows: Sequence[JobRow]) -> str:
-    return _aligned(_lines(rows))
+SCREEN_WIDTH = 100  # a terminal's: what does not fit is in report.md and report.csv
+BLANK = ("", "-")  # a column of nothing but these tells the reader nothing on screen
+SCREEN_NAMES = {"samples/s (median row)": "samples/s"}  # report.md's legend says which row
+# The printed tables drop these columns, first first, until they fit: what a reader compares (the
+# swept values, step time and its spread, throughput, exposed communication) stays.
+JOB_DROP_ORDER: tuple[str, ...] = ("fastest", "slowest", CUDA_HEADER, "peak RSS MB", "opt state MB", "eval acc")
+JOB_DROP_ORDER += ("sync", "sync %", "train loss", "bucket_mb", "MB/step", "same as", "buckets")
+POINT_DROP_ORDER = ("hidden ms", "compute ms", "bucket_mb", "buckets", "jobs")
 
 
-POINT_HEADERS = (
-    "point",
-    "jobs",
-    "buckets",
-    "step ms",
-    "spread ms",
-    "samples/s (median row)",
-    "compute ms",
-    "hidden ms",
-    "exposed ms",
-)
+@dataclass
+class Column:
+    name: str
+    cells: list[str]
+    clip: bool = False  # text that may be cut short (`…`) when dropping columns was not enough
+    swept: bool = False  # an override key's values: what tells the lines apart, never dropped
+
+    @property
+    def width(self) -> int:
+        return max(len(self.name), *(len(c) for c in self.cells))
 
 
-def point_cells(point: Point) -> list[str]:
-    """A point's medians over its repeats; `-` for the spread of a point that ran once."""
-    spread = point.spread
-    first = point.first
-
-    def med(name: str) -> str:
-        return _num(point.median(name), ".2f") or "-"
-
-    same = f" (same as {first.same_buckets_as})" if first.same_buckets_as else ""
-    return [
-        point.label,
-        ",".join(j.job for j in point.jobs),
-        layout_cell(first) + same,
-        _num(point.step_ms, ".2f"),
-        "-" if spread is None else f"{spread[0]:.2f}-{spread[1]:.2f}",
-        _num(point.samples_per_s, ".0f"),
-        med("compute_ms"),
-        med("hidden_comm_ms"),
-        med("comm_exposed_ms"),
-    ]
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
 
 
-def format_points(points: Sequence[Point]) -> str:
-    return _aligned([list(POINT_HEADERS), *(point_cells(p) for p in points)])
+def swept_columns(per_line: Sequence[Sequence[str]]) -> list[Column]:
+    """One column per override key, headed by its last part (`sync.comm_hook` -> `comm_hook`, unless two
+    keys share it), holding each line's value: the key said once, not on every line."""
+    keys = list(dict.fromkeys(override_key(o) for line in per_line for o in line))
+    short = [k.rpartition(".")[2] for k in keys]
+    names = [s if short.count(s) == 1 else k for s, k in zip(short, keys, strict=True)]
+    cells = [[value_of(line, k) for line in per_line] for k in keys]
+    return [Column(n, c, clip=True, swept=True) for n, c in zip(names, cells, strict=True)]
+
+
+def _width(columns: Sequence[Column]) -> int:
+    return sum(c.width for c in columns) + 2 * (len(columns) - 1)
+
+
+def fit(columns: Sequence[Column], drop_order: Sequence[str], width: int = SCREEN_WIDTH) -> str:
+    """The columns aligned in `width` characters: without those blank in every row or whose text repeats an
+    earlier one's (`sync` under `sync=...`), then without drop_order's, first first, until they fit; then
+    the widest text is cut short."""
+    shown: list[Column] = []
+    for column in columns:
+        repeats = column.clip and any(column.cells == s.cells for s in shown if s.clip)
+        if not repeats and not all(c in BLANK for c in column.cells):
+            shown.append(column)
+    for name in drop_order:
+        if _width(shown) <= width:
+            break
+        shown = [c for c in shown if c.swept or c.name != name]
+    while _width(shown) > width and any(c.clip and c.width > 4 for c in shown):
+        widest = max((c for c in shown if c.clip), key=lambda c: c.width)  # a character at a time: shared out
+        cut = widest.width - 1
+        widest.name, widest.cells = _clip(widest.name, cut), [_clip(c, cut) for c in widest.cells]
+    return _aligned([[c.name for c in shown], *([c.cells[i] for c in shown] for i in range(len(shown[0].cells)))])
+
+
+def _by_name(names: Sequence[str], lines: Sequence[Sequence[str]]) -> dict[str, list[str]]:
+    return {name: [line[i] for line in lines] for i, name in enumerate(names)}
+
+
+def screen_table(rows: Sequence[JobRow]) -> str:
+    """The jobs as printed: the job, what is swept (a column per key), then the numbers in report.md's order."""
+    names, *lines = _lines(rows)
+    full = _by_name(names, lines) | {"buckets": [short_layout(r) for r in rows]}
+    status = Column("status", ["" if s == "ok" else s for s in full["status"]])  # said only when a job is not ok
+    columns = [Column("job", full["job"]), status, *swept_columns([r.overrides.split() for r in rows])]
+    skip = ("job", "status", "overrides")  # overrides: the swept columns say them
+    texts = ("sync", "bucket_mb", "buckets")
+    columns += [Column(SCREEN_NAMES.get(n, n), full[n], n in texts) for n in names if n not in skip]
+    return fit(columns, JOB_DROP_ORDER)
+
+
+def _point_layout(point: Point) -> str:
+    """`1 bucket`, once for repeats that built the same; `2|4 buckets` for repeats that did not."""
+    counts = point.each(lambda j: str(len(j.bucket_sizes)) if j.bucket_sizes else "")
+    if len(counts) > 1 and all(counts):
+        return f"{'|'.join(counts)} buckets"
+    return "|".join(point.each(short_layout))
+
+
+def screen_points(points: Sequence[Point]) -> str:
+    """The points as printed: what names each point (a column per key), then its medians and spread."""
+    full = _by_name(POINT_HEADERS, [point_cells(p) for p in points])
+    full["buckets"] = [_point_layout(p) for p in points]
+    words = [[o for o in p.first.overrides.split() if override_key(o) != REPEAT_KEY] for p in points]
+    columns = swept_columns(words) if any(words) else [Column("point", full["point"], clip=True)]
+    texts = ("jobs", "bucket_mb", "buckets")
+    columns += [Column(SCREEN_NAMES.get(n, n), full[n], n in texts) for n in POINT_HEADERS if n != "point"]
+    return fit(columns, POINT_DROP_ORDER)
 
 
 def _markdown_table(names: Sequence[str], cells: Sequence[Sequence[str]]) -> list[str]:
@@ -176,7 +217,7 @@ def format_markdown(
     if points:
         lines += ["## Points", "", *_markdown_table(POINT_HEADERS, [point_cells(p) for p in points]), ""]
     lines += [*(f"- {note}" for note in notes), *([""] if notes else []), "## Jobs", "", *_markdown_table(names, cells)]
-    lines += [line for note in notes_under_table(rows) for line in ("", note)]
+    lines += [line for note in notes_under_table("".join(map("".join, cells))) for line in ("", note)]
     return "\n".join([*lines, "", "## Legend", "", LEGEND, "", f"![{title}]({image})", ""])
 
 
@@ -191,6 +232,7 @@ def csv_records(rows: Sequence[JobRow]) -> list[dict[str, Any]]:
             "sync": row.sync,
             "model": row.model,
             "bucket_cap_mb": row.bucket_cap_mb if row.bucket_cap_mb is not None else row.bucket_setting or None,
+            "bucket_cap_mb_in_use": row.cap_in_use_mb,
             "repeat": row.repeat or None,
             "num_buckets": None if row.bucket_sizes is None else len(row.bucket_sizes),
             "bucket_sizes_bytes": None if row.bucket_sizes is None else " ".join(map(str, row.bucket_sizes)),
