@@ -153,6 +153,7 @@ def test_an_emulated_link_changes_no_value_and_no_count(ranks: list[dict[str, An
     # The end-of-run summary says what the link cost; a run without it says nothing of a link.
     assert not any(line.startswith("  link ") for line in plain[0]["screen"].splitlines())
     (line,) = [line for line in linked[0]["screen"].splitlines() if line.startswith("  link ")]
+
     def ms(key: str) -> str:  # the ranks' mean of their medians
         return f"{1000 * sum(r[key] for r in linked[0]['ranks']) / 2:.2f} ms"
 
