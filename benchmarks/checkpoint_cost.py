@@ -2,10 +2,11 @@
 
     python benchmarks/checkpoint_cost.py                    # zero, fsdp, ddp x full, sharded, async; 3 rounds
     python benchmarks/checkpoint_cost.py --rounds 5 --syncs zero fsdp
+    python benchmarks/checkpoint_cost.py --quick            # a smoke run: ddp, one round of one save a job
 
 Each round runs train.py under torchrun (2 ranks, CPU) once per (strategy, format), in an order
 that rotates every round, on an MLP whose state is over 100 MB (8.5 M parameters: 34 MB of fp32
-weights and 68 MB of AdamW moments), saving at steps 2, 4 and 6. From every save's row
+weights and 68 MB of AdamW moments), saving every 2 steps (--steps 6: at 2, 4 and 6). From every save's row
 (checkpoint/blocked_s, checkpoint/peak_rss_mb) and the training row logged just before it at the
 same step (memory/rss_mb): the step's wait (the slower rank), the peak RSS during the save (the
 larger rank), and for the first save of a run its rise over the RSS of the row before it (later
@@ -28,19 +29,19 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
-from benchmarks.overhead import iqr  # noqa: E402
+from benchmarks.rounds import iqr  # noqa: E402
 
 MODEL = ["model.hidden_sizes=[2048,2048,2048]", "optim=adamw", "data.num_samples=2048"]
 RUN = ["trainer.device=cpu", "logger=none", "trainer.progress_bar=false", "trainer.eval_every_n_steps=0"]
-RUN += ["trainer.max_steps=6", "trainer.log_every_n_steps=2", "trainer.checkpoint_every_n_steps=2"]
+RUN += ["trainer.log_every_n_steps=2", "trainer.checkpoint_every_n_steps=2"]
 RUN += ["trainer.check_replicas_every_n_steps=0", "data.num_val_samples=64"]
 
 
-def run_once(sync: str, layout: str, out: Path) -> list[tuple[float, float, float]]:
+def run_once(sync: str, layout: str, out: Path, steps: int) -> list[tuple[float, float, float]]:
     """One job; per save, (the slower rank's wait, the larger rank's peak RSS, and its rise) in s, MiB."""
     form = ["trainer.checkpoint_format=sharded", "trainer.checkpoint_async=true"] if layout == "async" else []
     form = form or [f"trainer.checkpoint_format={layout}"]
-    args = [*MODEL, *RUN, f"sync={sync}", *form, f"hydra.run.dir={out}"]
+    args = [*MODEL, *RUN, f"trainer.max_steps={steps}", f"sync={sync}", *form, f"hydra.run.dir={out}"]
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node=2", "train.py", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -68,15 +69,23 @@ def spread(values: list[float], spec: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--syncs", nargs="+", default=["zero", "fsdp", "ddp"])
+    parser.add_argument("--syncs", nargs="+", help="default: zero fsdp ddp (--quick: ddp)")
+    parser.add_argument("--steps", type=int, default=6, help="steps per job, a save every 2")
+    parser.add_argument("--quick", action="store_true", help="ddp only (unless --syncs), 1 round, 2 steps: one save")
     opts = parser.parse_args()
+    if opts.quick:
+        opts.rounds, opts.steps = 1, 2
+    opts.syncs = opts.syncs or (["ddp"] if opts.quick else ["zero", "fsdp", "ddp"])
     jobs = [(sync, layout) for sync in opts.syncs for layout in ("full", "sharded", "async")]
     found: dict[tuple[str, str], list[list[tuple[float, float, float]]]] = {job: [] for job in jobs}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(opts.rounds):
             for i, job in enumerate(jobs[r % len(jobs) :] + jobs[: r % len(jobs)]):
-                found[job].append(run_once(*job, Path(tmp) / f"{r}-{i}"))
-    print(f"checkpoint cost, 2 ranks, 102 MB of state ({opts.rounds} rounds x 3 saves, interleaved; median [IQR])")
+                found[job].append(run_once(*job, Path(tmp) / f"{r}-{i}", opts.steps))
+    per_job = opts.steps // 2
+    print(
+        f"checkpoint cost, 2 ranks, 102 MB of state ({opts.rounds} rounds x {per_job} saves, interleaved; median [IQR])"
+    )
     header = (
         f"{'sync':6} {'format':8} {'step blocked ms':>20} {'peak RSS in a save MiB':>24} {'1st save: rise MiB':>20}"
     )

@@ -9,8 +9,8 @@ Each check is a subprocess with a timeout, on every visible GPU:
   demo         torchrun --nproc_per_node=<GPUs> train.py trainer.max_steps=200 trainer.device=cuda logger=none
   fallback     with one GPU only: 2 ranks and trainer.device=auto run on CPU with gloo, rank 0 warning once
   collectives  torchrun -m trainer.tools.collectives --device cuda, 4 KiB to 16 MiB on nccl
-  overhead     benchmarks/overhead.py --device cuda: mlp-tiny, mlp-25M, cnn; one variant per strategy (world size 1)
-  step_costs   benchmarks/step_costs.py --device cuda: the framework's host µs per step, piece by piece
+  overhead     benchmarks/overhead.py step --device cuda: mlp-tiny, mlp-25M, cnn, one variant per strategy, 1 rank
+  pieces       benchmarks/overhead.py pieces --device cuda: the framework's host µs per step, piece by piece
 Then one table: each check, pass or FAIL, seconds, key numbers (also in <out>/summary.txt). About
 4 minutes on one H200. Exit code: 0 when every check passed, 1 when any failed, 2 without CUDA.
 """
@@ -37,14 +37,15 @@ from benchmarks.gpu_check_numbers import (  # noqa: E402
     demo_numbers,
     fallback_numbers,
     overhead_numbers,
-    step_costs_numbers,
+    pieces_numbers,
     tests_numbers,
 )
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")  # the venv's, next to its python
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
-CHECKS = ("tests", "demo", "fallback", "collectives", "overhead", "step_costs")
+CHECKS = ("tests", "demo", "fallback", "collectives", "overhead", "pieces")
+OVERHEAD = str(REPO / "benchmarks" / "overhead.py")  # its first argument names the section
 
 
 @dataclass
@@ -120,7 +121,8 @@ def plan(out: Path, gpus: int) -> list[Check]:
                 TORCHRUN,
                 "--standalone",
                 "--nproc_per_node=1",
-                str(REPO / "benchmarks" / "overhead.py"),
+                OVERHEAD,
+                "step",
                 "--device",
                 "cuda",
                 "--models",
@@ -137,10 +139,10 @@ def plan(out: Path, gpus: int) -> list[Check]:
             lambda _: overhead_numbers(overhead / "overhead.json"),
         ),
         Check(
-            "step_costs",
-            [sys.executable, str(REPO / "benchmarks" / "step_costs.py"), "--device", "cuda", "--number", "5000"],
+            "pieces",
+            [sys.executable, OVERHEAD, "pieces", "--device", "cuda", "--number", "5000"],
             120,
-            step_costs_numbers,
+            pieces_numbers,
         ),
     ]
     return [check for check in checks if check.name != "fallback" or gpus == 1]

@@ -68,8 +68,8 @@ def overhead_numbers(path: Path) -> str:
     return "framework / hand-written time per step (extra per step):\n" + "\n".join(lines)
 
 
-def step_costs_numbers(log: Path) -> str:
-    """The pieces and total of benchmarks/step_costs.py's table, one line."""
+def pieces_numbers(log: Path) -> str:
+    """The pieces and total of `benchmarks/overhead.py pieces`'s table, one line."""
     cells = [line.strip("| ").replace("*", "").split(" | ") for line in log.read_text().splitlines()]
     pieces = [f"{name} {us}" for name, us in (c for c in cells if len(c) == 2) if us.replace(".", "").isdigit()]
     return "host us per step: " + ", ".join(pieces)

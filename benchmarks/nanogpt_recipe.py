@@ -29,8 +29,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from benchmarks.overhead import iqr, timed  # noqa: E402
 from benchmarks.overhead_loops import Framework  # noqa: E402
+from benchmarks.rounds import iqr, timed  # noqa: E402
 from data.text import Windows  # noqa: E402
 from trainer.setup import dist as ddist  # noqa: E402
 from trainer.setup.build import build_parts, prepare_data  # noqa: E402
@@ -128,7 +128,8 @@ def main() -> None:
             # The schedule spans the run: Framework's own trainer.max_steps (unbounded) is overridden.
             framework = Framework(overrides, "ddp", ctx, Path(tmp) / "ddplab", [f"trainer.max_steps={args.steps}"])
             loop = NanoGPTLoop(overrides, args.steps, ctx)
-            ours, theirs = [], []
+            ours: list[float] = []
+            theirs: list[float] = []
             for chunk in range(args.steps // args.chunk):
                 pair = [(ours, framework.run), (theirs, loop.run)]
                 for times, run in pair if chunk % 2 == 0 else pair[::-1]:

@@ -1,8 +1,8 @@
-"""What trainer.max_grad_norm costs per step, for every strategy: the framework with and without
-the clip, side by side in one run.
+"""overhead.py clip: what trainer.max_grad_norm costs per step, for every strategy: the framework
+with and without the clip, side by side in one run.
 
-    torchrun --nproc_per_node=2 benchmarks/clip_cost.py                     # mlp-tiny and gpt, 6 strategies
-    torchrun --nproc_per_node=2 benchmarks/clip_cost.py --models gpt --rounds 5 --steps 10
+    torchrun --nproc_per_node=2 benchmarks/overhead.py clip                  # mlp-tiny and gpt, 7 strategies
+    torchrun --nproc_per_node=2 benchmarks/overhead.py clip --models gpt --rounds 5 --steps 10
 
 Each round times both trainers (the order reversed every other round) for the same number of steps
 after a barrier, the slower rank's time; reported: the median of the per-round differences in µs
@@ -15,30 +15,28 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+from benchmarks.overhead_loops import MODELS, Framework
+from benchmarks.rounds import iqr, timed
+from trainer.setup import dist as ddist
 
-from benchmarks.overhead import MODELS, iqr, timed  # noqa: E402
-from benchmarks.overhead_loops import Framework  # noqa: E402
-from trainer.setup import dist as ddist  # noqa: E402
-
-STRATEGIES = ("manual", "bucketed", "ddp", "zero:stage=1", "zero", "fsdp")
+STRATEGIES = ("manual", "bucketed", "ddp", "zero:stage=1", "zero", "zero:stage=3", "fsdp")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="overhead.py clip", description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="mlp-tiny,gpt")
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--steps", type=int, default=0, help="per round (default: 200 on mlp-tiny, 20 otherwise)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     env = ddist.read_launch_env()
-    ctx = ddist.init_process_group(env, ddist.job_store(env), torch.device("cpu"), 600, "ddplab/clip/")
+    ctx = ddist.init_process_group(env, ddist.job_store(env), torch.device("cpu"), 600, "ddplab/overhead/clip/")
     rows = []
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -79,7 +77,3 @@ def main() -> None:
                 )
     finally:
         ddist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()

@@ -1,17 +1,21 @@
-"""benchmarks/overhead.py --collective-cost: what network=<preset> (trainer/sync/network.py) costs.
+"""overhead.py link: what network=<preset> (trainer/sync/network.py) costs, per collective and per step.
+
+    torchrun --nproc_per_node=1 benchmarks/overhead.py link            # 31 rounds (~30 s)
+    torchrun --nproc_per_node=1 benchmarks/overhead.py link --quick    # a smoke run
 
 One small all_reduce launched and waited for along each route network=<preset> can put it on, and
-the framework's step with network=none against an emulated link that takes no time. Apart from
-benchmarks/overhead.py (which parses the flags and lends its `timed`, `iqr` and MODELS), as
-benchmarks/overhead_loops.py is.
+the framework's step with network=none against an emulated link that takes no time. One rank is
+enough: a gloo group of 1 still runs every collective on gloo's thread with its Work and future,
+and the links are built for 2 ranks (routes() says why); on 2 ranks sharing 2 cores the loopback's
+latency noise buries microseconds.
 
-network=none has nothing to time here: the strategy keeps its own Collectives, the code it ran
-before the emulation existed (no link, no branch); build_trainer (trainer/setup/build.py) swaps in
-EmulatedCollectives only for network=<preset>, and DDP registers no hook without a link. The routes
-measure what the swap costs: an emulated link of ~0 time (latency 0, 1e9 Gb/s) shows the
-emulation's own work alone (the deadline, the Delayed Work, the timer's future); a link of BOUND_US
-per all_reduce shows how late the sleep (wait()) or the timer thread (a future) hands a collective
-on after its deadline, and the timer slack each of those threads runs with.
+network=none has nothing of the emulation to time: build_trainer (trainer/setup/build.py) gives the
+strategy's communication object (trainer/sync/comm.py) no link, so each collective pays one `is not
+None`, and DDP registers no hook without a link. The routes measure what a link costs: one of ~0
+time (latency 0, 1e9 Gb/s) shows the emulation's own work alone (the deadline, the delayed Work,
+the timer's future); one of BOUND_US per all_reduce shows how late the sleep (wait()) or the timer
+thread (a future) hands a collective on after its deadline, and the timer slack each of those
+threads runs with.
 """
 
 from __future__ import annotations
@@ -24,14 +28,15 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from benchmarks.overhead_loops import Framework
+from benchmarks.overhead_loops import MODELS, Framework
+from benchmarks.rounds import iqr, timed
 from trainer.setup import dist as ddist
 from trainer.sync.comm import Comm
 from trainer.sync.network import EmulatedLink, Network
@@ -49,8 +54,6 @@ NO_BRANCH = (
     "network=none: the communication object without a link (one `is not None` per collective); nothing "
     "of the emulation runs, nothing to time"
 )
-Timed = Callable[[object, int, torch.device], float]  # overhead.py's timed(run, steps, device)
-Spread = Callable[[list[float]], tuple[float, float]]  # overhead.py's iqr
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,7 @@ class Route:
 
 @dataclass
 class CostReport:
-    """--collective-cost's results: one row per route, one per step pair."""
+    """The section's results: one row per route, one per step pair."""
 
     calls: int  # collectives per route and round
     timer_slack_us: dict[str, float | None]  # per thread that hands a bound link's collectives on
@@ -74,21 +77,36 @@ class CostReport:
     steps: list[dict[str, object]]
 
 
-def run(
-    args: argparse.Namespace, ctx: ddist.DistContext, models: dict[str, list[str]], timed: Timed, iqr: Spread
-) -> None:
-    """The whole mode: measure, then print the tables (and --json) on rank 0."""
-    with tempfile.TemporaryDirectory() as tmp:
-        report = collective_cost(args, ctx, Path(tmp), models, timed, iqr)
-    if ctx.is_main_process:
-        print(
-            f"{ctx.world_size} rank(s), {ctx.backend} on {ctx.device}, {args.rounds} rounds x "
-            f"{report.calls} collectives per route and {args.steps} steps per pair, interleaved; "
-            "medians over rounds, each round's time the slowest rank's"
-        )
-        print(format_cost(report))
-        if args.json:
-            args.json.write_text(json.dumps(asdict(report), indent=2) + "\n")
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="overhead.py link", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=31)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per round of each step pair")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--json", type=Path, help="also write the report here")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="a config override for the framework"
+    )
+    parser.add_argument("--quick", action="store_true", help=f"2 rounds of 10 collectives and 3 steps (not {CALLS})")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.steps, args.warmup = 2, 3, 2
+    # CPU only: network=<preset> times collectives with host clocks (gloo).
+    env = ddist.read_launch_env()
+    ctx = ddist.init_process_group(env, ddist.job_store(env), torch.device("cpu"), 600, "ddplab/overhead/link/")
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            report = collective_cost(args, ctx, Path(tmp))
+        if ctx.is_main_process:
+            print(
+                f"{ctx.world_size} rank(s), {ctx.backend} on {ctx.device}, {args.rounds} rounds x "
+                f"{report.calls} collectives per route and {args.steps} steps per pair, interleaved; "
+                "medians over rounds, each round's time the slowest rank's"
+            )
+            print(format_cost(report))
+            if args.json:
+                args.json.write_text(json.dumps(asdict(report), indent=2) + "\n")
+    finally:
+        ddist.destroy_process_group()
 
 
 def routes(world_size: int) -> tuple[list[Route], EmulatedLink]:
@@ -184,9 +202,7 @@ def repeated(call: Callable[[], object]) -> Callable[[int], None]:
     return run
 
 
-def collective_cost(
-    args: argparse.Namespace, ctx: ddist.DistContext, out: Path, models: dict[str, list[str]], timed: Timed, iqr: Spread
-) -> CostReport:
+def collective_cost(args: argparse.Namespace, ctx: ddist.DistContext, out: Path) -> CostReport:
     """The routes' µs per collective, interleaved (the order reversed every other round), then the step pairs."""
     calls = 10 if args.quick else CALLS
     all_routes, bound = routes(ctx.world_size)
@@ -223,24 +239,17 @@ def collective_cost(
             }
         )
     slack = timer_slack_us(bound)
-    steps = [step_pair(model, strategy, args, ctx, out, models, timed, iqr) for model, strategy in STEP_PAIRS]
+    steps = [step_pair(model, strategy, args, ctx, out) for model, strategy in STEP_PAIRS]
     return CostReport(calls, slack, rows, steps)
 
 
 def step_pair(
-    model: str,
-    strategy: str,
-    args: argparse.Namespace,
-    ctx: ddist.DistContext,
-    out: Path,
-    models: dict[str, list[str]],
-    timed: Timed,
-    iqr: Spread,
+    model: str, strategy: str, args: argparse.Namespace, ctx: ddist.DistContext, out: Path
 ) -> dict[str, object]:
     """The framework's step with network=none and with the ~0 link, interleaved in the same rounds."""
     where = out / f"cost-{model}-{strategy.replace(':', '-')}"
-    none = Framework(models[model], strategy, ctx, where / "none", args.set)
-    free = Framework(models[model], strategy, ctx, where / "free", [*FREE_OVERRIDES, *args.set])
+    none = Framework(MODELS[model], strategy, ctx, where / "none", args.set)
+    free = Framework(MODELS[model], strategy, ctx, where / "free", [*FREE_OVERRIDES, *args.set])
     impls: list[tuple[list[float], Framework]] = [([], none), ([], free)]
     for _, impl in impls:
         impl.run(args.warmup)

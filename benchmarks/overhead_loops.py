@@ -1,6 +1,8 @@
-"""The two implementations the overhead benchmark times side by side: a hand-written loop and ddplab's Trainer.
+"""The two implementations the overhead benchmark times side by side, a hand-written loop and
+ddplab's Trainer, and the models they train.
 
-Apart from benchmarks/overhead.py (the rounds, the table) so that each file reads in one pass.
+Shared by the sections of benchmarks/overhead.py (each section's rounds and table are its own
+module) and benchmarks/nanogpt_recipe.py.
 """
 
 from __future__ import annotations
@@ -24,6 +26,30 @@ from trainer.logger.jsonl import JsonlLogger
 from trainer.setup import dist as ddist
 from trainer.setup.build import build_parts, build_trainer, prepare_data
 from trainer.setup.config import compose_config
+
+MODELS = {
+    "mlp-25M": ["model=mlp", "model.hidden_sizes=[3584,3584,3584]", "data=synthetic", "data.batch_size=64"],
+    "cnn": ["model=cnn", "data=fake", "data.batch_size=64", "data.num_samples=4096"],
+    # A step of well under a millisecond, where per-step bookkeeping shows.
+    "mlp-tiny": ["model=mlp", "model.hidden_sizes=[64]", "data=synthetic", "data.batch_size=64"],
+    # Where an optimisation of communication could lose. A few huge tensors (17 M parameters, 64 MiB
+    # of them in one 4096x4096 weight, larger than any bucket): bucketing and splitting have little to group.
+    "mlp-wide": ["model=mlp", "model.hidden_sizes=[4096,4096]", "data=synthetic", "data.batch_size=64"],
+    # A transformer with a tied head (nanoGPT's shape, 0.8 M parameters, 52 gradient tensors) on
+    # char-level text: the loop fetches windows as nanoGPT's get_batch does, one gather per batch.
+    "gpt": [
+        "model=gpt",
+        "model.n_layer=4",
+        "model.n_head=4",
+        "model.n_embd=128",
+        "model.block_size=64",
+        "data=text",
+        "data.batch_size=16",
+    ],
+    # Many small tensors (50 hidden layers of 64: 102 gradient tensors, 0.2 M parameters): per-tensor
+    # and per-bucket overheads dominate.
+    "mlp-deep": ["model=mlp", f"model.hidden_sizes=[{','.join(['64'] * 50)}]", "data=synthetic", "data.batch_size=64"],
+}
 
 
 class HandWritten:
@@ -50,7 +76,9 @@ class HandWritten:
         else:
             assert isinstance(train, TensorDataset), "the benchmark's datasets are in memory"
             self.fetch = lambda index: tuple(t[index] for t in train.tensors)
-        self.sampler = DistributedSampler(train, ctx.world_size, ctx.rank, shuffle=True, seed=0, drop_last=True)
+        self.sampler: DistributedSampler[int] = DistributedSampler(
+            train, ctx.world_size, ctx.rank, shuffle=True, seed=0, drop_last=True
+        )
         self.loader = BatchSampler(self.sampler, batch_size=parts.data.batch_size, drop_last=True)
         # The tutorial loop has no knobs (manual is one call per gradient); ZeRO stage 3 written as
         # PyTorch's tutorials write it is FSDP2.
@@ -101,9 +129,9 @@ class HandWritten:
             loss = F.cross_entropy(logits.flatten(0, -2), targets.flatten())  # per token for the gpt
             loss.backward()
             if self.manual:
-                for param in self.model.parameters():
-                    dist.all_reduce(param.grad)
-                    param.grad.div_(self.world_size)
+                for grad in (p.grad for p in self.model.parameters() if p.grad is not None):
+                    dist.all_reduce(grad)
+                    grad.div_(self.world_size)
             self.optimizer.step()
             self.step += 1
             if self.log_every and self.step % self.log_every == 0:  # torchtitan's row: the global mean loss

@@ -1,35 +1,31 @@
-"""What the framework adds to every step, piece by piece, in µs of host time.
+"""overhead.py pieces: what the framework adds to every step, piece by piece, in µs of host time.
 
-    python benchmarks/step_costs.py                          # mlp-tiny on CPU, world size 1
-    python benchmarks/step_costs.py --device cuda --model cnn
+    python benchmarks/overhead.py pieces                          # mlp-tiny on CPU, world size 1
+    python benchmarks/overhead.py pieces --device cuda --model cnn
 
-The overhead benchmark compares whole steps, so on a sub-millisecond step its ratio carries the
-noise of the machine (two identical trainers built side by side differ by tens of µs here). This
-script times each piece of bookkeeping alone, on the objects train.py builds and on a real
-batch's loss and logits, as the best of several repeats of many calls: the count the README asks
-for ("count what you add to the step path in µs"). On CUDA the times are host time (what a
-launch-bound GPU step pays), with the device synchronised after each repeat.
+The step section compares whole steps, so on a sub-millisecond step its ratio carries the noise of
+the machine (two identical trainers built side by side differ by tens of µs here). This section
+times each piece of bookkeeping alone, on the objects train.py builds and on a real batch's loss
+and logits, as the best of several repeats of many calls. Called back to back, each piece runs
+warm; in the running loop a row costs more (the row section times it in place). On CUDA the times
+are host time (what a launch-bound GPU step pays), with the device synchronised after each repeat.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
-
-from benchmarks.overhead import MODELS  # noqa: E402
-from benchmarks.overhead_loops import Framework  # noqa: E402
-from trainer.reliability import fault as faults  # noqa: E402
-from trainer.reliability.exits import StepBoundary  # noqa: E402
-from trainer.setup import dist as ddist  # noqa: E402
+from benchmarks.overhead_loops import MODELS, Framework
+from trainer.reliability import fault as faults
+from trainer.reliability.exits import StepBoundary
+from trainer.setup import dist as ddist
 
 
 def host_us(call: Callable[[], object], device: torch.device, number: int, repeats: int = 5) -> float:
@@ -103,15 +99,15 @@ def measure(framework: Framework, number: int) -> list[tuple[str, float]]:
     return pieces
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="overhead.py pieces", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="mlp-tiny", choices=sorted(MODELS))
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cpu", help="as trainer.device")
     parser.add_argument("--number", type=int, default=20000, help="calls per repeat")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     env = ddist.read_launch_env()
     device = ddist.resolve_device(args.device, env)
-    ctx = ddist.init_process_group(env, ddist.job_store(env), device, 600, "ddplab/step_costs/")
+    ctx = ddist.init_process_group(env, ddist.job_store(env), device, 600, "ddplab/overhead/pieces/")
     try:
         with tempfile.TemporaryDirectory() as tmp:
             framework = Framework(MODELS[args.model], "none", ctx, Path(tmp))
@@ -124,7 +120,3 @@ def main() -> None:
         print(f"| **total** | **{sum(us for _, us in pieces):.1f}** |")
     finally:
         ddist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()

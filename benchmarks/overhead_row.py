@@ -1,11 +1,11 @@
-"""What a logged row costs the step at 2 ranks, piece by piece, against the hand-written loop.
+"""overhead.py row: what a logged row costs the step, piece by piece, against the hand-written loop.
 
-    torchrun --nproc_per_node=2 benchmarks/row_cost.py              # mlp-tiny, sync=none (~2 min here)
-    torchrun --nproc_per_node=2 benchmarks/row_cost.py --sync ddp --rounds 21
-    torchrun --nproc_per_node=2 benchmarks/row_cost.py --quick      # a smoke run
+    torchrun --nproc_per_node=2 benchmarks/overhead.py row              # mlp-tiny, sync=none (~2 min here)
+    torchrun --nproc_per_node=2 benchmarks/overhead.py row --sync ddp --rounds 21
+    torchrun --nproc_per_node=2 benchmarks/overhead.py row --quick      # a smoke run
 
-The overhead benchmark compares whole steps; on a sub-millisecond step the framework's rows (one
-every trainer.log_every_n_steps) are most of its gap. This script times, in the same rounds
+The step section compares whole steps; on a sub-millisecond step the framework's rows (one
+every trainer.log_every_n_steps) are most of its gap. This section times, in the same rounds
 (interleaved, the order reversed every other round, after a barrier), the framework as it runs,
 the framework without one piece of its rows, and the hand-written loop with and without one
 collective of the kind the row sends, so that each piece's cost reads as a difference measured
@@ -15,7 +15,7 @@ side by side:
 - `no non-finite agreement`: the same, with trainer.on_nonfinite=raise's per-row all_gather (the
   ranks agree whether any saw a non-finite loss) taken out, by hand: the only collective of a row.
 - `no rows`: trainer.log_every_n_steps past the run's end: the step path alone.
-- `hand-written`: benchmarks/overhead_loops.py's tutorial loop.
+- `hand-written`: benchmarks/overhead_loops.py's tutorial loop (the reference of the ratios).
 - `hand-written + 1 collective / 10 steps`: that loop, launching a one-element all_gather every 10
   steps and waiting for it 10 steps later, as the row's agreement does.
 
@@ -26,29 +26,26 @@ cores besides the wait.
 
 A second table takes one row apart where it runs: in the loop, every step timed alone and the
 row's parts timed in place (each wrapped with a clock), the larger rank's median. A micro-benchmark
-that calls the same code 20,000 times in a row (benchmarks/step_costs.py) finds it warm; once every
-10 steps it runs with the step's data in the caches instead, and so does the step after it.
+that calls the same code 20,000 times in a row (the pieces section) finds it warm; once every 10
+steps it runs with the step's data in the caches instead, and so does the step after it.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
-
-from benchmarks.overhead import MODELS, iqr  # noqa: E402
-from benchmarks.overhead_loops import Framework, HandWritten  # noqa: E402
-from trainer.setup import dist as ddist  # noqa: E402
+from benchmarks.overhead_loops import MODELS, Framework, HandWritten
+from benchmarks.rounds import iqr
+from trainer.setup import dist as ddist
 
 ROW_EVERY = 10  # the framework's default trainer.log_every_n_steps
 
@@ -136,20 +133,21 @@ def _clocked(method: Callable[..., Any], into: list[float]) -> Callable[..., Any
     return clocked
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="overhead.py row", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="mlp-tiny", choices=sorted(MODELS))
     parser.add_argument(
-        "--sync", default="none", help="the framework's sync option (and the loop's, as overhead.py maps it)"
+        "--sync", default="none", help="the framework's sync option (and the loop's, as the step section maps it)"
     )
     parser.add_argument("--rounds", type=int, default=13)
     parser.add_argument("--steps", type=int, default=300, help="timed steps per round and variant (a multiple of 10)")
     parser.add_argument("--quick", action="store_true", help="2 rounds of 20 steps")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     rounds, steps = (2, 20) if args.quick else (args.rounds, args.steps)
     apart_steps = max(rounds * steps, 20 * ROW_EVERY)  # the second table's; --quick too: 20 rows at least
     env = ddist.read_launch_env()
-    ctx = ddist.init_process_group(env, ddist.job_store(env), ddist.resolve_device("cpu", env), 600, "ddplab/row_cost/")
+    device = ddist.resolve_device("cpu", env)
+    ctx = ddist.init_process_group(env, ddist.job_store(env), device, 600, "ddplab/overhead/row/")
     try:
         with tempfile.TemporaryDirectory() as tmp:
             runs = variants(args.model, args.sync, ctx, Path(tmp))
@@ -205,7 +203,3 @@ def report_parts(steps: int, ranks: list[dict[str, float]]) -> None:
     for label, us in larger.items():
         print(f"| {label} | {us:.0f} |")
     print(f"| a row per step: the excess of the logged step and the next, / {ROW_EVERY} | {per_step:.0f} |")
-
-
-if __name__ == "__main__":
-    main()

@@ -2,7 +2,7 @@
 benchmark, next to measured 2-rank runs and 4-rank runs on two "nodes" over loopback.
 
     python benchmarks/scaling_check.py                 # ~10 min on 2 cores; the table in docs/scaling.md
-    python benchmarks/scaling_check.py --quick         # one model, two strategies, few steps
+    python benchmarks/scaling_check.py --quick         # a smoke run: mlp, ddp only, 10 steps a run
 
 The network is fitted to a 2-rank collective benchmark run first, in the same invocation. For each
 model: sync=none on 1 rank (the compute), each strategy on 2 ranks, sync=manual and sync=ddp on 4
@@ -73,15 +73,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("scaling-check"))
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--quick", action="store_true", help="mlp only, manual and ddp, 30 steps")
+    parser.add_argument("--quick", action="store_true", help="mlp only, ddp only, 10 steps, collectives to 1 MiB")
     args = parser.parse_args()
     models = {"mlp": MODELS["mlp"]} if args.quick else MODELS
-    strategies = ("manual", "ddp") if args.quick else STRATEGIES
-    steps = 30 if args.quick else args.steps
+    strategies = ("ddp",) if args.quick else STRATEGIES
+    steps = 10 if args.quick else args.steps
     out = args.out.resolve()
     coll = out / "collectives"
     cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", "-m", "trainer.tools.collectives"]
-    cmd += ["--max-bytes", str(16 * 2**20), "--out", str(coll)] + (["--iters", "5"] if args.quick else [])
+    cmd += ["--max-bytes", str(2**20 if args.quick else 16 * 2**20), "--out", str(coll)]
+    cmd += ["--iters", "2"] if args.quick else []
     subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True)
     network = fit_network(coll / "collectives.json")
     print(f"network: {network.describe()}")
