@@ -23,7 +23,6 @@ LONGEST_FIRST = (
     "test_torchrun_launcher.py",
     "test_config_schema.py",
     "test_failures.py",
-    "test_network_lessons.py",
     "test_benchmarks.py",
     "test_cli.py",
     "test_checkpoint_kills.py",

@@ -55,7 +55,7 @@ class Network:
     intra: str = "nvlink"  # the link inside a node
     intra_latency_us: float | None = None
     intra_bandwidth_gbps: float | None = None
-    time_scale: float = 1.0  # every link time multiplied by it (docs/performance.md: matching a GPU)
+    time_scale: float = 1.0  # every link time multiplied by it (docs/network.md, choosing time_scale)
 
     def link(self, world_size: int) -> EmulatedLink | None:
         """The job's link at this world size, or None for network=none; bad combinations refused."""
