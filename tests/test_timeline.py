@@ -17,14 +17,28 @@ from PIL import Image
 
 from tests.dist_helpers import run_on_ranks
 from tests.report_helpers import markdown_header, markdown_rows
-from tests.timeline_figure import assert_labels_fit, drawn_colours, is_comm, legend_entries, rgba
+from tests.timeline_figure import (
+    assert_labels_fit,
+    assert_no_bar_hides_another,
+    assert_sizes_say_bytes,
+    collective_letters,
+    drawn_colours,
+    expected_phase_texts,
+    key,
+    legend_entries,
+    origin_of,
+    phase_texts,
+    rects,
+    rgba,
+    row_of,
+)
 from tests.train_helpers import build, case_results, train_each
 from trainer import trace_names
 from trainer.logger import timeline_figures as fig
 from trainer.logger.jsonl import JsonlLogger
 from trainer.logger.timeline import load, write_timeline
 from trainer.logger.timeline_plot import COLLECTIVE, figure
-from trainer.logger.timeline_trace import TimelineError, read_rank
+from trainer.logger.timeline_trace import TimelineError, link_starts, read_rank
 from trainer.logger.wandb import WandbLogger
 from trainer.logger.wandb_files import read_run
 from trainer.loop.profiling import add_lab_events
@@ -74,7 +88,7 @@ def _train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> di
     try:
         trainer.fit()
     finally:
-        trace_names.collective = named  # type: ignore[assignment]
+        trace_names.collective = named
     for logger in loggers:
         logger.close()
     return {"sync": trainer.sync.describe(), "named": len(calls), "timer": type(trainer._timer).__name__}
@@ -182,9 +196,39 @@ def test_the_picture_says_what_it_draws(runs: tuple[Path, list[dict[str, Any]]],
     ax = fig.axes[0]
     entries = legend_entries(ax)
     assert len(set(entries.values())) == len(entries) and set(entries.values()) == drawn_colours(ax)
-    comm = [c for c in ax.collections if is_comm(c)]
+    comm = [c for c in ax.collections if c.get_gid() == "running"]
     assert len(comm) == sum(len(t.comm) for t in timelines) > 0
     assert {rgba(c.get_facecolor()[0]) for c in comm} == {entries[COLLECTIVE]}
+    assert_labels_fit(fig)
+
+
+@pytest.mark.parametrize("case", ["manual", "bucketed", "ddp", "zero", "fsdp", "zero3"])
+def test_the_picture_reads_without_its_legend(runs: tuple[Path, list[dict[str, Any]]], case: str) -> None:
+    """Every rank's compute lane names each of its phases; every collective carries its letter, in
+    its bar or by a leader, and the key names it with its size in bytes; each collective's wait
+    before the backend took it up is hatched, and its lane says what hatching means."""
+    root, _ = runs
+    timelines, _ = load(root / case, None, None)
+    fig, _ = figure(timelines, ["caption"] * len(timelines), "title")
+    ax = fig.axes[0]
+    phases = phase_texts(fig, len(timelines))
+    assert phases == [expected_phase_texts(t) for t in timelines]
+    assert all({"sync", "opt"} <= set(row) for row in phases)  # told apart by their words
+    names = key(fig)
+    for rank, row in zip(timelines, collective_letters(fig, timelines), strict=True):
+        assert sorted(name for _, name in row) == sorted(c.name for c in rank.comm)  # each its own label
+        assert all(names[letter] == name for letter, name in row)
+    assert_sizes_say_bytes(fig)
+    origin, hatched = origin_of(timelines), rects(ax, "queued")
+    waits = [(r, c) for r, t in enumerate(timelines) for c in t.comm if c.running_from is not None]
+    assert waits and len(hatched) == len(waits)  # gloo takes each collective up a little after its launch
+    for lane, c in waits:
+        assert c.running_from is not None
+        start, running = (c.start - origin) * 1e-3, (c.running_from - origin) * 1e-3
+        assert any(row_of(q.y0) == lane and (q.x0, q.x1) == pytest.approx((start, running)) for q in hatched)
+    ticks = [t.get_text() for t in ax.get_yticklabels()]
+    assert ticks[1::2] == [f"rank {t.rank} comm\n(hatched = queued)" for t in timelines]
+    assert_no_bar_hides_another(ax)
     assert_labels_fit(fig)
 
 
@@ -298,7 +342,7 @@ def _x(cat: str, name: str, tid: int, ts: float, dur: float, **args: Any) -> dic
 def _trace(rank: int, shift_us: float, offset_s: float, starts: list[float]) -> dict[str, Any]:
     """A hand-built trace: ProfilerStep#2.. at trace time shift + perf_counter (+ the profiler's own
     delay); in each step a
-    backward op 50-120 µs in, and an all_reduce launched at 100 µs that gloo runs until 150 µs."""
+    backward op 50-120 µs in, and an all_reduce launched at 100 µs that gloo runs from 110 to 150 µs."""
     events: list[dict[str, Any]] = []
     for k, t in enumerate(starts, start=2):
         ts = t * 1e6 + shift_us
@@ -308,7 +352,7 @@ def _trace(rank: int, shift_us: float, offset_s: float, starts: list[float]) -> 
         events.append(_x("cpu_op", "autograd::engine::evaluate_function: AddmmBackward0", 1, ts + 50, 70.0))
         dims = {"Input Dims": [[[256]]], "Input type": ["float"]}
         events.append(_x("cpu_op", "c10d::allreduce_", 1, ts + 100, 5.0, **dims))
-        events.append(_x("user_annotation", "gloo:all_reduce", 2, ts + 100, 50.0))
+        events.append(_x("user_annotation", "gloo:all_reduce", 2, ts + 110, 40.0))
     trace = {"traceEvents": events, "distributedInfo": {"rank": rank}}
     marks = [(1, 0.0)] + [(k + 1, t) for k, t in enumerate(starts, start=2)]
     phases = [("backward", t + 50e-6, t + 200e-6, k + 1) for k, t in enumerate(starts, start=2)]
@@ -329,6 +373,8 @@ def test_merge_aligns_ranks_with_known_offsets(tmp_path: Path) -> None:
         assert a.start == pytest.approx(b.start, abs=1e-3) and a.end == pytest.approx(b.end, abs=1e-3)
     assert [c.start for c in read[0].comm] == pytest.approx([t * 1e6 + 100 for t in starts], abs=1e-3)
     assert [c.step for c in read[0].comm] == [3, 4, 5]
+    for a in read[0].comm:  # queued until gloo took it up
+        assert a.running_from is not None and a.running_from - a.start == pytest.approx(10.0, abs=1e-3)
     assert read[1].comm[0].name == "all_reduce 1.0 KiB"  # 256 floats
     summary = write_timeline(tmp_path, tmp_path)
     assert all(s["straggler_gap_ms"] == pytest.approx(0.0, abs=1e-6) for s in summary["per_step"].values())
@@ -347,6 +393,14 @@ def test_overlap_exact() -> None:
         5.0 / 8.0
     )  # (1-4, 6-7, 20-21) of (1-7, 20-22)
     assert fig.overlap([], backward) is None
+
+
+def test_the_link_takes_one_collective_at_a_time() -> None:
+    """An emulated collective runs from its launch or, if the link is busy, from the previous one's
+    completion; a launch without a completion mark never reached the link."""
+    launches = [{"ts": 0.0}, {"ts": 10.0}, {"ts": 20.0}, {"ts": 50.0}]
+    ends = {0: 30.0, 1: 45.0, 3: 60.0}  # the third: not on the link
+    assert link_starts(launches, ends) == {0: 0.0, 1: 30.0, 3: 50.0}
 
 
 def test_straggler_exact() -> None:

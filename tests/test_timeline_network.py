@@ -18,6 +18,7 @@ from torch.profiler import profile
 from tests.cli import CPU, output, torchrun
 from trainer.links import PRESETS, ring_s
 from trainer.logger.timeline import caption
+from trainer.logger.timeline_trace import read_rank
 from trainer.sync.network import Network
 from trainer.tools import timeline
 from trainer.trace_names import MARK, completion_after_us
@@ -95,6 +96,9 @@ def test_emulated_spans_end_at_the_links_completion(sweep: Path, strategy: str) 
             assert any(end == pytest.approx(m, abs=1e-3) for m in marks), (e, marks)
             assert not any(end == pytest.approx(b, abs=1e-3) for b in backend), (e, backend)
             assert e["dur"] >= link_us, (e, link_us)  # the link's alpha-beta time at the least
+        # one collective a step, the last one long done: the link takes each up at its launch
+        read, _ = read_rank(job / "profiler" / f"rank{rank}.pt.trace.json")
+        assert read.comm and all(c.running_from is None for c in read.comm)
         figures = summary["ranks"][str(rank)]
         assert figures["emulated_collectives"] == len(PROFILED)
         assert figures["comm_ms"] * 1e3 >= len(PROFILED) * link_us
@@ -114,6 +118,8 @@ def test_without_emulation_the_spans_are_the_backends(sweep: Path, strategy: str
             assert "emulated_link" not in e["args"], e
             # Today's span: from the launch to the backend's record of running it.
             assert any(e["ts"] + e["dur"] == pytest.approx(b, abs=1e-3) for b in backend), (e, backend)
+        read, _ = read_rank(job / "profiler" / f"rank{rank}.pt.trace.json")  # queued until gloo takes it up
+        assert read.comm and all(c.running_from is not None and c.start < c.running_from <= c.end for c in read.comm)
     for figures in summary["ranks"].values():
         assert figures["emulated_collectives"] == 0
         assert "(emulated)" not in caption(figures, [])

@@ -1,4 +1,5 @@
-"""The timeline's figures on plain intervals: communication hidden under computation, and stragglers.
+"""The timeline's figures on plain intervals: communication hidden under computation, stragglers,
+and where the picture puts the labels that do not fit in their bars.
 
 Pure functions on (start, end) pairs in one unit, so that tests can check them exactly on
 hand-built intervals.
@@ -55,3 +56,27 @@ def straggler_gaps(last_launch: dict[int, float]) -> tuple[float, dict[int, floa
     latest = max(last_launch.values())
     waits = {rank: latest - t for rank, t in last_launch.items()}
     return max(waits.values()), waits
+
+
+def spread(wanted: Sequence[Span], lo: float, hi: float) -> list[float]:
+    """Where a row of labels goes: each wanted span (a label's width, centred on its bar) moved as
+    little as keeping them apart allows (a run that collides is centred on its members' wishes),
+    in their order, kept inside lo-hi where they fit there. Returns each one's new start."""
+    groups: list[tuple[list[int], float, float]] = []  # members, start, width
+    for i in sorted(range(len(wanted)), key=lambda i: sum(wanted[i])):
+        members, width = [i], wanted[i][1] - wanted[i][0]
+        start = min(max(wanted[i][0], lo), hi - width)
+        while groups and groups[-1][1] + groups[-1][2] > start:
+            before, _, before_width = groups.pop()
+            members, width = before + members, before_width + width
+            # the start that minimises the members' squared shifts
+            offsets = [sum(wanted[j][1] - wanted[j][0] for j in members[:k]) for k in range(len(members))]
+            start = sum(wanted[j][0] - off for j, off in zip(members, offsets, strict=True)) / len(members)
+            start = max(min(start, hi - width), lo)
+        groups.append((members, start, width))
+    starts = [0.0] * len(wanted)
+    for members, start, _ in groups:
+        for j in members:
+            starts[j] = start
+            start += wanted[j][1] - wanted[j][0]
+    return starts

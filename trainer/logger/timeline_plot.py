@@ -1,25 +1,41 @@
-"""timeline.png: per rank a lane of compute phases and a lane of collectives, on one time axis.
+"""timeline.png: per rank a lane of compute phases and a lane of collectives, on one time axis,
+written so that it reads without its legend.
 
-One colour per meaning, and the legend lists every colour the figure drew (and nothing else):
-collectives are all one red, told apart by their black edges, not by a second colour that could
-be read as another phase. A collective's label is kept only where, at the size it is saved, it
-fits inside its bar: a cluster of tiny bars goes unlabelled rather than under a pile of text.
+- Each phase bar says which phase it is (data, fwd, bwd, sync, opt) inside it, or just above it with
+  a leader where the bar is too narrow: sync and the optimizer are not told apart by colour alone.
+- A collective's bar runs from its launch to its completion; the part before the backend took it
+  up (timeline_trace.py: queued) is pale and hatched, the part it ran solid, and the lane's name
+  says "hatched = queued". Hatching rather than a gap or a separate lane: the bar still starts at
+  the launch, which is what overlap with backward is about, while two stacked bars read as running
+  at once only where both are solid, so a bucket waiting behind others is not mistaken for one
+  sent in parallel; with one sub-lane per collective in flight, a queue of buckets is a staircase
+  of hatched waits. Where the queued part is wide enough it also says "queued".
+- Every collective carries a letter, the same for the same collective (bucket or unit, kind, size)
+  in every step, rank and job; a key under the plot gives each letter's collective with its size in
+  bytes (KiB and MiB are binary, as bucket_cap_mb is). The letter sits in the bar, with the name or
+  the size where those fit too, or below the lane with a leader where the bar is too narrow: every
+  bar can be told, however dense the cluster.
+One colour per meaning, and the legend lists every colour drawn (and nothing else).
 """
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from string import ascii_uppercase
 
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
-from matplotlib.text import Text
 from matplotlib.transforms import Bbox
 
-from trainer.logger.timeline_trace import Interval, RankTimeline
+from trainer.logger.timeline_figures import spread
+from trainer.logger.timeline_trace import RankTimeline
 
 PHASE_COLOURS = {
     "data": "#bbbbbb",
@@ -28,117 +44,250 @@ PHASE_COLOURS = {
     "sync": "#f2c14e",
     "optimizer": "#6aa84f",
 }
+PHASE_TEXT = {"data": "data", "forward": "fwd", "backward": "bwd", "sync": "sync", "optimizer": "opt"}
 KERNEL_COLOUR = "#7b5ea7"  # on CUDA the compute lane holds kernels, not phases
 COMM_COLOUR = "#d1495b"
+QUEUED_COLOUR = "#f6d5da"  # the collectives' red, pale
+QUEUED_EDGE = "#e3909a"  # its hatching: light enough for a label drawn across it to stay legible
+QUEUED_HATCH = "////"
 SHADE_ALPHA = 0.12  # backward's span, shaded across both lanes in backward's colour
 KERNELS = "compute kernel (CUDA)"
-COLLECTIVE = "collective, launch to completion"
+COLLECTIVE = "collective, running to completion"
+QUEUED = "collective, queued (launched, not yet taken up)"
 SHADED = "backward's span (shaded)"
-LABEL_PAD_PX = 2.0  # a label keeps this much of its bar free on either side
+ROW_PITCH = 2.2  # data units from one rank's compute lane to the next's; its comm lane sits 1 below
+HALF = 0.25  # half a compute bar's height
+SUB_LANE = 0.3  # a collective's bar, at most: concurrent collectives stack in sub-lanes
+COMM_HEIGHT = 0.9  # all of a comm lane's sub-lanes, about centred on its tick
+COMM_BOTTOM = -1.4  # the lowest sub-lane's bottom, from the compute lane's centre
+CALLOUT_GAP = 0.08  # between a bar's edge and an outside label's near edge: the leader's room
+LABEL_PAD_PX = 2.0  # a label keeps this much of its bar free on either end
+PRIORITY = ["collective label", "phase label", "queued label"]  # who gets a contested spot
+SIZE = re.compile(r"\d+(?:\.\d+)? [KMG]iB")
 
 
 @dataclass(frozen=True)
 class Bar:
-    """A collective's bar: its axes, its sub-lane's bottom (data units) and its extent in ms."""
+    """A bar (or a part of one) a label may sit in: its axes, its extent in ms and in data units."""
 
     ax: Axes
-    bottom: float
     start: float
     end: float
+    bottom: float
+    top: float
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """A label to place: where to try it inside, most informative first (text, the part of the bar,
+    the colour behind the text: a leader passing under it stays clear of it), then the text to put
+    outside with a leader (None: inside or nowhere), its near edge at callout_y (above the bar if higher)."""
+
+    bar: Bar
+    inside: Sequence[tuple[str, Bar, str | None]]
+    outside: str | None
+    callout_y: float
+    gid: str
+    colour: str = "black"
 
 
 @dataclass
 class Drawn:
-    """What draw_rank put on one axes: the meanings, for the legend, and the collectives' labels."""
+    """What draw_rank put on the axes: the meanings (for the legend), the labels to place, and the
+    collectives' letters (for the key)."""
 
     meanings: list[str] = field(default_factory=list)  # in the order first drawn
-    bars: list[Bar] = field(default_factory=list)  # every collective's bar
-    labels: list[tuple[Text, Bar]] = field(default_factory=list)  # a label and the bar it names
+    wanted: list[Wanted] = field(default_factory=list)
+    letters: dict[str, str] = field(default_factory=dict)  # a collective's name -> its letter
 
     def add(self, meaning: str) -> None:
         if meaning not in self.meanings:
             self.meanings.append(meaning)
 
-
-def short(name: str) -> str:
-    """`bucket 3 all_reduce 4.0 MiB` -> `b3 4.0M` (KiB: `K`): what fits on a bar."""
-    words = name.split()
-    if words[0] == "bucket" and len(words) >= 4:
-        return f"b{words[1]} {words[-2]}{words[-1][0]}"
-    return words[0] if words else name
+    def letter(self, name: str) -> str:
+        """A, B, ..., Z, AA, AB, ... (to ZZ): in the order collectives are first drawn."""
+        if name not in self.letters:
+            n = len(self.letters)
+            self.letters[name] = (ascii_uppercase[n // 26 - 1] if n >= 26 else "") + ascii_uppercase[n % 26]
+        return self.letters[name]
 
 
 def lane_names(timeline: RankTimeline) -> list[str]:
     """The y tick labels of a rank's two lanes."""
-    return [f"rank {timeline.rank} {'kernels' if timeline.on_gpu else 'compute'}", f"rank {timeline.rank} comm"]
+    queued = "\n(hatched = queued)" if any(c.running_from is not None for c in timeline.comm) else ""
+    return [f"rank {timeline.rank} {'kernels' if timeline.on_gpu else 'compute'}", f"rank {timeline.rank} comm{queued}"]
 
 
 def draw_rank(ax: Axes, y: float, timeline: RankTimeline, origin: float, caption: str, drawn: Drawn) -> None:
     """Two lanes at y (compute, above) and y - 1 (communication); backward shaded across both."""
-    ms = 1e-3
+
+    def ms(t: float) -> float:
+        return (t - origin) * 1e-3
+
+    first = ms(timeline.phases[0].start)
+    ax.update_datalim([(first, y + 0.6), (first, y - 1.75)])  # room above and below for labels put outside
     for phase in timeline.phases:
         if phase.name == "backward":
-            start, end = (phase.start - origin) * ms, (phase.end - origin) * ms
-            ax.fill_between([start, end], y - 1.45, y + 0.45, color=PHASE_COLOURS["backward"], alpha=SHADE_ALPHA)
+            span, colour = [ms(phase.start), ms(phase.end)], PHASE_COLOURS["backward"]
+            ax.fill_between(span, y + COMM_BOTTOM - 0.05, y + HALF + 0.05, color=colour, alpha=SHADE_ALPHA, gid="shade")
             drawn.add(SHADED)
-    lane: Sequence[Interval] = timeline.compute if timeline.on_gpu else timeline.phases
-    for item in lane:
-        meaning = KERNELS if timeline.on_gpu else item.name
+    for item in timeline.compute if timeline.on_gpu else timeline.phases:
         colour = KERNEL_COLOUR if timeline.on_gpu else PHASE_COLOURS[item.name]
-        ax.broken_barh([((item.start - origin) * ms, (item.end - item.start) * ms)], (y - 0.35, 0.7), color=colour)
-        drawn.add(meaning)
+        gid = "kernel" if timeline.on_gpu else "phase"
+        ax.broken_barh([(ms(item.start), ms(item.end) - ms(item.start))], (y - HALF, 2 * HALF), color=colour, gid=gid)
+        drawn.add(KERNELS if timeline.on_gpu else item.name)
+        if not timeline.on_gpu:  # a kernel is too short for a word, and no label goes near the kernels
+            bar = Bar(ax, ms(item.start), ms(item.end), y - HALF, y + HALF)
+            text, colour = PHASE_TEXT[item.name], "white" if item.name == "backward" else "black"
+            drawn.wanted.append(Wanted(bar, [(text, bar, None)], text, y + HALF + CALLOUT_GAP, "phase label", colour))
     ends: list[float] = []  # per sub-lane, where its last bar ends: concurrent collectives stack up
+    subs = []
     for c in sorted(timeline.comm, key=lambda c: c.start):
         sub = next((k for k, end in enumerate(ends) if end <= c.start), len(ends))
-        if sub == len(ends):
-            ends.append(c.end)
-        ends[sub] = c.end
-        bottom = y - 1.4 + 0.3 * min(sub, 2)
-        start, width = (c.start - origin) * ms, (c.end - c.start) * ms
-        ax.broken_barh([(start, width)], (bottom, 0.3), color=COMM_COLOUR, edgecolor="black", linewidth=0.4)
-        drawn.add(COLLECTIVE)
-        bar = Bar(ax, bottom, start, start + width)
-        drawn.bars.append(bar)
-        label = ax.text(start + width / 2, bottom + 0.15, short(c.name), ha="center", va="center", fontsize=6)
-        drawn.labels.append((label, bar))
+        ends[sub : sub + 1] = [c.end]
+        subs.append((c, sub))
+    # As many sub-lanes as collectives in flight at once, thinner when many: no bar hides another
+    # (a pile of overlapping bars looks concurrent), and a label inside its own bar is over no other.
+    height = min(SUB_LANE, COMM_HEIGHT / max(1, len(ends)))
+    for c, sub in subs:
+        bottom = y + COMM_BOTTOM + height * sub
+        bar = Bar(ax, ms(c.start), ms(c.end), bottom, bottom + height)
+        running = bar.start if c.running_from is None else ms(c.running_from)
+        draw_collective(bar, c.name, running, y + COMM_BOTTOM - CALLOUT_GAP, drawn)
     ax.text(1.01, y - 0.5, caption, transform=ax.get_yaxis_transform(), fontsize=7, va="center")
+
+
+def draw_collective(bar: Bar, name: str, running: float, callout_y: float, drawn: Drawn) -> None:
+    """A collective's bar, hatched until it runs, and the labels it wants: its letter, with its name
+    or its size where they fit, on the solid part before the whole bar (clear of the hatching)."""
+    ax, height, parts = bar.ax, (bar.bottom, bar.top - bar.bottom), [(bar, COMM_COLOUR)]
+    if running > bar.start:
+        queued = replace(bar, end=running)
+        ax.broken_barh(
+            [(bar.start, running - bar.start)],
+            height,
+            facecolor=QUEUED_COLOUR,
+            edgecolor=QUEUED_EDGE,
+            hatch=QUEUED_HATCH,
+            linewidth=0.4,
+            gid="queued",
+        )
+        drawn.add(QUEUED)
+        drawn.wanted.append(Wanted(queued, [("queued", queued, QUEUED_COLOUR)], None, callout_y, "queued label"))
+        behind = COMM_COLOUR if (bar.start + bar.end) / 2 >= running else QUEUED_COLOUR  # at the bar's middle
+        parts = [(replace(bar, start=running), COMM_COLOUR), (bar, behind)]
+    ax.broken_barh(
+        [(running, bar.end - running)], height, facecolor=COMM_COLOUR, edgecolor="black", linewidth=0.4, gid="running"
+    )
+    drawn.add(COLLECTIVE)
+    letter = drawn.letter(name)
+    texts = [f"{letter}: {name}", *(f"{letter}: {size}" for size in SIZE.findall(name)[-1:]), letter]
+    inside = [(text, part, colour) for text in texts for part, colour in parts]
+    drawn.wanted.append(Wanted(bar, inside, letter, callout_y, "collective label"))
 
 
 def legend_handles(meanings: Sequence[str]) -> list[Patch]:
     """One patch per meaning, in the figure's own colours (phases first, in their step order)."""
     colours = {**PHASE_COLOURS, KERNELS: KERNEL_COLOUR, COLLECTIVE: COMM_COLOUR}
-    order = [*PHASE_COLOURS, KERNELS, COLLECTIVE, SHADED]
+    order = [*PHASE_COLOURS, KERNELS, QUEUED, COLLECTIVE, SHADED]
     handles = []
     for meaning in sorted(meanings, key=order.index):
         if meaning == SHADED:
             handles.append(Patch(color=PHASE_COLOURS["backward"], alpha=SHADE_ALPHA, label=meaning))
+        elif meaning == QUEUED:
+            handles.append(Patch(facecolor=QUEUED_COLOUR, edgecolor=QUEUED_EDGE, hatch=QUEUED_HATCH, label=meaning))
         else:
             handles.append(Patch(color=colours[meaning], label=meaning))
     return handles
 
 
 def keep_fitting_labels(fig: Figure, drawn: Drawn) -> None:
-    """Remove each label that does not fit inside its bar at the figure's final layout: wider than
-    the bar, over another bar (more than three concurrent collectives share the top sub-lane), or
-    closer than the padding to a label already kept."""
+    """Place every label at the figure's final layout: inside its bar where it fits (clear of the
+    labels already there), else outside with a leader, spread along its lane so that none overlap;
+    then the key of the collectives' letters under the plot."""
     renderer = fig.canvas.get_renderer()  # type: ignore[attr-defined]
-    kept: list[tuple[Text, Bar]] = []
+    for ax in fig.axes:  # labels and leaders must not move what they point at
+        ax.set_xlim(ax.get_xlim())
+        ax.set_ylim(ax.get_ylim())
     boxes: list[Bbox] = []
-    for text, bar in drawn.labels:
-        box = text.get_window_extent(renderer).padded(LABEL_PAD_PX)
-        to_ms = bar.ax.transData.inverted()
-        left, right = to_ms.transform([(box.x0, 0.0), (box.x1, 0.0)])[:, 0]
-        inside = bar.start <= left and right <= bar.end
-        covered = any(
-            b is not bar and b.ax is bar.ax and b.bottom == bar.bottom and b.start < right and left < b.end
-            for b in drawn.bars
-        )
-        if inside and not covered and not any(box.overlaps(other) for other in boxes):
-            kept.append((text, bar))
-            boxes.append(box)
-        else:
+    rows: dict[tuple[Axes, float], list[tuple[Wanted, str, float]]] = {}  # each row's outside labels, widths
+    for want in sorted(drawn.wanted, key=lambda w: PRIORITY.index(w.gid)):
+        ax = want.bar.ax
+        for content, bar, behind in want.inside:
+            middle = ((bar.start + bar.end) / 2, (bar.bottom + bar.top) / 2)
+            text = ax.text(*middle, content, ha="center", va="center", fontsize=6, color=want.colour, gid=want.gid)
+            if behind is not None:
+                text.set_bbox({"facecolor": behind, "edgecolor": "none", "pad": 0.3})
+            box = text.get_window_extent(renderer).padded(LABEL_PAD_PX, 0)
+            if fits(box, bar) and not any(box.overlaps(other) for other in boxes):
+                boxes.append(box)
+                break
             text.remove()
-    drawn.labels = kept
+        else:
+            if want.outside is not None:
+                width = width_ms(ax, want.outside, renderer)
+                rows.setdefault((ax, want.callout_y), []).append((want, want.outside, width))
+    for (ax, y), row in rows.items():
+        wanted = [((w.bar.start + w.bar.end - width) / 2, (w.bar.start + w.bar.end + width) / 2) for w, _, width in row]
+        lo, hi = ax.get_xlim()
+        for (want, content, width), start in zip(row, spread(wanted, lo, hi), strict=True):
+            callout(ax, want.bar, content, start + width / 2, y, want.gid)
+    add_key(fig, drawn)
+
+
+def fits(box: Bbox, bar: Bar) -> bool:
+    """Whether a label's box (pixels) lies inside its bar: bars never overlap, so then it is clear of
+    every other bar, and of the labels placed outside, which sit beyond the lanes."""
+    (left, bottom), (right, top) = bar.ax.transData.inverted().transform([(box.x0, box.y0), (box.x1, box.y1)])
+    return bar.start <= left and right <= bar.end and bar.bottom <= bottom and top <= bar.top
+
+
+def width_ms(ax: Axes, content: str, renderer: object) -> float:
+    """A label's width on the time axis, padding included."""
+    text = ax.text(0, 0, content, fontsize=5.5)
+    width_px = text.get_window_extent(renderer).width + 2 * LABEL_PAD_PX  # type: ignore[arg-type]
+    text.remove()
+    to_data = ax.transData.inverted()
+    return float(to_data.transform((width_px, 0))[0] - to_data.transform((0, 0))[0])
+
+
+def callout(ax: Axes, bar: Bar, content: str, x: float, y: float, gid: str) -> None:
+    """An outside label at x, its near edge at y, and its leader from the middle of the bar's facing edge."""
+    above = y > bar.top
+    ax.text(x, y, content, ha="center", va="bottom" if above else "top", fontsize=5.5, gid=gid)
+    # over the bars (from an upper sub-lane it crosses the lower ones, visibly), under their labels
+    edge = bar.top if above else bar.bottom
+    leader = Line2D([(bar.start + bar.end) / 2, x], [edge, y], color="#333333", linewidth=0.5, zorder=2, gid="leader")
+    ax.add_line(leader)
+
+
+def add_key(fig: Figure, drawn: Drawn) -> None:
+    """The collectives' letters in columns under the plot; the figure grows by the key's height, the
+    axes keep their size in inches (the labels placed on them stay where they were measured)."""
+    if not drawn.letters:
+        return
+    entries = [f"{letter}  {name}" for name, letter in drawn.letters.items()]
+    renderer = fig.canvas.get_renderer()  # type: ignore[attr-defined]
+    probe = [fig.text(0, 0, e, fontsize=6.5) for e in entries]
+    column = max(t.get_window_extent(renderer).width for t in probe) / fig.dpi + 0.3  # inches
+    for t in probe:
+        t.remove()
+    width, height = fig.get_size_inches()
+    columns = max(1, min(len(entries), int((width - 0.8) // column)))
+    lines = math.ceil(len(entries) / columns)
+    line = 6.5 * 1.45 / 72  # inches
+    strip = (lines + 1) * line + 0.15
+    total = height + strip
+    fig.set_size_inches(width, total)
+    for ax in fig.axes:
+        pos = ax.get_position()
+        ax.set_position((pos.x0, (pos.y0 * height + strip) / total, pos.width, pos.height * height / total))
+    title = "collectives by their letter on the bars (sizes in bytes: KiB = 1024 B, MiB = 1024 KiB)"
+    fig.text(0.4 / width, (strip - 0.05) / total, title, fontsize=6.5, va="top", weight="bold", gid="key title")
+    for i, entry in enumerate(entries):  # down the columns: A, B, C read in order
+        col, row = divmod(i, lines)
+        x, top = (0.4 + col * column) / width, strip - 0.05 - (row + 1) * line
+        fig.text(x, top / total, entry, fontsize=6.5, va="top", gid="key entry")
 
 
 def new_figure(width: float, height: float) -> Figure:
@@ -148,13 +297,13 @@ def new_figure(width: float, height: float) -> Figure:
 
 
 def figure(timelines: Sequence[RankTimeline], captions: Sequence[str], title: str) -> tuple[Figure, Drawn]:
-    height = 1.4 + 1.2 * len(timelines)
+    height = 1.6 + 1.5 * len(timelines)
     fig = new_figure(14, height)
     ax = fig.subplots()
     origin = min(p.start for t in timelines for p in [*t.phases, *t.comm])
     ticks, labels, drawn = [], [], Drawn()
     for row, (timeline, caption) in enumerate(zip(timelines, captions, strict=True)):
-        y = -2.2 * row
+        y = -ROW_PITCH * row
         draw_rank(ax, y, timeline, origin, caption, drawn)
         ticks += [y, y - 1]
         labels += lane_names(timeline)

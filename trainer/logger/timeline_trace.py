@@ -8,9 +8,17 @@ them in the order they are issued. Its name is the lab's range around the launch
 strategy set one (`bucket 3 all_reduce 4.0 MiB`), else from DDP's bucket layout, else the
 enclosing range of the library that launched it (FSDP's), else its kind and size.
 
+On CPU a collective is queued from its launch until the backend takes it up: gloo runs a process
+group's collectives on a few worker threads (torch gives it two per network device), first come
+first served, so one launched while all are busy waits for one of them. From then it is running
+(which includes waiting for the peers to join). On CUDA the span is the kernel alone: no queue is
+recorded.
+
 With an emulated network (network=<preset>) a collective is done at the
 later of the backend's end and the link's emulated completion, which the link marks in the trace
-just after the launch, on the launching thread: that span ends at the later of the two.
+just after the launch, on the launching thread: that span ends at the later of the two. The link
+carries one collective at a time (trainer/sync/network.py), so there a collective is queued until
+the link is done with the previous one.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ class Interval:
     end: float
     step: int
     emulated: bool = False  # a collective's span ended by an emulated link's completion (network=<preset>)
+    running_from: float | None = None  # a collective queued until then (module docstring); None: never queued
 
 
 @dataclass
@@ -126,6 +135,7 @@ def read_rank(path: Path, ddp_buckets: list[int] | None = None) -> tuple[RankTim
     launches = sorted((e for e in events if e["name"].startswith("c10d::")), key=lambda e: e["ts"])
     ranges = [e for e in events if e.get("cat") == "user_annotation"]
     emulated = emulated_ends(launches, ranges)
+    link_free = link_starts(launches, emulated)
     per_step: dict[tuple[int, str], int] = {}  # all_reduces so far in the step: DDP's bucket index
     for i, (launch, run) in enumerate(zip(launches, runs, strict=False)):
         step = step_of(launch["ts"])
@@ -140,7 +150,9 @@ def read_rank(path: Path, ddp_buckets: list[int] | None = None) -> tuple[RankTim
         end = max(run["ts"] + run["dur"], start)
         if i in emulated:  # done at the later of the backend's end and the link's
             end = max(end, emulated[i])
-        timeline.comm.append(Interval(name, start, end, step, emulated=i in emulated))
+        running = link_free[i] if i in emulated else run["ts"]  # taken up by the link, else the backend
+        running_from = None if kernels or running <= start else min(running, end)
+        timeline.comm.append(Interval(name, start, end, step, emulated=i in emulated, running_from=running_from))
     if not kernels:
         # On CPU the computation is the autograd engine's work (host time, not the backward phase:
         # DDP's backward also waits for its last buckets, which hides nothing).
@@ -168,6 +180,17 @@ def emulated_ends(launches: list[dict[str, Any]], ranges: list[dict[str, Any]]) 
         if k:
             ends[mine[k - 1][1]] = mark["ts"] + after
     return ends
+
+
+def link_starts(launches: list[dict[str, Any]], ends: dict[int, float]) -> dict[int, float]:
+    """Per emulated launch, when the link took it up: at its launch, or when the link finished the
+    rank's previous emulated collective, whichever is later (the link carries one at a time)."""
+    starts: dict[int, float] = {}
+    free = float("-inf")
+    for i in sorted(ends):  # launch order: the order the link was asked
+        starts[i] = max(launches[i]["ts"], free)
+        free = ends[i]
+    return starts
 
 
 def _name(launch: dict[str, Any], ranges: list[dict[str, Any]], ddp_buckets: list[int] | None, index: int) -> str:

@@ -5,7 +5,10 @@
 writes, in --out (default: the run dir):
     timeline.json          the ranks' traces merged on rank 0's clock, one process per rank, plus
                            the lab's collective spans (Perfetto: ui.perfetto.dev, or chrome://tracing)
-    timeline.png           per rank a compute lane and a communication lane, backward shaded
+    timeline.png           per rank a compute lane (each phase named: data, fwd, bwd, sync, opt) and
+                           a communication lane (each collective lettered, its wait for the backend
+                           hatched as queued), backward shaded; under it a key of the letters'
+                           collectives with their sizes in bytes (KiB, MiB)
     timeline_summary.json  per rank "overlap": HTA's communication-computation overlap (the share of
                            communication time under computation); per step the straggler gap
 and prints one line. Bad input: one line on stderr, exit code 2.
