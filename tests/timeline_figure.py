@@ -18,7 +18,7 @@ from trainer.logger.timeline_plot import PHASE_TEXT, ROW_PITCH
 from trainer.logger.timeline_trace import RankTimeline
 
 LABELS = ("collective label", "phase label", "queued label")
-UNIT = re.compile(r"\d+\.\d (KiB|MiB|GiB)")  # a size as the figure writes it: bytes, binary units
+UNIT = re.compile(r"\d+\.\d (KiB|MiB|GiB)|\d+ B\b")  # a size as the figure writes it: bytes, binary units
 BARE = re.compile(r"\d(\.\d+)?[KMGB]\b")  # a size without its unit's space and name: `0.7M`
 
 

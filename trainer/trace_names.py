@@ -12,8 +12,11 @@ MARK = "emulated link: done +"  # a completion mark: MARK, then milliseconds aft
 
 
 def mib(nbytes: int) -> str:
-    """4.0 MiB; under 0.1 MiB in KiB (12.3 KiB), so that small buckets still tell apart."""
-    return f"{nbytes / MIB:.1f} MiB" if nbytes >= MIB / 10 else f"{nbytes / 1024:.1f} KiB"
+    """4.0 MiB; under 0.1 MiB in KiB (12.3 KiB), so that small buckets still tell apart; under
+    1 KiB in bytes (a gradient norm's 4 B), which 0.0 KiB would show as nothing."""
+    if nbytes >= MIB / 10:
+        return f"{nbytes / MIB:.1f} MiB"
+    return f"{nbytes / 1024:.1f} KiB" if nbytes >= 1024 else f"{nbytes} B"
 
 
 def collective(kind: str, nbytes: int, where: int | str | None = None) -> str:
