@@ -40,7 +40,8 @@ def figure(jobs: Sequence[tuple[str, Path]]) -> tuple[Figure, Drawn, list[str]]:
             ticks += [y, y - 1]
             names += lane_names(t)
         ax.set_yticks(ticks, names, fontsize=7)
-        ax.set_title(label, fontsize=8, loc="left")
+        # The first job's title sits above the legend row, which spans the axes' width.
+        ax.set_title(label, fontsize=8, loc="left", pad=16 if ax is axes[0, 0] else 6)
         overlaps = ", ".join(f"rank {r} {timeline.percent(v['overlap'])}" for r, v in summary["ranks"].items())
         lines.append(f"{label}: HTA overlap {overlaps}")
     handles = legend_handles(drawn.meanings)
