@@ -3,12 +3,13 @@ suites against it, and an app that is not ddplab run through it end to end (ddpl
 in test_sweeps.py).
 
 Process start-up is the cost here: a spawned worker imports torch afresh (about 5 s on 2 cores).
-Hydra's launcher suite runs at nproc_per_node=1 with the default start method, spawn, and at
-nproc_per_node=2 with fork; the integration suite, which starts the app itself once per case, runs
-at nproc_per_node=2 with fork. The launcher does the same for every start method (the job travels to the workers as
-one cloudpickle payload either way); spawn alone shows that a fresh interpreter gets everything it
-needs (a closure, a resolver registered after import), and spawn with 2 ranks is covered by the
-tests below and by test_sweeps.py.
+Hydra's launcher suite runs at nproc_per_node=2 with fork, and its cases that need a fresh
+interpreter at nproc_per_node=1 with the default start method, spawn; the integration suite, which
+starts the app itself once per case, runs at nproc_per_node=2 with fork. The launcher does the same
+for every start method (the job travels to the workers as one cloudpickle payload either way);
+spawn alone shows that a fresh interpreter gets everything it needs (a closure, a resolver
+registered after import), and spawn with 2 ranks is covered by the tests below and by
+test_sweeps.py.
 """
 
 from __future__ import annotations
@@ -134,14 +135,7 @@ def test_an_exit_code_after_an_error_is_reported_with_that_error(
     )
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "launcher_name, overrides",
-    [pytest.param("torchrun", ONE_SPAWNED, id="1-spawned"), pytest.param("torchrun", TWO_FORKED, id="2-forked")],
-)
-class TestTorchrunLauncher(LauncherTestSuite):
-    """Hydra's launcher suite, in this process: sweeps, configs, job dirs, a resolver registered just before launch."""
-
+class _VersionBaseAsHydraTestsExpect:
     @pytest.fixture(autouse=True)
     def hydra_version_base_as_hydra_tests_expect(self, hydra_restore_singletons: Any) -> None:
         """The suite's apps set no version_base, so Hydra assumes 1.1 (jobs chdir into their dirs and
@@ -149,6 +143,27 @@ class TestTorchrunLauncher(LauncherTestSuite):
         ddplab's config with version_base="1.3", which Hydra keeps in a singleton: reset it for each
         case (hydra_restore_singletons puts the process's state back afterwards)."""
         VersionBase.instance().setbase(hydra_version.__compat_version__)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher_name, overrides", [pytest.param("torchrun", TWO_FORKED, id="2-forked")])
+class TestTorchrunLauncher(_VersionBaseAsHydraTestsExpect, LauncherTestSuite):
+    """Hydra's launcher suite, in this process: sweeps, configs, job dirs, a resolver registered just before launch."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher_name, overrides", [pytest.param("torchrun", ONE_SPAWNED, id="1-spawned")])
+class TestTorchrunLauncherSpawned(_VersionBaseAsHydraTestsExpect, LauncherTestSuite):
+    """The same suite in fresh interpreters, where what a spawned worker needs must travel with the job:
+    one job, a resolver registered just before launch, the refusals. The cases that only sweep more
+    jobs or configs run forked above: the launcher sends every job the same way whatever the start
+    method, and each spawned case costs a fresh torch import per job."""
+
+    test_sweep_2_jobs = None  # type: ignore[assignment]
+    test_sweep_1_job_strict = None  # type: ignore[assignment]
+    test_sweep_2_optimizers = None  # type: ignore[assignment]
+    test_sweep_over_unspecified_mandatory_default = None  # type: ignore[assignment]
+    test_sweep_and_override = None  # type: ignore[assignment]
 
 
 @pytest.mark.slow
