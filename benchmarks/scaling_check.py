@@ -73,7 +73,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("scaling-check"))
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--quick", action="store_true", help="mlp only, ddp only, 10 steps, 2 ranks only (no 4-rank job), collectives to 1 MiB")
+    parser.add_argument(
+        "--quick", action="store_true", help="mlp only, ddp only, 10 steps, 2 ranks only, collectives to 1 MiB"
+    )
     args = parser.parse_args()
     models = {"mlp": MODELS["mlp"]} if args.quick else MODELS
     strategies = ("ddp",) if args.quick else STRATEGIES
