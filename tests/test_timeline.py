@@ -122,6 +122,10 @@ def test_every_strategy_end_to_end(runs: tuple[Path, list[dict[str, Any]]], case
     for figures in summary["ranks"].values():
         assert figures["overlap"] is not None and 0.0 <= figures["overlap"] <= 1.0
     assert set(summary["per_step"]) == {"3", "4", "5"}
+    # The phases sit on the trace's clock by their own marks (to a µs), not by the profiler's step
+    # ranges, which open late: a collective launched just after a mark stays in its step.
+    for trace in (run_dir / "profiler").glob("rank*.pt.trace.json"):
+        assert json.loads(trace.read_text())["ddplab"]["phases_aligned_by"] == "phase marks", trace
     spans = [e for e in merged["traceEvents"] if e.get("cat") == "ddplab_comm"]
     rows = _rows(run_dir)
     for rank in (0, 1):

@@ -34,6 +34,7 @@ from trainer.sync.comm import Comm
 log = logging.getLogger(__name__)
 
 WAIT, WARMUP = 1, 1  # steps before the profiler records
+PHASE_MARK = "ddplab: phase mark"  # an empty range at each phase mark, on the trace's own clock
 CLOCK_ROUNDS = 8  # barriers whose exits give each rank's clock offset to rank 0's
 # Above kineto's highest level (USDT, 5): it then prints none of "profiler_start", "profiler_stop" or,
 # without a GPU, "gpuGetDeviceCount failed with code 35". Read when the first profiler starts.
@@ -58,6 +59,10 @@ class ProfiledStepTimer(StepTimer):
         super().mark(phase)
         if self.recording:
             now = time.perf_counter()
+            # The same moment on the trace's clock, a µs later: add_lab_events places the phases
+            # on the trace by these (a collective launched a few µs after a mark stays in its phase).
+            with torch.profiler.record_function(PHASE_MARK):
+                pass
             self.host.append((phase, self._last, now, self.step))
             self._last = now
 
@@ -207,17 +212,24 @@ def add_lab_events(
 ) -> None:
     """Phase ranges and the `ddplab` record, on the trace's own time base.
 
-    The trace's clock is not perf_counter: ProfilerStep#k opens when step() is called for the
-    k-th time, at a perf_counter we noted, which gives the trace's offset to perf_counter.
+    The trace's clock is not perf_counter. Each phase mark left an empty range (PHASE_MARK) on
+    the trace's clock right after its perf_counter note: paired in order, they give the offset to
+    within a µs. Without them (a trace cut short), ProfilerStep#k, which opens when step() is called
+    for the k-th time at a noted perf_counter, gives it less closely (the profiler's own work in
+    step() comes first).
     """
     events = trace["traceEvents"]
     opened = {int(e["name"].split("#")[1]): e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")}
     pairs = [(opened[k]["ts"], step_marks[k - 1]) for k in sorted(opened) if 0 < k <= len(step_marks)]
     if not pairs:
         return
-    # Each range opens a little after our note (the profiler's own work in step(): at the first
-    # recorded step, starting the trace, milliseconds): the smallest difference is the closest.
-    shift_us = min(ts - mark * 1e6 for ts, (_, mark) in pairs)
+    marks = sorted((e["ts"] for e in events if e.get("name") == PHASE_MARK), key=float)
+    events[:] = [e for e in events if e.get("name") != PHASE_MARK]  # their work is done
+    aligned_by = "phase marks" if marks and len(marks) == len(phases) else "profiler steps"
+    if aligned_by == "phase marks":
+        shift_us = min(float(ts) - end * 1e6 for ts, (_, _, end, _) in zip(marks, phases, strict=True))
+    else:  # each range opens a little after our note: the smallest difference is the closest
+        shift_us = min(ts - mark * 1e6 for ts, (_, mark) in pairs)
     first = next(e for e in opened.values())
     pid, tid = first["pid"], first["tid"]
     steps = {k: step_marks[k - 1][0] for k in opened if 0 < k <= len(step_marks)}
@@ -240,6 +252,7 @@ def add_lab_events(
             )
     trace["ddplab"] = {
         "trace_minus_perf_counter_us": shift_us,
+        "phases_aligned_by": aligned_by,
         "clock_offset_to_rank0_us": clock.get("offset_s", 0.0) * 1e6,
         "clock_uncertainty_us": clock.get("uncertainty_s", 0.0) * 1e6,
         "profiler_steps": {f"ProfilerStep#{k}": s for k, s in sorted(steps.items())},
