@@ -159,8 +159,11 @@ def test_route2_torchrun_launcher_runs_each_job_as_its_own_group(tmp_path: Path)
 
 
 def test_route2_isolates_a_failing_job_and_exits_nonzero(tmp_path: Path) -> None:
+    """Forked workers (the test above spawns them): each connects to its own job's store, not the
+    launching process's in-process one it inherits (over that the group's rendezvous waited forever)."""
+    fork = "hydra.launcher.start_method=fork"
     proc = python_train(
-        ["-m", "hydra/launcher=torchrun", CPU, *FAIL_FIRST_JOB_ON_RANK_1, "logger=none", *QUICK], cwd=tmp_path
+        ["-m", "hydra/launcher=torchrun", fork, CPU, *FAIL_FIRST_JOB_ON_RANK_1, "logger=none", *QUICK], cwd=tmp_path
     )
     text = output(proc)
     assert proc.returncode != 0, text

@@ -82,15 +82,20 @@ def read_launch_env(environ: Mapping[str, str] = os.environ) -> LaunchEnv:
     return LaunchEnv(rank=0, local_rank=0, world_size=1, run_id="local", restart_count=0, launcher="none")
 
 
-_store: dist.Store | None = None
+_store: tuple[int, dist.Store] | None = None  # (the process that connected, its store)
 
 
 def job_store(env: LaunchEnv) -> dist.Store:
-    """This process's connection to the job's store, made once and reused by every multirun job."""
+    """This process's connection to the job's store, made once and reused by every multirun job.
+
+    Kept per process: a worker forked by Hydra's torchrun launcher (start_method=fork) inherits
+    the launching process's store, an in-process one that no other rank sees; the group's
+    rendezvous over it would wait for the other ranks until the timeout.
+    """
     global _store
-    if _store is None:
-        _store = connect_store(env)
-    return _store
+    if _store is None or _store[0] != os.getpid():
+        _store = (os.getpid(), connect_store(env))
+    return _store[1]
 
 
 def connect_store(env: LaunchEnv) -> dist.Store:
