@@ -13,7 +13,8 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from trainer.logger import timeline
-from trainer.logger.timeline_plot import Drawn, draw_rank, keep_fitting_labels, lane_names, legend_handles, new_figure
+from trainer.logger.timeline_labels import Drawn, keep_fitting_labels
+from trainer.logger.timeline_plot import draw_rank, lane_names, legend_handles, new_figure
 from trainer.logger.timeline_trace import TimelineError
 
 
