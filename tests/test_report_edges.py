@@ -24,7 +24,7 @@ from tests.report_helpers import (
 from trainer.tools.report import find_jobs, main, read_jsonl
 from trainer.tools.report_plot import plot
 from trainer.tools.report_rows import build_rows, differing_overrides, rank_stats
-from trainer.tools.report_table import Column, fit
+from trainer.tools.report_screen import Column, fit
 
 
 def test_rank_stats_of_one_rank() -> None:

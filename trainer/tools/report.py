@@ -29,14 +29,8 @@ from trainer.tools.report_layout import axis_warning
 from trainer.tools.report_plot import plot
 from trainer.tools.report_points import Point, gather_points, spread_sentences
 from trainer.tools.report_rows import Job, JobRow, build_rows
-from trainer.tools.report_table import (
-    SCREEN_WIDTH,
-    format_markdown,
-    notes_under_table,
-    screen_points,
-    screen_table,
-    write_csv,
-)
+from trainer.tools.report_screen import SCREEN_WIDTH, screen_points, screen_table
+from trainer.tools.report_table import format_markdown, notes_under_table, write_csv
 from trainer.tools.report_timelines import plot_timelines
 from trainer.tools.report_wandb import MODES, log_report  # wandb itself is imported only by log_report
 
