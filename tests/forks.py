@@ -13,7 +13,9 @@ start `python -u script.py args` for each rank, it forks itself instead (torchru
 entrypoint with --start-method=fork, `run_script` below) and the rank runs the script as the
 interpreter would: as __main__, with its argv and path, unbuffered output, default signal
 handlers, OMP_NUM_THREADS applied (torch read the server's at import), atexit handlers at its end
-and the exit code of its SystemExit. Two things differ and are left to launches that start fresh
+and the exit code of its SystemExit. Where CUDA is available the agent
+starts fresh interpreters instead: torchrun's agent has queried the GPU, and CUDA refuses to start in
+a process forked from one that has. Two things differ and are left to launches that start fresh
 interpreters (`tests/cli.py`'s `fresh=True`, the make-train launcher, the launches a test signals
 with Popen): what only a fresh interpreter shows (an import the server happened to have done, an
 environment variable torch reads at import), and torchrun's failure report, which for forked
@@ -92,6 +94,12 @@ def _forking_config_from_args(original: Any) -> Any:
 
     def config_from_args(args: Any) -> Any:
         config, cmd, cmd_args = original(args)
+        import torch
+
+        # torchrun's LaunchConfig asks torch.accelerator whether a GPU is there (for its NUMA default),
+        # and CUDA cannot start in a process forked from one that asked: with CUDA, fresh ranks.
+        if torch.cuda.is_available():
+            return config, cmd, cmd_args
         if cmd == sys.executable and cmd_args[:1] == ["-u"] and cmd_args[1:2] != ["-m"]:
             config.start_method = "fork"
             return config, run_script, cmd_args[1:]
