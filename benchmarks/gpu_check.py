@@ -12,7 +12,7 @@ Each check is a subprocess with a timeout, on every visible GPU:
   overhead     benchmarks/overhead.py step --device cuda: mlp-tiny, mlp-25M, cnn, one variant per strategy, 1 rank
   pieces       benchmarks/overhead.py pieces --device cuda: the framework's host µs per step, piece by piece
 Then one table: each check, pass or FAIL, seconds, key numbers (also in <out>/summary.txt). About
-4 minutes on one H200. Exit code: 0 when every check passed, 1 when any failed, 2 without CUDA.
+7 minutes on one H200. Exit code: 0 when every check passed, 1 when any failed, 2 without CUDA.
 """
 
 from __future__ import annotations
