@@ -289,6 +289,18 @@ MORE = {
         ["-m", "sync=ddp,bucketed", "sync.comm_hook=fp16"],
         ["'sync.comm_hook' is not a config key", "bucket_cap_mb"],  # bucketed has no comm_hook
     ),
+    "launcher-start-method": (
+        ["-m", "hydra/launcher=torchrun", "hydra.launcher.start_method=forc"],
+        ["hydra.launcher.start_method", "'forc'", "spawn, fork, forkserver"],
+    ),
+    "launcher-misspelt-key": (
+        ["-m", "hydra/launcher=torchrun", "hydra.launcher.nproc_per_nod=2"],
+        ["'hydra.launcher.nproc_per_nod' is not a config key", "Did you mean hydra.launcher.nproc_per_node?"],
+    ),
+    "launcher-not-a-number": (
+        ["-m", "hydra/launcher=torchrun", "hydra.launcher.nproc_per_node=two"],
+        ["hydra.launcher.nproc_per_node", "'two'", "Integer"],
+    ),
     "both-lengths-null": (["trainer.max_steps=null", "trainer.num_epochs=null"], ["both null"]),
     "async-save-of-a-full-checkpoint": (
         ["trainer.checkpoint_async=true"],

@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from hydra_plugins.ddplab_torchrun_launcher import _core, _worker
-from hydra_plugins.ddplab_torchrun_launcher.config import TorchrunLauncherConf
+from hydra_plugins.ddplab_torchrun_launcher.config import StartMethod, TorchrunLauncherConf, fork_refusal
 from tests.compose import REPO
 
 PLUGIN = REPO / "hydra_plugins" / "ddplab_torchrun_launcher"
@@ -99,6 +99,15 @@ def test_refuses_to_run_inside_torchrun(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "outer")
     with pytest.raises(RuntimeError, match="starts torchrun itself, but TORCHELASTIC_RUN_ID is set"):
         _core.launch(TorchrunLauncherConf(), DictConfig({}), None, print, [[]], 0)  # type: ignore[arg-type]
+
+
+def test_fork_is_refused_where_cuda_is_available_and_only_there() -> None:
+    # Where CUDA is available both the launcher and train.py's precheck refuse fork with this line.
+    refusal = fork_refusal("fork", cuda_available=True)
+    assert refusal is not None and refusal.startswith("hydra.launcher.start_method=fork is invalid"), refusal
+    assert refusal.endswith("accepted here: spawn, forkserver"), refusal
+    assert fork_refusal(StartMethod.fork, cuda_available=False) is None
+    assert fork_refusal("spawn", cuda_available=True) is None and fork_refusal("forkserver", True) is None
 
 
 def failed_task() -> SystemExit:

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import cloudpickle  # type: ignore[import-untyped]
+import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.singleton import Singleton
 from hydra.core.utils import (
@@ -35,7 +36,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ._worker import Job, run_worker
-from .config import TorchrunLauncherConf
+from .config import StartMethod, TorchrunLauncherConf, fork_refusal
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,9 @@ def launch(
                 f"hydra/launcher=torchrun starts torchrun itself, but {name} is set (is this a torchrun worker?): "
                 "run the app with plain `python app.py -m ...`"
             )
+    refusal = fork_refusal(options.start_method, torch.cuda.is_available())
+    if refusal:
+        raise ValueError(refusal)
     setup_globals()
     configure_log(config.hydra.hydra_logging, config.hydra.verbose)
     Path(str(config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
@@ -163,7 +167,7 @@ def _launch_config(options: TorchrunLauncherConf, run_id: str, log_dir: str) -> 
         rdzv_backend=options.rdzv_backend,
         rdzv_endpoint=options.rdzv_endpoint,
         max_restarts=options.max_restarts,
-        start_method=options.start_method,
+        start_method=StartMethod(options.start_method).value,
         monitor_interval=options.monitor_interval_s,
         logs_specs=DefaultLogsSpecs(log_dir=log_dir),
     )

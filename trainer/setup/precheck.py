@@ -23,6 +23,7 @@ from hydra.errors import MissingConfigException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
+from hydra_plugins.ddplab_torchrun_launcher.config import StartMethod, TorchrunLauncherConf, fork_refusal
 from trainer.errors import ConfigError, from_leaves
 from trainer.setup import config as conf
 from trainer.setup.dist import RANK0_FIRST_S
@@ -103,8 +104,12 @@ def explain_compose_error(err: BaseException, overrides: list[str]) -> ConfigErr
         cause = cause.__cause__ or cause.__context__
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):  # a key the composed config lacks
         key = str(cause.full_key).split("[")[0]
-        return ConfigError(unknown_key_message(key, _compose_choices(overrides)) or _first_line(cause))
-    return ConfigError(_first_line(cause or err))
+        choices = _compose_choices(overrides, hydra_cfg=key.startswith("hydra."))
+        return ConfigError(unknown_key_message(key, choices) or _first_line(cause))
+    line = _first_line(cause or err)
+    if isinstance(cause, OmegaConfBaseException) and cause.full_key and str(cause.full_key) not in line:
+        line = f"{cause.full_key}: {line}"  # a typed node's refusal (hydra.launcher.*) names no key
+    return ConfigError(line)
 
 
 def unknown_key_message(key: str, cfg: DictConfig | None) -> str | None:
@@ -123,10 +128,10 @@ def unknown_key_message(key: str, cfg: DictConfig | None) -> str | None:
     return f"'{key}' is not a config key.{hint} Keys under '{parent_key}': {listed}."
 
 
-def _compose_choices(overrides: list[str]) -> DictConfig | None:
+def _compose_choices(overrides: list[str], hydra_cfg: bool = False) -> DictConfig | None:
     """The config with only these overrides' group choices (sync=fsdp), or None if even that fails."""
     try:
-        return _compose([o for o in overrides if "=" in o and "." not in _key(o)])
+        return _compose([o for o in overrides if "=" in o and "." not in _key(o)], hydra_cfg)
     except Exception:
         return None
 
@@ -157,6 +162,7 @@ def _check(overrides: list[str], multirun: bool, world_size: int | None = None) 
         cfg = _compose(overrides, hydra_cfg=multirun)
         swept: list[str] = []
         if multirun:  # an experiment's own sweep (hydra.sweeper.params): each value too
+            _check_launcher(cfg.hydra.launcher)
             node = cfg.hydra.sweeper.get("params")
             params: dict[str, Any] = OmegaConf.to_container(node) if node else {}  # type: ignore[assignment]
             swept = [f"{k}={v}" for k, v in params.items() if not any(_key(o) == _key(str(k)) for o in overrides)]
@@ -171,6 +177,17 @@ def _check(overrides: list[str], multirun: bool, world_size: int | None = None) 
         raise explain_compose_error(err, overrides) from None
     for variant in _variants(_parse(swept), multirun=True) if swept else ():
         _check([*overrides, *variant], multirun=False, world_size=world_size)
+
+
+def _check_launcher(launcher: DictConfig) -> None:
+    """hydra/launcher=torchrun's fork where CUDA is available, refused here as one line (the launcher
+    refuses it too, for any app, but only once Hydra has started)."""
+    if launcher.get("_target_") == TorchrunLauncherConf._target_ and launcher.start_method == StartMethod.fork:
+        import torch
+
+        refusal = fork_refusal(launcher.start_method, torch.cuda.is_available())
+        if refusal:
+            raise ConfigError(refusal)
 
 
 def check_command_line(
