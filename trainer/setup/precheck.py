@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from hydra.errors import MissingConfigException, OverrideParseException
@@ -183,8 +184,6 @@ def _check_launcher(launcher: DictConfig) -> None:
     """hydra/launcher=torchrun's fork where CUDA is available, refused here as one line (the launcher
     refuses it too, for any app, but only once Hydra has started)."""
     if launcher.get("_target_") == TorchrunLauncherConf._target_ and launcher.start_method == StartMethod.fork:
-        import torch
-
         refusal = fork_refusal(launcher.start_method, torch.cuda.is_available())
         if refusal:
             raise ConfigError(refusal)
