@@ -20,6 +20,7 @@ import pytest
 from benchmarks.gpu_check import OVERHEAD, plan
 from benchmarks.gpu_check_numbers import overhead_numbers, pieces_numbers
 from benchmarks.overhead import SECTIONS
+from tests import forks
 from tests.cli import TORCHRUN, env, run_torchrun
 from tests.compose import REPO
 from tests.text_helpers import write_corpus
@@ -33,6 +34,13 @@ def python(args: list[str], cwd: Path, timeout_s: float = 300) -> subprocess.Com
     return subprocess.run(
         [sys.executable, *args], cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout_s
     )
+
+
+def forked(args: list[str], cwd: Path, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
+    """A benchmark as python() runs it, forked from tests/forks.py's server (torch imported once), and
+    the train.py launches it makes through subprocess.run forked in turn (`forks.python`): its smoke
+    run checks what it prints, not how interpreters start."""
+    return forks.python(args, cwd, env(), timeout_s)
 
 
 def overhead(section: list[str], cwd: Path, nproc: int) -> subprocess.CompletedProcess[str]:
@@ -229,7 +237,7 @@ def test_overhead_command_section(tmp_path: Path) -> None:
 def test_activation_memory_quick_run(tmp_path: Path) -> None:
     """Both variants measured side by side: checkpointing keeps fewer bytes for backward."""
     out = tmp_path / "activations.json"
-    proc = python([str(BENCHMARKS / "activation_memory.py"), "--quick", "--json", str(out)], tmp_path)
+    proc = forked([str(BENCHMARKS / "activation_memory.py"), "--quick", "--json", str(out)], tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "| saved MiB | saved MiB ckpt |" in proc.stdout and "ckpt / plain [IQR]" in proc.stdout
     (row,) = json.loads(out.read_text())
@@ -252,7 +260,7 @@ def test_nanogpt_recipe_smoke_run(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_checkpoint_cost_quick_run(tmp_path: Path) -> None:
-    proc = python([str(BENCHMARKS / "checkpoint_cost.py"), "--quick"], tmp_path)
+    proc = forked([str(BENCHMARKS / "checkpoint_cost.py"), "--quick"], tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "(1 rounds x 1 saves, interleaved" in proc.stdout
     rows = [line.split() for line in proc.stdout.splitlines()[2:]]
@@ -264,7 +272,7 @@ def test_checkpoint_cost_quick_run(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_network_check_smoke_run(tmp_path: Path) -> None:
     args = [str(BENCHMARKS / "network_check.py"), "--rounds", "1", "--steps", "5", "--strategies", "manual"]
-    proc = python([*args, "--out", str(tmp_path / "out")], tmp_path)
+    proc = forked([*args, "--out", str(tmp_path / "out")], tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (row,) = table(proc.stdout)
     assert row[0] == "manual" and len(row) == 11, proc.stdout
@@ -273,7 +281,7 @@ def test_network_check_smoke_run(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_scaling_check_quick_run(tmp_path: Path) -> None:
-    proc = python([str(BENCHMARKS / "scaling_check.py"), "--quick", "--out", str(tmp_path / "out")], tmp_path)
+    proc = forked([str(BENCHMARKS / "scaling_check.py"), "--quick", "--out", str(tmp_path / "out")], tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.startswith("network: ")
     rows = table(proc.stdout[proc.stdout.index("| model | strategy |") :])  # the rows were printed as they came too
@@ -298,7 +306,7 @@ def test_network_lessons_quick_run(tmp_path: Path) -> None:
     emulated link takes no time), and a collective sent after backward hides nothing. Whether the
     bucket cap's U and the overlap's gain show needs an unloaded machine and the full batch: only
     their verdict is checked."""
-    proc = python([str(BENCHMARKS / "network_lessons.py"), "--quick"], tmp_path)
+    proc = forked([str(BENCHMARKS / "network_lessons.py"), "--quick"], tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = table(proc.stdout)
     expected = [("ddp", "0.25"), ("ddp", "2"), ("ddp", "25"), ("bucketed", "2"), ("manual", "-")]
