@@ -59,6 +59,12 @@ def python_train(args: list[str], cwd: Path, timeout_s: float = 240) -> subproce
     )
 
 
+def python_train_forked(args: list[str], cwd: Path, timeout_s: float = 240) -> subprocess.CompletedProcess[str]:
+    """`python train.py *args` as python_train runs it, forked from tests/forks.py's server (torch imported
+    once): for a test of what one process trains and prints, not of how an interpreter starts."""
+    return forks.python([TRAIN, *args], cwd, env(), timeout_s)
+
+
 def output(proc: subprocess.CompletedProcess[str]) -> str:
     return proc.stdout + proc.stderr
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests import forks
 from tests.compose import REPO, compose_config
 from tests.dist_helpers import run_on_ranks
 from tests.train_helpers import (
@@ -217,8 +217,8 @@ def test_resume_mid_epoch_is_bit_identical(pairs: list[dict[str, Any]]) -> None:
 
 
 def sample(run_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "trainer.tools.sample", str(run_dir), *args]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    """`python -m trainer.tools.sample run_dir *args`, forked from tests/forks.py's server (torch imported)."""
+    return forks.python(["-m", "trainer.tools.sample", str(run_dir), *args], REPO, dict(os.environ), 120)
 
 
 def test_sample_tool_reads_the_trained_run(single: tuple[dict[str, torch.Tensor], Path]) -> None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli import CPU, output, python_train, train_rows
+from tests.cli import CPU, output, python_train, python_train_forked, train_rows
 from tests.text_helpers import tiny_gpt, write_corpus
 
 pytestmark = pytest.mark.slow
@@ -23,7 +23,7 @@ def test_gpt_logs_tokens_per_s_perplexity_mfu_and_ends_with_a_sample(tmp_path: P
         "trainer.log_every_n_steps=2",
         "trainer.progress_bar=false",
     ]
-    proc = python_train([*args, "trainer.peak_tflops=0.5", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    proc = python_train_forked([*args, "trainer.peak_tflops=0.5", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert proc.returncode == 0, output(proc)
     rows = train_rows(run_dir / "metrics" / "rank0.jsonl")
     assert all(r["throughput/tokens_per_s"] == pytest.approx(16 * r["throughput/samples_per_s"]) for r in rows)
@@ -33,7 +33,7 @@ def test_gpt_logs_tokens_per_s_perplexity_mfu_and_ends_with_a_sample(tmp_path: P
 
     # On CPU with no peak given, MFU is left out rather than invented.
     other = tmp_path / "nopeak"
-    proc = python_train([*args, f"hydra.run.dir={other}"], cwd=tmp_path)
+    proc = python_train_forked([*args, f"hydra.run.dir={other}"], cwd=tmp_path)
     assert proc.returncode == 0, output(proc)
     assert not any("perf/mfu" in r for r in train_rows(other / "metrics" / "rank0.jsonl"))
 

@@ -9,11 +9,12 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from tests.cli import CPU, TRAIN, env, output, torchrun, train_rows
+from tests.cli import CPU, TORCHRUN, TRAIN, env, output, run_torchrun, torchrun, train_rows
 from tests.compose import REPO
 from tests.report_helpers import printed_columns
 from trainer.logger.wandb_files import find_runs
@@ -183,9 +184,11 @@ def free_port() -> int:
 
 
 def test_two_nodes_on_loopback_form_one_job(tmp_path: Path) -> None:
-    """Two torchrun invocations, 2 processes each, meeting through c10d rendezvous: world size 4."""
+    """Two torchrun invocations, 2 processes each, meeting through c10d rendezvous: world size 4.
+    Each is torchrun's own main forked (tests/cli.run_torchrun), the two at once; the fresh `torchrun`
+    command's multi-node rendezvous is test_checkpoint_kills.py's elastic job."""
     cmd = [
-        str(Path(sys.executable).parent / "torchrun"),
+        TORCHRUN,
         "--nnodes=2",
         "--nproc_per_node=2",
         "--rdzv-backend=c10d",
@@ -195,11 +198,9 @@ def test_two_nodes_on_loopback_form_one_job(tmp_path: Path) -> None:
         CPU,
         *QUICK,
     ]
-    nodes = [
-        subprocess.Popen(cmd, cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for _ in range(2)
-    ]
-    outs = [node.communicate(timeout=300)[0] for node in nodes]
+    with ThreadPoolExecutor(2) as pool:
+        nodes = list(pool.map(lambda _: run_torchrun(cmd, cwd=tmp_path, timeout_s=300), range(2)))
+    outs = [output(node) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outs
     (run_dir,) = (tmp_path / "outputs").iterdir()  # all four ranks agreed on one directory
     assert_job_complete(run_dir, world_size=4)
