@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 import time
@@ -17,6 +16,8 @@ import torch
 import torch.distributed as dist
 from PIL import Image
 
+from tests import forks
+from tests.cli import TORCHRUN, env, run_torchrun
 from tests.compose import REPO
 from tests.dist_helpers import run_on_ranks
 from trainer.tools.collective_ops import (
@@ -30,8 +31,6 @@ from trainer.tools.collective_ops import (
     sweep_sizes,
 )
 from trainer.tools.collectives import format_table
-
-TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 
 
 def test_bus_factors_follow_nccl_tests() -> None:
@@ -159,16 +158,13 @@ def test_measure_is_a_positive_time_agreed_by_every_rank(two_ranks: list[dict[st
 
 
 def _run_cli(cmd: list[str], out: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(
-        [*cmd, "--iters", "3", "--out", str(out)],
-        check=False,
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    """The command (torchrun, or python -m) run from the repo, forked from tests/forks.py's server: what
+    it writes and prints is checked here, not how an interpreter starts."""
+    cmd = [*cmd, "--iters", "3", "--out", str(out)]
+    if cmd[0] == TORCHRUN:
+        return run_torchrun(cmd, cwd=REPO, timeout_s=240)
+    assert cmd[0] == sys.executable, cmd
+    return forks.python(cmd[1:], REPO, env(), 240)
 
 
 @pytest.mark.slow

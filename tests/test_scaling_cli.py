@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch.distributed
 
-from tests.cli import CPU, output, python_train
+from tests.cli import CPU, output, python_train_forked
 from tests.compose import REPO
 from trainer.links import KINDS, Link, ring_s
 from trainer.scaling.__main__ import main
@@ -31,7 +31,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("scaling")
     args = [CPU, "logger=none", WIDE, "sync=ddp", "sync.bucket_cap_mb=0.25", "trainer.max_steps=20"]
     args += ["trainer.log_every_n_steps=5", "trainer.eval_every_n_steps=0", f"hydra.run.dir={root / 'run'}"]
-    proc = python_train(args, cwd=root)
+    proc = python_train_forked(args, cwd=root)
     assert proc.returncode == 0, output(proc)
     return root / "run"
 

@@ -15,7 +15,7 @@ from data import bpe
 from data.bpe_cache import meta_file, tokenizer_file
 from data.text import TextData
 from data.tokens import decode, default_corpus, encode, text_batches, token_file
-from tests.cli import CPU, output, python_train
+from tests.cli import CPU, output, python_train_forked
 from tests.compose import compose_config
 from tests.text_helpers import tiny_gpt, write_corpus
 from trainer.errors import ConfigError
@@ -171,7 +171,7 @@ def test_a_bpe_run_samples_without_corpus_or_cache(tmp_path: Path, capsys: pytes
     corpus, cache, run_dir = write_corpus(tmp_path / "c.txt", 3000), tmp_path / "tok", tmp_path / "run"
     args = [CPU, *tiny_gpt(corpus, cache), "data.tokenizer=bpe", "data.vocab_size=300", "logger=none"]
     args += ["trainer.max_steps=2", "trainer.progress_bar=false", f"hydra.run.dir={run_dir}"]
-    proc = python_train(args, cwd=tmp_path)
+    proc = python_train_forked(args, cwd=tmp_path)
     assert proc.returncode == 0, output(proc)
     saved = json.loads((run_dir / "vocab.json").read_text(encoding="utf-8"))
     (trained,) = cache.glob("*.bpe300.tokenizer.json")
