@@ -179,9 +179,17 @@ def torchrun(
     """`torchrun *argv`, as subprocess.run(..., capture_output=True, text=True, timeout=timeout_s) would
     run it: its exit code (negative for a signal), its stdout and stderr, TimeoutExpired after killing it.
     fork_ranks=False: the agent starts each rank as a fresh interpreter, as the command does."""
-    with tempfile.TemporaryDirectory(prefix="torchrun-output-") as tmp:
+    return _captured(["torchrun", *argv], _torchrun_main, (argv, env, str(cwd)), (fork_ranks,), timeout_s)
+
+
+def _captured(
+    cmd: list[str], target: Any, head: tuple[Any, ...], tail: tuple[Any, ...], timeout_s: float
+) -> subprocess.CompletedProcess[str]:
+    """target(*head, stdout_path, stderr_path, *tail) in a child forked from the server, returned as
+    subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s) would return it."""
+    with tempfile.TemporaryDirectory(prefix="forked-output-") as tmp:
         out, err = str(Path(tmp) / "stdout"), str(Path(tmp) / "stderr")
-        proc = context.Process(target=_torchrun_main, args=(argv, env, str(cwd), out, err, fork_ranks))
+        proc = context.Process(target=target, args=(*head, out, err, *tail))
         proc.start()
         proc.join(timeout_s)
         timed_out = proc.is_alive()
@@ -189,7 +197,6 @@ def torchrun(
             proc.kill()
             proc.join()
         stdout, stderr = (Path(p).read_text(errors="replace") if Path(p).exists() else "" for p in (out, err))
-    cmd = ["torchrun", *argv]
     if timed_out:
         raise subprocess.TimeoutExpired(cmd, timeout_s, stdout, stderr)
     assert proc.exitcode is not None
@@ -275,20 +282,7 @@ def _benchmark_main(argv: list[str], env: dict[str, str], cwd: str, out: str, er
 def python(argv: list[str], cwd: Path, env: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess[str]:
     """`python *argv` (a script and its arguments) as subprocess.run(..., capture_output=True, text=True)
     would run it, forked from the server, and with the `torchrun` and `python` commands that the script
-    runs through subprocess.run forked in turn (`_forked_run`): for the benchmarks' smoke runs, which
-    start train.py several times and check what the script prints, not how an interpreter starts."""
-    with tempfile.TemporaryDirectory(prefix="python-output-") as tmp:
-        out, err = str(Path(tmp) / "stdout"), str(Path(tmp) / "stderr")
-        proc = context.Process(target=_benchmark_main, args=(argv, env, str(cwd), out, err))
-        proc.start()
-        proc.join(timeout_s)
-        timed_out = proc.is_alive()
-        if timed_out:
-            proc.kill()
-            proc.join()
-        stdout, stderr = (Path(p).read_text(errors="replace") if Path(p).exists() else "" for p in (out, err))
-    cmd = ["python", *argv]
-    if timed_out:
-        raise subprocess.TimeoutExpired(cmd, timeout_s, stdout, stderr)
-    assert proc.exitcode is not None
-    return subprocess.CompletedProcess(cmd, proc.exitcode, stdout, stderr)
+    runs through subprocess.run forked in turn (`_forked_run`): for runs whose output a test reads (a
+    benchmark's smoke run, which starts train.py several times; a one-process run; a tool), not how an
+    interpreter starts."""
+    return _captured(["python", *argv], _benchmark_main, (argv, env, str(cwd)), (), timeout_s)
