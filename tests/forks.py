@@ -23,9 +23,10 @@ ranks lists only the first failed rank (torch's multiprocessing stops the others
 
 The benchmarks' smoke runs fork one level up (`python`): the script itself is forked from the
 server, and the `torchrun ...` and `python script ...` commands it runs through subprocess.run are
-forked from it in turn (`_forked_run`), with the output, working directory, environment, exit code
-and errors that subprocess.run would give. A forked child starts without its parent's exit handlers,
-as a new interpreter would.
+forked from it in turn (`_forked_run`; where CUDA is available they start fresh, as the agent's
+ranks do), with the output, working directory, environment, exit code and errors that
+subprocess.run would give. A forked child starts without its parent's exit handlers, as a new
+interpreter would.
 """
 
 from __future__ import annotations
@@ -222,7 +223,7 @@ def _forked_run(cmd: Any, **kwargs: Any) -> subprocess.CompletedProcess[Any]:
     argv = [str(part) for part in cmd] if isinstance(cmd, (list, tuple)) else []
     torchrun_cmd = bool(argv) and Path(argv[0]).name == "torchrun"
     python_cmd = len(argv) > 1 and argv[0] == sys.executable and (argv[1] == "-m" or argv[1].endswith(".py"))
-    if not (torchrun_cmd or python_cmd) or set(kwargs) - known:
+    if not (torchrun_cmd or python_cmd) or set(kwargs) - known or _cuda_here():
         return _real_run(cmd, **kwargs)
     env, cwd = kwargs.get("env") or dict(os.environ), str(kwargs.get("cwd") or os.getcwd())
     capture = kwargs.get("capture_output", False)
@@ -272,6 +273,14 @@ def _forked_run(cmd: Any, **kwargs: Any) -> subprocess.CompletedProcess[Any]:
 
 
 _real_run = subprocess.run
+
+
+def _cuda_here() -> bool:
+    """Where CUDA is available the commands start fresh: the script may have started CUDA, and a
+    process forked from one that has cannot (torchrun's agent queries the GPU at start)."""
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _benchmark_main(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
