@@ -21,12 +21,12 @@ with Popen): what only a fresh interpreter shows (an import the server happened 
 environment variable torch reads at import), and torchrun's failure report, which for forked
 ranks lists only the first failed rank (torch's multiprocessing stops the others itself).
 
-The benchmarks' smoke runs fork one level up (`python`): the script itself is forked from the
-server, and the `torchrun ...` and `python script ...` commands it runs through subprocess.run are
-forked from it in turn (`_forked_run`; where CUDA is available they start fresh, as the agent's
-ranks do), with the output, working directory, environment, exit code and errors that
-subprocess.run would give. A forked child starts without its parent's exit handlers, as a new
-interpreter would.
+Scripts whose output a test reads (the benchmarks' smoke runs, one-process runs, tools) fork one
+level up (`python`): the script itself is forked from the server, and the `torchrun ...` and
+`python script ...` commands it runs through subprocess.run are forked from it in turn
+(`_forked_run`; where CUDA is available they start fresh, as the agent's ranks do), with the
+output, working directory, environment, exit code and errors that subprocess.run would give. A
+forked child starts without its parent's exit handlers, as a new interpreter would.
 """
 
 from __future__ import annotations
