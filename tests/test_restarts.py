@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from tests.cli import CPU, TORCHRUN, TRAIN, env, jsonl, output, run_torchrun, torchrun, train_rows
+from tests.test_failures import assert_rank_flushed
 from tests.test_jsonl_resume import steps_and_kinds
 from tests.test_reliability import BASE, same
 from trainer.logger.wandb_files import find_runs
@@ -175,9 +176,11 @@ def test_sigterm_checkpoint_then_resume_continues_step_count_and_schedule(tmp_pa
 def test_sigterm_during_async_sharded_saves_leaves_last_where_the_log_says(tmp_path: Path) -> None:
     """A save every 2 steps, written in the background (trainer.checkpoint_async): SIGTERM arrives
     with one in flight or about to be. The line the job prints, the `last` link, the step a resume
-    starts from and the checkpoints on disk all agree, and nothing half-written is left."""
+    starts from and the checkpoints on disk all agree, and nothing half-written is left. The same
+    launch shows that a SIGTERM'd job loses nothing it logged: each rank's W&B run is finished with
+    every row of its JSONL."""
     run = tmp_path / "run"
-    args = [*BASE, CPU, "trainer.max_steps=400", "trainer.checkpoint_on_sigterm=true"]
+    args = [*BASE, CPU, "logger=wandb", "trainer.max_steps=400", "trainer.checkpoint_on_sigterm=true"]
     args += ["trainer.checkpoint_format=sharded", "trainer.checkpoint_async=true", "trainer.checkpoint_every_n_steps=2"]
     args += [f"hydra.run.dir={run}"]
     launcher = subprocess.Popen(
@@ -192,9 +195,14 @@ def test_sigterm_during_async_sharded_saves_leaves_last_where_the_log_says(tmp_p
     deadline = time.monotonic() + 120
     while not (metrics.exists() and len(train_rows(metrics)) >= 10) and time.monotonic() < deadline:
         time.sleep(0.1)
-    launcher.send_signal(signal.SIGTERM)
+    launcher.send_signal(signal.SIGTERM)  # torchrun passes it on to every worker
     text = launcher.communicate(timeout=60)[0]
     assert launcher.returncode != 0, text
+    # Each rank finishes its iteration, then stops (143). A rank that is one collective ahead sees
+    # the other one leave and fails that collective instead (1). Either way, nothing logged is lost.
+    for rank in (0, 1):
+        assert_rank_flushed(run, rank, {1, 143})
+    assert any("terminated by signal" in (run / f"train_rank{rank}.log").read_text() for rank in (0, 1))
     said = re.findall(r"checkpoint written at step (\d+)", text)
     assert said, text
     stopped = int(said[-1])
