@@ -14,7 +14,8 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 setup: $(VENV)/.installed
 
 # Re-installs when pyproject.toml changes. torch comes from whatever index/constraints pip is
-# configured with (on the project's build machines, wheels on local disk).
+# configured with (on the project's build machines, wheels on local disk). trainer/tools/install.py is
+# pip install -e '.[dev]' with two pips unpacking the wheels at once, since one pip keeps to one core.
 # pip's install log goes to a file: one line on screen, its last lines and the path if it fails.
 $(VENV)/.installed: pyproject.toml
 	@case "$(TORCH)" in ""|cpu) ;; *) echo "TORCH=$(TORCH) is not a choice: accepted: cpu, or unset (pip's default torch)"; exit 2;; esac
@@ -26,7 +27,7 @@ $(VENV)/.installed: pyproject.toml
 		{ tail -n 20 $(VENV)/pip.log; echo "pip upgrade failed: the whole log is $(VENV)/pip.log"; exit 1; }
 	$(if $(filter cpu,$(TORCH)),@$(BIN)/pip install torch torchvision --index-url $(TORCH_CPU_INDEX) >> $(VENV)/pip.log 2>&1 || \
 		{ tail -n 20 $(VENV)/pip.log; echo "pip install of the CPU-only torch failed: the whole log is $(VENV)/pip.log"; exit 1; })
-	@$(BIN)/pip install -e '.[dev]' >> $(VENV)/pip.log 2>&1 || \
+	@$(BIN)/python -m trainer.tools.install >> $(VENV)/pip.log 2>&1 || \
 		{ tail -n 20 $(VENV)/pip.log; echo "pip install failed: the whole log is $(VENV)/pip.log"; exit 1; }
 	@touch $@
 

@@ -1,1 +1,2 @@
-"""Commands run with `python -m trainer.tools.<name>`: collective benchmark, sweep report, W&B offline reader."""
+"""Commands run with `python -m trainer.tools.<name>`: collective benchmark, sweep report, W&B offline reader,
+the set-up's installer."""
