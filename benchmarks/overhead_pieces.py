@@ -24,7 +24,6 @@ import torch.nn.functional as F
 
 from benchmarks.overhead_loops import MODELS, Framework
 from trainer.reliability import fault as faults
-from trainer.reliability.exits import StepBoundary
 from trainer.setup import dist as ddist
 
 
@@ -64,7 +63,7 @@ def measure(framework: Framework, number: int) -> list[tuple[str, float]]:
             timer._collected = []
 
     def hooks() -> None:
-        with StepBoundary():
+        with trainer.step_boundary:
             faults.maybe_fire(fault, 0, trainer.step, 0, trainer.model)
             fault.poisons_loss(0, trainer.step, 0)
 

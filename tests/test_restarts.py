@@ -79,6 +79,7 @@ def test_a_hanging_rank_fails_the_job_within_the_timeout(tmp_path: Path) -> None
             CPU,
             "trainer.max_steps=100",
             "trainer.collective_timeout_s=5",
+            "trainer.step_grace_s=3",
             "trainer.fault.kind=hang",
             "trainer.fault.rank=1",
             "trainer.fault.at_step=5",
@@ -90,13 +91,14 @@ def test_a_hanging_rank_fails_the_job_within_the_timeout(tmp_path: Path) -> None
     text = output(proc)
     assert proc.returncode != 0, text
     # Rank 0 waits one collective timeout, then fails naming the step; the hung rank gets SIGTERM
-    # and stops within the step grace (15 s) instead of waiting for torchrun's SIGKILL (30 s).
-    # Timed between the two ranks' own log lines, so a loaded machine's slow start-up does not count.
+    # and stops within the step grace (trainer.step_grace_s: 3 s) instead of waiting for torchrun's
+    # SIGKILL (30 s). Timed between the two ranks' own log lines, so a loaded machine's slow start-up
+    # does not count.
     assert "training failed: StepFailed: step 5 on rank 0" in text and "Timed out" in text
     assert "[rank1] terminated by signal" in text
     failed = _logged_at(tmp_path / "run" / "train_rank0.log", "training failed")
     stopped = _logged_at(tmp_path / "run" / "train_rank1.log", "terminated by signal")
-    assert 0 <= (stopped - failed).total_seconds() < 15 + 10, (failed, stopped)
+    assert 0 <= (stopped - failed).total_seconds() < 3 + 10, (failed, stopped)
 
 
 def _logged_at(log_file: Path, message: str) -> datetime:

@@ -93,6 +93,9 @@ class TrainSettings:
         Literal["fp32", "bf16", "fp16"], Field(description="bf16 and fp16 autocast; fp16 with a gradient scaler")
     ]
     collective_timeout_s: Annotated[float, Field(gt=0, description="a collective waiting longer fails the job")]
+    step_grace_s: Annotated[
+        float, Field(gt=0, description="how long SIGTERM or Ctrl-C waits for the step to end before the rank stops")
+    ]
     progress_bar: bool
     profile: Annotated[bool, Field(description="a torch.profiler trace of steps 3-5 per rank")]
     checkpoint_every_n_steps: Annotated[int, Field(ge=0, description="0: only at the end")]

@@ -143,6 +143,7 @@ class Trainer:
             window=self._window,
         )
         self._checkpoint_step: int | None = None  # the newest checkpoint this run can resume from
+        self.step_boundary = StepBoundary(settings.step_grace_s)  # entered by every iteration of train()
         # checkpoint_async: the save in flight, its collectives on a gloo group of their own (every rank makes it)
         timeout = dt.timedelta(seconds=settings.collective_timeout_s)
         self._saves = InFlight(checkpoint_group(timeout)) if settings.checkpoint_async else None
@@ -221,7 +222,7 @@ class Trainer:
             while self.step < until_step:
                 # A SIGTERM waits for the whole iteration, its periodic events included: then every
                 # rank stops having run the same collectives, at the same step.
-                with StepBoundary():
+                with self.step_boundary:
                     self.run_iteration(bar, profiler)
             self.sync.wait_for_parameters()  # the caller may read the parameters now
         except Terminated as stop:

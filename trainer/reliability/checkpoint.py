@@ -41,6 +41,7 @@ NOT_TRAINING = (
     "trainer.progress_bar",
     "trainer.profile",
     "trainer.collective_timeout_s",
+    "trainer.step_grace_s",
     "trainer.fault",
     "trainer.resume",
     "trainer.checkpoint_every_n_steps",

@@ -39,11 +39,8 @@ class Terminated(SystemExit):
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-# How long a SIGTERM waits for the current step to end. torchrun kills a worker 30 s after its
-# SIGTERM; a step that is stuck must not cost the logs that the remaining time can still flush.
-STEP_GRACE_S = 15.0
-
-_in_step = False
+# Inside a step: how long a SIGTERM waits for it to end (trainer.step_grace_s); None between steps.
+_step_grace_s: float | None = None
 _pending: int | None = None
 
 
@@ -53,10 +50,10 @@ def _raise_terminated(signum: int, frame: FrameType | None) -> None:
     # (a Ctrl-C reaches each rank twice: from the terminal, then forwarded by torchrun).
     for stop in STOP_SIGNALS:
         signal.signal(stop, signal.SIG_IGN)
-    if _in_step and signum in STOP_SIGNALS:
+    if _step_grace_s is not None and signum in STOP_SIGNALS:
         _pending = signum  # stop at the end of this step, with a consistent state...
         signal.signal(signal.SIGALRM, _raise_terminated)
-        signal.setitimer(signal.ITIMER_REAL, STEP_GRACE_S)  # ...unless it does not end in time
+        signal.setitimer(signal.ITIMER_REAL, _step_grace_s)  # ...unless it does not end in time
         return
     raise Terminated(128 + (_pending or signum))
 
@@ -67,17 +64,22 @@ class StepBoundary:
     Parameters, optimizer and schedule then all belong to the same step, so a checkpoint written
     on the way out is one an uninterrupted run also passes through. A step stuck in a collective
     still ends: the collective fails (peer gone) or times out (trainer.collective_timeout_s).
+    A step that does not end within grace_s seconds of the signal is left: the rank stops anyway,
+    with the time its launcher leaves before SIGKILL (torchrun: 30 s) to flush its logs.
     A class, not a generator context manager: it is entered every step, and a class's __enter__ and
     __exit__ are plain calls, where a generator context manager builds a generator each time.
     """
 
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+
     def __enter__(self) -> None:
-        global _in_step
-        _in_step = True
+        global _step_grace_s
+        _step_grace_s = self.grace_s
 
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
-        global _in_step, _pending
-        _in_step = False
+        global _step_grace_s, _pending
+        _step_grace_s = None
         if _pending is not None and kind is None:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signum, _pending = _pending, None
