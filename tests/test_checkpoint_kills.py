@@ -90,7 +90,9 @@ def node(endpoint: str, is_host: bool, args: list[str], cwd: Path) -> subprocess
     """One torchrun agent of an elastic job of 1 to 2 nodes, one rank each, that may restart once.
 
     The first node hosts the rendezvous store (is_host), so losing the other keeps it. last_call: how
-    long a round with fewer than 2 nodes waits for more, so the first round gets both."""
+    long a round with fewer than 2 nodes waits for more, so the first round gets both. keep_alive: a
+    heartbeat every second, 5 missed ones and a node is dead (torch's default: 3 missed, 5 s apart),
+    so the restart's round starts 5 s after the node is lost, not 15."""
     cmd = [
         str(Path(sys.executable).parent / "torchrun"),
         "--nnodes=1:2",
@@ -99,7 +101,7 @@ def node(endpoint: str, is_host: bool, args: list[str], cwd: Path) -> subprocess
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={endpoint}",
         "--rdzv-id=shrink",
-        f"--rdzv-conf=is_host={str(is_host).lower()},last_call_timeout=10",
+        f"--rdzv-conf=is_host={str(is_host).lower()},last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=5",
         TRAIN,
         *args,
     ]
