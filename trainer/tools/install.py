@@ -47,13 +47,15 @@ def size(wheel: str) -> int:
 
 
 def deal(wheels: list[str], jobs: int) -> list[list[str]]:
-    """The wheels in `jobs` groups of about equal bytes, the biggest dealt first (the fullest gets none)."""
+    """The wheels in `jobs` groups of about equal bytes: biggest first, each to the lightest group so
+    far; downloads (no size known) in turn. Empty groups are left out."""
     groups: list[list[str]] = [[] for _ in range(jobs)]
     loads = [0] * jobs
-    for i, wheel in enumerate(sorted(wheels, key=size, reverse=True)):
-        k = min(range(jobs), key=lambda j: (loads[j], len(groups[j]))) if size(wheel) else i % jobs
+    sized = sorted(((size(wheel), wheel) for wheel in wheels), reverse=True)
+    for i, (nbytes, wheel) in enumerate(sized):
+        k = loads.index(min(loads)) if nbytes else i % jobs
         groups[k].append(wheel)
-        loads[k] += size(wheel)
+        loads[k] += nbytes
     return [group for group in groups if group]
 
 
