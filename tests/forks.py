@@ -1,7 +1,8 @@
 """Processes the tests start, forked from a server that has imported torch once.
 
 Importing torch and the trainer takes a fresh interpreter ~2-3 s of CPU here (and the first
-optimizer step ~1.5 s more, importing torch._dynamo), and the suite starts hundreds of processes:
+optimizer step ~1.5 s more, importing torch._dynamo; a rank's first wandb.init ~0.7 s more, importing
+W&B's modules), and the suite starts hundreds of processes:
 the spawned ranks of tests/dist_helpers.py, the torchrun agents of tests/cli.py and the ranks
 those agents start. They fork instead from one multiprocessing forkserver per pytest worker that
 imported these modules once. The server forks before any process group, thread pool or CUDA
@@ -52,6 +53,10 @@ PRELOAD = [
     "torch.distributed.checkpoint",
     "torch.distributed.run",
     "tests.train_helpers",
+    # W&B's logger: wandb.init imports these on every rank's first run (about 0.6 s of CPU a rank)
+    "wandb",
+    "wandb.apis.public",
+    "wandb.sdk.launch",
 ]
 context = mp.get_context("forkserver")
 context.set_forkserver_preload(PRELOAD)
