@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from tests.dist_helpers import run_on_ranks
 from tests.text_helpers import tiny_gpt, write_corpus
 from tests.train_helpers import build, case_results, max_abs_diff, train_each
-from trainer.loop.lm import compiler_missing
+from trainer.loop.lm import compiler_missing, end_of_run_sample
 
 pytestmark = [
     pytest.mark.slow,
@@ -21,13 +22,20 @@ pytestmark = [
 ]
 
 COMMON = ["logger=none", "trainer.progress_bar=false", "trainer.max_steps=3", "trainer.eval_every_n_steps=0"]
+SAMPLE_GRAPHS = "graphs compiled by the closing sample"
 
 
 def train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dict[str, torch.Tensor]:
     trainer = build(rank, world_size, [*COMMON, *overrides], run_dir)
+    # The run's closing sample, first (after the run, its graphs would exist already): it compiles
+    # nothing, though its context grows a token at a time. It draws from its own generator.
+    graphs = counters["stats"]["unique_graphs"]
+    end_of_run_sample(trainer.model, trainer.data)
+    sample_graphs = counters["stats"]["unique_graphs"] - graphs
     trainer.fit()
     full, _ = trainer.sync.state_dicts(trainer.model, trainer.optimizer)  # FSDP's shards gathered (rank 0 only)
-    return {k: v.detach().cpu().clone() for k, v in full.items()}
+    weights = {k: v.detach().cpu().clone() for k, v in full.items()}
+    return {**weights, SAMPLE_GRAPHS: torch.tensor(sample_graphs)}
 
 
 def test_compiled_trains_as_eager_under_every_wrapping_strategy(tmp_path: Path) -> None:
@@ -43,6 +51,10 @@ def test_compiled_trains_as_eager_under_every_wrapping_strategy(tmp_path: Path) 
     ranks = run_on_ranks(train_each, 2, tmp_path / "ranks", train, cases, str(tmp_path / "runs"), timeout_s=900)
     for name, _, _ in runs:
         eager, compiled = case_results(ranks, f"{name}-eager"), case_results(ranks, f"{name}-compiled")
+        for rank in compiled:
+            assert int(rank.pop(SAMPLE_GRAPHS)) == 0, f"{name}: the closing sample compiled graphs"
+        for rank in eager:
+            rank.pop(SAMPLE_GRAPHS)
         if compiled[1]:  # a sharded strategy's full state exists on rank 0 only
             assert max_abs_diff(compiled[0], compiled[1]) == 0.0, f"{name}: replicas differ"
         assert max_abs_diff(compiled[0], eager[0]) <= 1e-5, name

@@ -90,5 +90,9 @@ def end_of_run_sample(model: nn.Module, data: DataModule, tokens: int = 120) -> 
     if vocab is None:
         return None
     prompt = encode("\n", vocab) if "\n" in str(vocab.get("chars", "\n")) else [0]
-    ids = generate(model, prompt, tokens, temperature=0.8, top_k=40, seed=0)
+    # Eager even under trainer.compile: the context grows a token at a time, and torch.compile would
+    # build new inference graphs for it (one length, then dynamic ones), which cost far more than the
+    # forwards of one short sample they would speed up.
+    with torch.compiler.set_stance("force_eager"):
+        ids = generate(model, prompt, tokens, temperature=0.8, top_k=40, seed=0)
     return decode(ids, vocab)
