@@ -53,7 +53,7 @@ PRELOAD = [
     "torch.distributed.checkpoint",
     "torch.distributed.run",
     "tests.train_helpers",
-    # W&B's logger: wandb.init imports these on every rank's first run (about 0.6 s of CPU a rank)
+    # W&B's logger: wandb.init imports these on every rank's first run (about 0.7 s of CPU a rank)
     "wandb",
     "wandb.apis.public",
     "wandb.sdk.launch",
