@@ -11,7 +11,7 @@ import pytest
 
 from tests.cli import CPU, assert_every_rank_stopped, env, output, torchrun, torchrun_cmd, train_rows
 from tests.compose import REPO
-from trainer.logger.wandb_files import find_runs
+from trainer.logger.wandb_files import read_run
 
 pytestmark = pytest.mark.slow
 
@@ -127,8 +127,12 @@ def start_long_job(tmp_path: Path) -> tuple[subprocess.Popen[str], Path]:
 
 
 def assert_rank_flushed(run_dir: Path, rank: int, exit_codes: set[int]) -> None:
-    """The rank's W&B run was finished and holds every row its JSONL holds."""
-    (run,) = [run for run in find_runs(run_dir) if run.name == f"rank-{rank}"]
+    """The rank's W&B run was finished and holds every row its JSONL holds.
+
+    Only this rank's file is read, strictly: a SIGKILLed rank's own file may end inside a record."""
+    (run_path,) = (run_dir / "wandb").glob(f"offline-run-*-rank{rank}")
+    run = read_run(run_path)
+    assert run.name == f"rank-{rank}"
     assert run.exit_code in exit_codes
     logged = [row["_step"] for row in run.history if "train/loss" in row]
     assert logged == [row["step"] for row in train_rows(run_dir / "metrics" / f"rank{rank}.jsonl")]
