@@ -12,7 +12,7 @@ os.environ["WANDB_SILENT"] = "true"
 # What starts a process: spawned gloo ranks, torchrun, train.py under plain python, any subprocess.
 STARTS_A_PROCESS = {"run_on_ranks", "torchrun", "python_train", "subprocess"}
 
-# The files that take longest (worker seconds in a `make test` run, docs/tests.md), longest first.
+# The files that take longest (seconds on a worker: `--durations=0` per file), longest first.
 # `make test` hands whole files to its two workers in collection order (--no-loadscope-reorder), and
 # these go first so that the run ends on short files, both workers busy until then: handed out last,
 # one of them would leave the other idle for its whole length. Out of date, this list costs balance,
