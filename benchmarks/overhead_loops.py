@@ -190,7 +190,6 @@ class Framework:
             trainer.sync.after_backward(trainer.train_model)
             times.append(time.perf_counter() - started)
         trainer.sync.zero_grad(trainer.optimizer)  # flat-buffer strategies keep their views
-        trainer.sync.pop_comm_counts()  # not training: keep it out of the counters
         return statistics.median(times)
 
     def gradient_mb(self) -> float:
@@ -205,14 +204,11 @@ class Framework:
         local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # fsdp: this rank's DTensor shard
         held = {s.data_ptr(): s.nbytes() for s in (g.untyped_storage() for g in local)}
         trainer.sync.zero_grad(trainer.optimizer)
-        trainer.sync.pop_comm_counts()  # not training: keep it out of the counters
         return sum(held.values()) / 2**20
 
     def comm(self, skip_rows: int) -> tuple[float, float, float]:
-        """Median communication and exposed seconds, and bytes, per step over this rank's rows after warm-up.
-
-        Times are 0 when nothing timed them (ddp without sync.time_buckets): bytes are always counted.
-        """
+        """Median communication and exposed seconds, and bytes, per step over this rank's rows after warm-up
+        (the observer's sampled steps: trainer/measures.py's definitions)."""
         rows = [json.loads(line) for line in self.jsonl.read_text().splitlines()][skip_rows:]
         rows = [row for row in rows if "comm/bytes_per_step" in row]
         if not rows:

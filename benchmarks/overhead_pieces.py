@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.overhead_loops import MODELS, Framework
+from trainer.measures import PHASES
 from trainer.reliability import fault as faults
 from trainer.setup import dist as ddist
 
@@ -41,26 +42,31 @@ def host_us(call: Callable[[], object], device: torch.device, number: int, repea
 
 
 def measure(framework: Framework, number: int) -> list[tuple[str, float]]:
-    """(piece, µs per step) for each piece of the framework's own work on the step path."""
+    """(piece, µs per step) for each piece of the framework's own work on the step path: first an
+    unsampled step's (what every step but 1 in trainer.sample_every_n_steps pays), then the sampled
+    step's and the row's extra, spread over the steps between rows."""
     trainer = framework.trainer
-    steps, window, timer, fault = trainer.runner, trainer._window, trainer._timer, trainer.settings.fault
+    steps, window, observer, fault = trainer.runner, trainer._window, trainer.observer, trainer.settings.fault
     device, every = trainer.ctx.device, trainer.settings.log_every_n_steps
     inputs, targets = (t.to(device) for t in next(iter(trainer.train_loader)))
     logits = trainer.train_model(inputs)
     loss = F.cross_entropy(logits, targets)
+    comm, tensor = trainer.sync.comm, torch.zeros(1, device=device)
+    unsampled = every * 1000 + 1  # (step + 1) % every != 0: not sampled, not due for anything
 
     def add() -> None:  # a row resets the window; here the reference lists are emptied by hand
-        window.add(loss, logits, targets, trainer.step)
+        window.add(loss, unsampled, targets)
         if len(window._losses) >= every:
             window.reset()
 
-    def clocks() -> None:
-        timer.start()
-        for phase in ("data", "forward", "backward", "sync", "optimizer"):
-            timer.mark(phase)
-        timer.stop()
-        if len(timer._collected) >= every:
-            timer._collected = []
+    def reports() -> None:  # the step's reports to the observer on an unsampled step
+        observer.begin_step(unsampled)
+        for phase in PHASES:
+            observer.mark(phase)
+        observer.end_step()
+
+    def launch() -> None:  # the communication object around a collective, unsampled (the collective a no-op)
+        comm._launch("all_reduce", tensor, 0, None, _no_collective, tensor)
 
     def hooks() -> None:
         with trainer.step_boundary:
@@ -70,32 +76,49 @@ def measure(framework: Framework, number: int) -> list[tuple[str, float]]:
     def between_steps() -> None:  # an unlogged step's checks: nothing due
         trainer._after_step(None)
 
-    def logged_row_us(rows: int) -> float:
-        """µs of the row alone: each time, `every` steps fill the window and clocks untimed first."""
-        best = float("inf")
+    def sampled_and_row_us(rows: int) -> tuple[float, float]:
+        """µs of a sampled step's observing (its marks, probes and collectives' records: here its
+        reports alone, with the memory probe) and of the row itself: `every` steps fill the window."""
+        best_sampled, best_row = float("inf"), float("inf")
         for _ in range(3):
-            seconds = 0.0
+            sampled_s = row_s = 0.0
             for _ in range(rows):
                 for _ in range(every):
-                    window.add(loss, logits, targets, trainer.step)
-                    clocks()
+                    window.add(loss, every * 1000 - 1, targets, logits)
+                started = time.perf_counter()
+                observer.begin_step(every * 1000 - 1)  # the step before the row: sampled
+                for phase in PHASES:
+                    observer.mark(phase)
+                observer.end_step()
+                sampled_s += time.perf_counter() - started
                 window.num_steps, trainer.step = every, every * 1000
                 started = time.perf_counter()
                 trainer._after_step(None)  # reads the window (the step's one host sync), writes the row
-                seconds += time.perf_counter() - started
-            best = min(best, seconds)
-        return best / rows * 1e6
+                row_s += time.perf_counter() - started
+            best_sampled, best_row = min(best_sampled, sampled_s), min(best_row, row_s)
+        return best_sampled / rows * 1e6, best_row / rows * 1e6
 
-    trainer.step = every * 1000 + 1  # not due for anything: no row, evaluation or checkpoint
+    trainer.step = unsampled
     pieces = [
-        ("window.add (loss ref, argmax)", host_us(add, device, number)),
-        ("phase clocks (start, 5 marks, stop)", host_us(clocks, device, number)),
+        ("window.add (a loss reference)", host_us(add, device, number)),
+        ("observer reports (begin, 5 marks, end), unsampled", host_us(reports, device, number)),
+        ("the communication object, per collective, unsampled", host_us(launch, device, number)),
         ("LR schedule step", host_us(steps.scheduler.step, device, number)),
         ("SIGTERM boundary + fault hooks", host_us(hooks, device, number)),
         ("between-step checks (nothing due)", host_us(between_steps, device, number)),
+        ("sync.after_step (no tuner)", host_us(trainer.sync.after_step, device, number)),
     ]
-    pieces.append((f"a logged row, per step (1 in {every})", logged_row_us(max(1, number // every // 10)) / every))
+    sampled_us, row_us = sampled_and_row_us(max(1, number // every // 10))
+    pieces.append((f"the sampled step's observing, per step (1 in {every})", sampled_us / every))
+    pieces.append((f"a logged row, per step (1 in {every})", row_us / every))
     return pieces
+
+
+def _no_collective(*args: object, **kwargs: object) -> None:
+    """Stands in for a torch collective: what is left is the communication object's own work."""
+
+
+UNSAMPLED = 7  # the first pieces: what an unsampled step pays
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -114,8 +137,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             pieces = measure(framework, args.number)
         print(f"{args.model} on {device}, world size {ctx.world_size}: host µs per step, best of 5 x {args.number}")
         print("| piece | µs/step |\n|---|---|")
-        for name, us in pieces:
+        for name, us in pieces[:UNSAMPLED]:
             print(f"| {name} | {us:.1f} |")
-        print(f"| **total** | **{sum(us for _, us in pieces):.1f}** |")
+        print(f"| **an unsampled step** | **{sum(us for _, us in pieces[:UNSAMPLED]):.1f}** |")
+        for name, us in pieces[UNSAMPLED:]:
+            print(f"| {name} | {us:.1f} |")
+        print(f"| **total, per step** | **{sum(us for _, us in pieces):.1f}** |")
     finally:
         ddist.destroy_process_group()

@@ -91,11 +91,11 @@ def row_parts(framework: Framework) -> list[tuple[str, Any, str]]:
     """The row's parts, timed where they run: (label, the object holding it, its attribute)."""
     trainer = framework.trainer
     return [
-        ("the logged step's gradient norm (train/grad_norm)", trainer.sync, "grad_norm"),
+        ("the sampled step's gradient norm (train/grad_norm)", trainer.sync, "grad_norm"),
         ("the window's totals (its one host sync)", trainer._window, "totals"),
         ("the non-finite agreement (trainer.on_nonfinite=raise)", trainer._nonfinite, "at_row"),
         ("the row (TrainRows.log)", trainer._rows, "log"),
-        ("  of which the phase clocks' means", trainer._timer, "collect"),
+        ("  of which the observer's sampled step", trainer.observer, "take"),
         ("  of which the RSS", trainer._rows._rss, "bytes"),
         ("  of which the JSONL line", trainer._rows.loggers[0], "log"),
     ]

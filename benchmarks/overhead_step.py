@@ -44,13 +44,14 @@ from pathlib import Path
 
 from benchmarks.overhead_loops import MODELS, Framework, HandWritten
 from benchmarks.rounds import iqr, timed
+from trainer.measures import wire_factor
 from trainer.setup import dist as ddist
 from trainer.tools.collective_ops import measure
 
 DEFAULT_MODELS = ("mlp-25M", "cnn", "mlp-tiny")
 # manual's default flattens gradients into all_reduces of up to 25 MiB; coalesce_mb=0 is the
-# textbook one call per gradient, as the hand-written loop does. ddp:time_buckets=true (CPU only)
-# times every bucket through a Python hook instead of DDP's sampled runtime statistics. bucketed is
+# textbook one call per gradient, as the hand-written loop does. ddp:time_buckets=true writes DDP's
+# all-reduce as a Python hook through the lab's communication object (what network= needs). bucketed is
 # DDP built by hand; collective=rs_ag does each all_reduce as reduce_scatter + all_gather.
 STRATEGIES = (
     "none",
@@ -66,9 +67,11 @@ STRATEGIES = (
     "zero:stage=3",
     "fsdp",
 )
+# The strategies that communicate only inside after_backward: their "sync alone" is their communication.
+SYNC_PHASE_ONLY = ("manual",)
 # The strategies whose gradient memory after backward the table shows (the sharding comparison).
 GRAD_MEMORY = ("ddp", "zero", "fsdp")
-CUDA_STRATEGIES = tuple(s for s in STRATEGIES if s != "ddp:time_buckets=true")
+CUDA_STRATEGIES = STRATEGIES
 
 
 @dataclass
@@ -140,12 +143,13 @@ def bench(model: str, strategy: str, args: argparse.Namespace, ctx: ddist.DistCo
     warmup_rows = max(1, args.warmup // 10)
     result.comm_s, result.exposed_s, result.bytes_per_step = framework.comm(skip_rows=warmup_rows)
     if result.bytes_per_step and ctx.world_size > 1:
-        # The floor's buffer splits into world_size fp32 shards (the collective benchmark's rule):
-        # rounded up by a few bytes where a strategy's count does not (fsdp's halves, odd layers).
+        # The floor: one all_reduce that puts the step's bytes on the wire (a buffer of bytes / 2(N-1)/N),
+        # split into world_size fp32 shards (the collective benchmark's rule), rounded up by a few bytes.
         grain = 4 * ctx.world_size
-        floor_bytes = -(-int(result.bytes_per_step) // grain) * grain
+        buffer = result.bytes_per_step / wire_factor("all_reduce", ctx.world_size)
+        floor_bytes = -(-int(buffer) // grain) * grain
         result.floor_s = measure("all_reduce", floor_bytes, iters=10, warmup=3, device=ctx.device)
-        if framework.trainer.sync.comm_in_sync_phase:  # ddp communicates inside backward: no "alone"
+        if strategy.split(":")[0] in SYNC_PHASE_ONLY:  # others communicate during backward: no "alone"
             result.alone_s = framework.sync_alone(repeats=11)
     if strategy.split(":")[0] in GRAD_MEMORY:
         result.grad_mb = framework.gradient_mb()
@@ -188,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=6, help="timed steps per round and implementation")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--models", help=f"of: {', '.join(MODELS)} (default: {','.join(DEFAULT_MODELS)})")
-    parser.add_argument("--strategies", help=f"default: {','.join(STRATEGIES)} (on CUDA without time_buckets)")
+    parser.add_argument("--strategies", help=f"default: {','.join(STRATEGIES)}")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="as trainer.device")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--baseline", help="also time the framework under this strategy in the same rounds")

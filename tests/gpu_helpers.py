@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.compose import compose_config
-from trainer.loop.timing import PHASES
+from trainer.measures import PHASES
 from trainer.setup.build import build_parts
 
 CUDA = "trainer.device=cuda"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import pytest
@@ -10,6 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.dist_helpers import run_on_ranks
+from tests.observe_helpers import sampled
+from trainer.measures import KINDS
 from trainer.sync.bucketed import BucketedSync
 
 
@@ -25,14 +28,12 @@ def _backward(model: nn.Module, rank: int) -> None:
 
 def _mechanism(rank: int, world_size: int, collective: str, timed: bool = True) -> dict[str, Any]:
     sync = BucketedSync(bucket_cap_mb=300 / 2**20, collective=collective)  # ~300 B buckets
-    sync.comm.timing = timed  # every step stamped (the loop times 1 in trainer.time_comm_every_n_steps)
     model = sync.wrap(_model(seed=rank))  # rank 1's different draw is replaced by rank 0's
     buckets = sync.describe()["num_buckets"]
     # Step 1 learns each parameter's hook calls per backward: its buckets start in after_backward.
     _backward(model, rank)
     learning = len(sync._works)
     sync.after_backward(model)
-    sync.pop_comm_counts()
     sync.zero_grad(torch.optim.SGD(model.parameters(), lr=0.1))
     reference = _model(seed=0)  # rank 0's weights, no sync: this rank's own gradients
     for _ in range(2):
@@ -45,14 +46,15 @@ def _mechanism(rank: int, world_size: int, collective: str, timed: bool = True) 
     # of its gradients): buckets built last layer first leave while the earlier layers compute.
     in_flight_at_first_layer: list[int] = []
     probe = model[0].register_full_backward_pre_hook(lambda *_: in_flight_at_first_layer.append(len(sync._works)))
-    _backward(model, rank)
-    probe.remove()
-    # Before after_backward: every bucket was launched while backward ran (and may already be
-    # reduced in place by gloo's thread, so the buffers are not read here).
-    started_by_hooks = len(sync._works)
-    sync.after_backward(model)
+    # The observer samples this step (the loop samples 1 step in trainer.sample_every_n_steps), or none.
+    with sampled(sync) if timed else nullcontext({}) as counts:
+        _backward(model, rank)
+        probe.remove()
+        # Before after_backward: every bucket was launched while backward ran (and may already be
+        # reduced in place by gloo's thread, so the buffers are not read here).
+        started_by_hooks = len(sync._works)
+        sync.after_backward(model)
     views = all(p.grad is v for b in sync._flat.buckets for p, v in zip(b.params, b.views, strict=True))  # type: ignore[union-attr]
-    counts = sync.pop_comm_counts()
     averaged = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
     sync.zero_grad(torch.optim.SGD(model.parameters(), lr=0.1))
     return {
@@ -93,24 +95,24 @@ def test_buckets_start_during_backward_and_average_in_place(mechanism: list[dict
     # Both micro-batches accumulated into the buffers, then the ranks' sums were averaged.
     for a, b, avg0, avg1 in zip(rank0["local"], rank1["local"], rank0["averaged"], rank1["averaged"], strict=True):
         assert torch.allclose(avg0, (a + b) / 2, atol=1e-6) and torch.equal(avg0, avg1)
-    counts = rank0["counts"]
-    grad_bytes = sum(p.numel() * 4 for p in rank0["params"])
-    assert counts.bytes == grad_bytes and counts.kinds["all_reduce"] == [grad_bytes, rank0["buckets"]]
-    assert counts.timed_steps == 1 and counts.seconds > 0 and 0 <= counts.exposed_seconds <= counts.seconds + 1e-3
+    row = rank0["counts"]
+    grad_bytes = sum(p.numel() * 4 for p in rank0["params"])  # on 2 ranks an all_reduce sends 2(2-1)/2 of it
+    assert row["comm/bytes_per_step"] == grad_bytes == row["comm/all_reduce_bytes_per_step"]
+    assert row["comm/all_reduce_per_step"] == rank0["buckets"]
+    assert row["time/comm_s"] > 0 and 0 <= row["time/comm_exposed_s"] <= row["time/comm_s"] + 1e-3
 
 
 def test_untimed_the_same_buckets_leave_and_nothing_is_timed(
     mechanism: list[dict[str, dict[str, Any]]],
 ) -> None:
-    # An untimed step: the communication object starts each bucket as it is, stamps nothing.
+    # An unsampled step: the communication object starts each bucket as it is, and reports nothing
+    # (the observer counts and times the sampled step only: docs/metrics.md).
     for by_collective in mechanism:
         timed, untimed = by_collective["all_reduce"], by_collective["untimed"]
         assert untimed["started_by_hooks"] == untimed["buckets"] == timed["buckets"]
         assert untimed["in_flight_at_first_layer"] == timed["in_flight_at_first_layer"]
         assert all(torch.equal(a, b) for a, b in zip(untimed["averaged"], timed["averaged"], strict=True))
-        counts = untimed["counts"]
-        assert counts.kinds == timed["counts"].kinds
-        assert (counts.timed_steps, counts.seconds, counts.exposed_seconds) == (0, 0.0, 0.0)
+        assert untimed["counts"] == {} and timed["counts"]["comm/all_reduce_per_step"] == timed["buckets"]
 
 
 def test_last_layers_buckets_leave_before_the_first_layer_has_its_gradients(
@@ -131,5 +133,6 @@ def test_rs_ag_gives_the_same_bits_as_all_reduce(mechanism: list[dict[str, dict[
     for a, b in zip(all_reduce, rs_ag, strict=True):
         assert all(torch.equal(x, y) for x, y in zip(a["averaged"], b["averaged"], strict=True))
         assert b["started_by_hooks"] == b["buckets"]
-        kinds = b["counts"].kinds
-        assert set(kinds) == {"reduce_scatter", "all_gather"} and kinds["all_gather"][1] == b["buckets"]
+        row = b["counts"]
+        sent = {kind for kind in KINDS if f"comm/{kind}_per_step" in row}
+        assert sent == {"reduce_scatter", "all_gather"} and row["comm/all_gather_per_step"] == b["buckets"]

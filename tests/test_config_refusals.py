@@ -138,7 +138,7 @@ TABLE: list[Row] = [
     Row("trainer=default", "trainer.seed=-1", "low", "trainer.seed=-1"),
     Row("trainer=default", "trainer.seed=4294967296", "high", "trainer.seed=4294967296"),
     Row("trainer=default", "trainer.log_every_n_steps=0", "low", "trainer.log_every_n_steps=0"),
-    Row("trainer=default", "trainer.time_comm_every_n_steps=-1", "low", "trainer.time_comm_every_n_steps=-1"),
+    Row("trainer=default", "trainer.sample_every_n_steps=-1", "low", "trainer.sample_every_n_steps=-1"),
     Row("trainer=default", "trainer.eval_every_n_steps=-1", "low", "trainer.eval_every_n_steps=-1"),
     Row("trainer=default", "trainer.eval_max_samples=0", "low", "trainer.eval_max_samples=0"),
     Row("trainer=default", "trainer.grad_accum_steps=0", "low", "trainer.grad_accum_steps=0"),

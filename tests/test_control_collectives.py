@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.dist_helpers import run_on_ranks
+from tests.observe_helpers import sampled, sent
 from trainer.sync.comm import Comm
 from trainer.sync.manual import ManualSync
 from trainer.sync.network import Network
@@ -45,24 +46,28 @@ def _model() -> nn.Module:
 
 def _control(rank: int, world_size: int) -> dict[str, Any]:
     sync = ManualSync(find_unused_parameters=True)
-    model = sync.wrap(_model())
-    at_wrap = sync.pop_comm_counts()
-    F.cross_entropy(model(torch.randn(5, 4)), torch.randint(0, 2, (5,))).backward()
-    sync.after_backward(model)
-    step = sync.pop_comm_counts()
+    with sampled(sync) as at_wrap:  # watched as a sampled step is
+        model = sync.wrap(_model())
+    with sampled(sync) as step:
+        F.cross_entropy(model(torch.randn(5, 4)), torch.randint(0, 2, (5,))).backward()
+        sync.after_backward(model)
     # On an emulated link an agreement is handed on no earlier than the link would deliver it.
     link = Network(preset="1gbe", latency_us=20_000.0).link(world_size)
     assert link is not None
     emulated = Comm(link)
+    emulated.observer.every = 1
+    emulated.observer.begin_step(1)
     started = time.perf_counter()
     agreed = emulated.agree(torch.tensor([float(rank + 1)]))
+    seconds = time.perf_counter() - started
+    emulated.observer.end_step()
     return {
-        "at_wrap": (at_wrap.control, at_wrap.bytes, at_wrap.kinds),
-        "step": (step.control, step.kinds),
+        "at_wrap": at_wrap,
+        "step": step,
         "agreed": agreed.item(),
-        "seconds": time.perf_counter() - started,
+        "seconds": seconds,
         "link_s": link.seconds("all_reduce", 4),
-        "emulated": emulated.counts.control,
+        "emulated": emulated.observer.take(),
     }
 
 
@@ -75,18 +80,24 @@ def test_control_collectives_are_counted_apart_from_gradient_traffic(control: li
     model = _model()
     tensors = [*model.parameters(), *model.buffers()]
     for rank in control:
-        # wrap(): one broadcast of rank 0's value per parameter and buffer, none of it gradient bytes.
-        (control_bytes, calls), grad_bytes, kinds = rank["at_wrap"]
-        assert calls == len(tensors) and control_bytes == sum(t.numel() * t.element_size() for t in tensors)
-        assert grad_bytes == 0 and kinds == {}
+        # wrap(): one broadcast of rank 0's value per parameter and buffer, none of it gradient bytes
+        # (on the wire, 2 ranks: a broadcast sends half its buffer, docs/metrics.md).
+        wrap = rank["at_wrap"]
+        assert wrap["comm/control_collectives_per_step"] == len(tensors)
+        assert wrap["comm/control_bytes_per_step"] == sum(t.numel() * t.element_size() for t in tensors) / 2
+        assert "comm/bytes_per_step" not in wrap and sent(wrap) == {}
         # A step under find_unused_parameters=true: the used-flags' one all_reduce (int32 per parameter).
-        (step_bytes, step_calls), step_kinds = rank["step"]
-        assert (step_bytes, step_calls) == (4 * len(list(model.parameters())), 1)
-        assert "control" not in step_kinds and sum(c for _, c in step_kinds.values()) >= 1
+        step = rank["step"]
+        assert (step["comm/control_bytes_per_step"], step["comm/control_collectives_per_step"]) == (
+            4 * len(list(model.parameters())),
+            1,
+        )
+        assert sum(calls for _, calls in sent(step).values()) >= 1
 
 
 def test_an_emulated_link_carries_control_collectives(control: list[dict[str, Any]]) -> None:
     for rank in control:
         assert rank["agreed"] == 3.0  # 1 + 2: the real sum
-        assert rank["emulated"] == [4, 1]
+        emulated = rank["emulated"]
+        assert (emulated["comm/control_bytes_per_step"], emulated["comm/control_collectives_per_step"]) == (4, 1)
         assert rank["link_s"] >= 0.02 and rank["seconds"] >= rank["link_s"]  # the link's 20 ms latency, at least

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from tests.dist_helpers import run_on_ranks
 from tests.edge_models import Case, batch, make, optimizer_for, reference, train
+from tests.observe_helpers import on_the_wire, sampled, sent, watch_every_step
 from tests.test_fsdp import real_collectives
 from trainer.sync.bucketed import BucketedSync
 from trainer.sync.comm import Comm
@@ -28,10 +29,8 @@ from trainer.sync.zero3 import Zero3Sync
 
 
 def timed(make: Any) -> Any:
-    """The strategy with every step's collectives stamped (the loop stamps 1 step in n)."""
-    sync = make()
-    sync.comm.timing = True
-    return sync
+    """The strategy with every step's collectives watched by the observer (the loop samples 1 step in n)."""
+    return watch_every_step(make())
 
 
 TINY_MB = 300 / 2**20  # below the branch's 8x8 float64 weight (512 bytes): that tensor makes a group alone
@@ -157,12 +156,12 @@ def _fsdp_comm(rank: int, wrap: str) -> dict[str, Any]:
     sync = FSDPSync(wrap=wrap)
     sync.wrap(model)
     optimizer = sync.build_optimizer(model, optimizer_for)
-    with real_collectives() as real:
+    with real_collectives() as real, sampled(sync) as row:
         x, y = batch("tied", 0, rank)
         F.cross_entropy(model(x), y).backward()
         sync.after_backward(model)
         sync.optimizer_step(optimizer)
-    return {"counted": sync.pop_comm_counts().kinds, "real": real, "describe": sync.describe()}
+    return {"counted": sent(row), "real": on_the_wire(real, 2), "describe": sync.describe()}
 
 
 def _shard_ops(rank: int, world_size: int, native: bool) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
@@ -176,25 +175,27 @@ def _shard_ops(rank: int, world_size: int, native: bool) -> tuple[torch.Tensor, 
     model.weight.grad = (torch.arange(8.0, dtype=torch.float64) * (rank + 1) + 0.5).view(1, 8)  # sums exact in binary
     assert sync._grads is not None and sync.param_shard is not None and sync.flat is not None
     sync._grads.hold(0, 0, model.weight, first=True)  # as its hook does: staged (stage 2)
-    sync.pop_comm_counts()
-    sync._reduce(0).wait()
-    sync._average(0)  # the average: halves of these sums are exact too
-    shard = sync._grads.shards[0].clone()
-    sync.param_shard.copy_(shard * 10)
-    for work in sync._gather(0):
-        work.wait()
-    return shard, sync.flat.clone(), list(sync.pop_comm_counts().kinds)
+    with sampled(sync) as row:
+        sync._reduce(0).wait()
+        sync._average(0)  # the average: halves of these sums are exact too
+        shard = sync._grads.shards[0].clone()
+        sync.param_shard.copy_(shard * 10)
+        for work in sync._gather(0):
+            work.wait()
+    return shard, sync.flat.clone(), list(sent(row))
 
 
 def _timed_future(rank: int, world_size: int) -> tuple[Any, torch.Tensor]:
     """A timed collective on a real gloo pair: what its wait() returns, and the bucket after it."""
     comm = Comm()
-    comm.timing = True
+    comm.observer.every = 1
+    comm.observer.begin_step(1)
     param = torch.nn.Parameter(torch.zeros(5, dtype=torch.float64))
     bucket = FlatGrads([[param]], world_size).buckets[0]
     bucket.grads.copy_(torch.arange(5.0) + rank)
     waited = comm.all_reduce(bucket.grads).wait()
-    assert comm.pop().timed_steps == 1, "the collective was stamped, launch to wait"
+    comm.observer.end_step()
+    assert comm.observer.take()["time/comm_s"] > 0, "the collective was watched, launch to completion"
     return waited, bucket.grads.clone()
 
 

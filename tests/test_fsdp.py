@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from tests.compose import compose_config
 from tests.dist_helpers import run_on_ranks
+from tests.observe_helpers import on_the_wire, sent
 from tests.train_helpers import SIX_STEPS, bit_identical, build, case_results, max_abs_diff, train_each
 from trainer.errors import ConfigError
 from trainer.loop.metrics import optimizer_state_mb
@@ -45,7 +46,7 @@ def train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dic
         "params": full_params(trainer),
         "optimizer_mb": optimizer_state_mb(trainer.optimizer),
         "start": start,
-        "skipped": trainer.runner.skipped_steps,
+        "skipped": trainer._rows.skipped_steps,
     }
 
 
@@ -92,22 +93,24 @@ ODD = ["model.hidden_sizes=[7,5]", "data.num_classes=3", "trainer.log_every_n_st
 
 
 def comm(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dict[str, Any]:
-    """Steps 1-2, then an evaluation, then step 3: what the strategy counted and what really went."""
+    """Step 1, step 2 (sampled), then an evaluation, then step 3 (sampled): what the observer counted
+    on the sampled steps and what really went in them."""
     trainer = build(rank, world_size, COMMON + ODD + overrides, run_dir)
-    trainer.sync.pop_comm_counts()
+    trainer.train(1)
+    trainer.observer.every = 1  # every step sampled from here
     with real_collectives() as real:
         trainer.train(2)
-    counted = trainer.sync.pop_comm_counts()
+    counted = trainer.observer.take()
     trainer.evaluate()  # forwards without backward, without grad
     with real_collectives() as real_after_eval:
         trainer.train(3)
-    counted_after_eval = trainer.sync.pop_comm_counts()
+    counted_after_eval = trainer.observer.take()
     return {
-        "counted": counted.kinds,
-        "bytes": counted.bytes,
-        "real": real,
-        "counted_after_eval": counted_after_eval.kinds,
-        "real_after_eval": real_after_eval,
+        "counted": sent(counted),
+        "bytes": counted["comm/bytes_per_step"],
+        "real": on_the_wire(real, world_size),
+        "counted_after_eval": sent(counted_after_eval),
+        "real_after_eval": on_the_wire(real_after_eval, world_size),
         "describe": trainer.sync.describe(),
     }
 
@@ -246,16 +249,15 @@ def test_counted_communication_is_what_fsdp_sent(
     units = odd_layout()
     assert units == [1056, 192, 96]
     for rank in case_results(pairs, case):
-        steps = 2
-        assert rank["counted"]["all_gather"] == [steps * gathers_per_step * sum(units), steps * gathers_per_step * 3]
-        assert rank["counted"]["reduce_scatter"] == [steps * sum(units), steps * 3]  # once per step
-        # all_reduce-equivalent: each all-gather and reduce-scatter counts half its buffer
-        assert rank["bytes"] == steps * (gathers_per_step + 1) * sum(units) // 2
+        # On the wire (docs/metrics.md): an all_gather or reduce_scatter of S bytes on 2 ranks sends S/2.
+        assert rank["counted"]["all_gather"] == [gathers_per_step * sum(units) / 2, gathers_per_step * 3]
+        assert rank["counted"]["reduce_scatter"] == [sum(units) / 2, 3]  # once per step
+        assert rank["bytes"] == (gathers_per_step + 1) * sum(units) // 2
         assert rank["counted"] == rank["real"]
         after = rank["counted_after_eval"]
-        assert after.get("all_gather", [0, 0]) == [gathers_after_eval * sum(units), gathers_after_eval * 3]
-        assert after["reduce_scatter"] == [sum(units), 3]
-        assert {k: v for k, v in rank["real_after_eval"].items() if v[1]} == after
+        assert after.get("all_gather", [0, 0]) == [gathers_after_eval * sum(units) / 2, gathers_after_eval * 3]
+        assert after["reduce_scatter"] == [sum(units) / 2, 3]
+        assert rank["real_after_eval"] == after
         assert rank["describe"]["num_units"] == 3 and rank["describe"]["sharded_bytes_per_rank"] == sum(units) // 2
 
 

@@ -1,4 +1,4 @@
-"""GPU tests that need no launcher: the step timer's phases on CUDA events, and the equivalence promise
+"""GPU tests that need no launcher: the observer's phases on CUDA events, and the equivalence promise
 with two ranks sharing one GPU through gloo (both marked `gpu`, skipped without CUDA by conftest); plus
 `make gpu-check` without CUDA, which runs everywhere. The torchrun end-to-end runs on CUDA are in
 test_gpu_e2e.py."""
@@ -18,34 +18,35 @@ from tests.cli import output
 from tests.compose import REPO
 from tests.test_equivalence import initial_params, trained
 from tests.train_helpers import bit_identical, max_abs_diff
-from trainer.loop.timing import PHASES, StepTimer
+from trainer.measures import PHASES
+from trainer.observer import Observer
 
 
 @pytest.mark.gpu
 def test_step_timer_phases_tile_the_step_on_cuda_events() -> None:
-    """Phase i runs i+1 matmuls: CUDA events see GPU time, in proportion, adding up to the step."""
+    """Phase i runs i+1 matmuls: CUDA events see GPU time, in proportion, adding up to the sampled step."""
     device = torch.device("cuda", torch.cuda.current_device())
-    timer = StepTimer(device)
+    timer = Observer(device, every=1)
     x = torch.randn(2048, 2048, device=device)
     weights = torch.randn(2048, 2048, device=device) / 2048**0.5
     x = torch.tanh(x @ weights)  # cuBLAS's one-time set-up, outside the timed steps
     torch.cuda.synchronize(device)
     started = time.perf_counter()
-    for _ in range(3):
-        timer.start()
+    for step in range(1, 4):
+        timer.begin_step(step)
         for i, phase in enumerate(PHASES):
             for _ in range(4 * (i + 1)):
                 x = torch.tanh(x @ weights)
             timer.mark(phase)
-        timer.stop()
+        timer.end_step()
     torch.cuda.synchronize(device)
     wall = time.perf_counter() - started
-    phases = timer.collect()
-    assert phases is not None
-    assert sum(phases[p] for p in PHASES) == pytest.approx(phases["step"], rel=0.01)
-    assert 0 < phases["step"] * 3 <= wall * 1.05  # GPU time, not more than what the host waited for
+    row = timer.take()  # the newest sampled step
+    phases = {p: row[f"time/{p}_s"] for p in PHASES}
+    assert sum(phases.values()) == pytest.approx(row["time/step_s"], rel=0.01)
+    assert 0 < row["time/step_s"] * 3 <= wall * 1.05  # GPU time, not more than what the host waited for
     assert phases["optimizer"] > 2 * phases["data"]  # 20 matmuls against 4
-    assert timer.collect() is None  # the steps were consumed
+    assert timer.take() == {}  # the steps were consumed
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from trainer.observer import Observer
 from trainer.sync.comm import Comm
 from trainer.sync.flat import FlatGrads
 
@@ -24,8 +25,8 @@ def test_timed_wait_orders_the_stream_after_nccl(tmp_path: Path) -> None:
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda:0"))
     try:
-        comm = Comm(device=torch.device("cuda:0"), every=1)
-        comm.begin_step(1)  # a timed step: the collective is stamped
+        comm = Comm(observer=Observer(torch.device("cuda:0"), every=1))
+        comm.observer.begin_step(1)  # a sampled step: the collective is watched
         param = torch.nn.Parameter(torch.zeros(1 << 20, device="cuda:0"))
         bucket = FlatGrads([[param]], 1).buckets[0]
         torch.cuda.synchronize()
@@ -39,7 +40,8 @@ def test_timed_wait_orders_the_stream_after_nccl(tmp_path: Path) -> None:
         seen = bucket.grads.clone()  # on the default stream, right after the wait
         torch.cuda.synchronize()
         assert bool((seen == 1.0).all()), "the default stream read the bucket before the all_reduce landed"
-        counts = comm.pop()
-        assert counts.timed_steps == 1 and counts.seconds > 0, counts
+        comm.observer.end_step()
+        row = comm.observer.take()
+        assert row["time/comm_s"] > 0, row
     finally:
         dist.destroy_process_group()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -92,7 +93,7 @@ def test_no_import_circles() -> None:
 # links, trace_names, which import nothing of trainer/ but each other): the composition root builds
 # everything; the loop uses sync, reliability and logger; reliability may read a strategy's state
 # (sync) and log (logger); sync imports none of the others. docs/architecture.md draws this.
-LEAVES = {"core", "errors", "clock", "comm_math", "links", "trace_names"}
+LEAVES = {"core", "errors", "clock", "comm_math", "links", "trace_names", "measures", "observer"}
 MAY_IMPORT = {
     "setup": {"loop", "sync", "reliability", "logger"},
     "loop": {"sync", "reliability", "logger"},
@@ -147,3 +148,57 @@ def test_logger_none_never_imports_wandb(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["2", "False"]
+
+
+STRATEGY_FILES = ("manual", "bucketed", "zero", "zero3")
+# What a strategy may say beside its algorithm: the facts of what it built (for the sync line), what
+# it holds (for the observer's memory probe), its name, and the wiring of bucket_cap_mb=auto's tuner.
+BOOKKEEPING_DEFS = ("facts", "held", "describe", "settled")
+BOOKKEEPING_WORDS = ("tuner", "CapTuner", "auto_", 'name = "', "key_attributes")
+# A strategy measures nothing: no clock, no counter, no peak (trainer/observer.py does).
+MEASURING = re.compile(r"perf_counter|\bClock\b|peak|_count\(|counts?\b\s*[+-]?=|time\.time|elapsed_time|Event\(")
+
+
+def _code_lines(path: Path) -> list[tuple[int, str, str]]:
+    """(line number, text, enclosing function) of every line that is code: no blank, comment or docstring."""
+    tree = ast.parse(path.read_text())
+    docs, owner = set(), {}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and node.body:
+            first = node.body[0]
+            value = first.value if isinstance(first, ast.Expr) else None
+            if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                docs.update(range(first.lineno, (first.end_lineno or first.lineno) + 1))
+        if isinstance(node, ast.FunctionDef):
+            for n in range(node.lineno, (node.end_lineno or node.lineno) + 1):
+                owner.setdefault(n, node.name)
+            for inner in ast.walk(node):  # the innermost function wins
+                if isinstance(inner, ast.FunctionDef) and inner is not node:
+                    for n in range(inner.lineno, (inner.end_lineno or inner.lineno) + 1):
+                        owner[n] = inner.name
+    lines = path.read_text().splitlines()
+    return [
+        (n, text, owner.get(n, ""))
+        for n, text in enumerate(lines, 1)
+        if text.strip() and not text.strip().startswith("#") and n not in docs
+    ]
+
+
+@pytest.mark.parametrize("name", STRATEGY_FILES)
+def test_a_strategy_file_is_its_algorithm(name: str) -> None:
+    """At most 15 % of a strategy's code lines are anything but its algorithm and the guards of it,
+    and none of them counts, times or tracks a peak (docs/architecture.md, reading a strategy)."""
+    lines = _code_lines(REPO / "trainer" / "sync" / f"{name}.py")
+    measuring = [f"{n}: {text.strip()}" for n, text, _ in lines if MEASURING.search(text.split("#")[0])]
+    assert not measuring, f"trainer/sync/{name}.py measures: {measuring}"
+    bookkeeping = [n for n, text, fn in lines if fn in BOOKKEEPING_DEFS or any(w in text for w in BOOKKEEPING_WORDS)]
+    assert len(bookkeeping) <= 0.15 * len(lines), (name, len(bookkeeping), len(lines))
+
+
+def test_the_bookkeeping_counted_above(capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/architecture.md quotes these numbers: they are this count."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    for name in STRATEGY_FILES:
+        lines = _code_lines(REPO / "trainer" / "sync" / f"{name}.py")
+        kept = [n for n, t, fn in lines if fn in BOOKKEEPING_DEFS or any(w in t for w in BOOKKEEPING_WORDS)]
+        assert f"{name} {len(kept)} of {len(lines)}" in text, (name, len(kept), len(lines))

@@ -13,9 +13,8 @@ import torch
 from torch import nn
 
 from tests.dist_helpers import run_on_ranks
-from trainer.comm_math import busy_time, fifo_exposed
+from trainer.comm_math import busy_time
 from trainer.errors import ConfigError
-from trainer.loop.comm_metrics import comm_metrics
 from trainer.loop.metrics import Window
 from trainer.loop.schedule import WarmupCosine, warmup_cosine
 from trainer.loop.step_math import (
@@ -26,11 +25,12 @@ from trainer.loop.step_math import (
     total_steps,
 )
 from trainer.loop.summary import format_report, job_throughput, rank_timing
-from trainer.loop.timing import PHASES, StepTimer
+from trainer.measures import PHASES, Collective, comm_row, link_ideal, wire_bytes
+from trainer.observer import Observer
 from trainer.reliability.save_cost import ResidentMemory
 from trainer.setup.dist import choose_device
 from trainer.setup.precheck import check_overrides
-from trainer.sync.comm import Comm, CommCounters
+from trainer.sync.comm import Comm
 from trainer.sync.flat import FlatGrads
 from trainer.sync.flat import group_by_size as plan
 
@@ -75,19 +75,19 @@ def test_settings_name_the_bad_value(kwargs: dict, message: str) -> None:
         check_overrides(overrides)
 
 
-def test_step_timer_averages_every_step_and_phases_add_up() -> None:
-    timer = StepTimer(torch.device("cpu"))
-    for pause in (0.001, 0.003):  # two steps, each phase pausing `pause`
-        timer.start()
+def test_the_sampled_steps_phases_add_up_and_other_steps_are_not_timed() -> None:
+    observer = Observer(torch.device("cpu"), every=2)  # steps 1 and 3 sampled (the step before each 2nd)
+    for step, pause in ((1, 0.003), (2, 0.001)):  # each phase pausing `pause`
+        observer.begin_step(step)
         for phase in PHASES:
             time.sleep(pause)
-            timer.mark(phase)
-        timer.stop()
-    phases = timer.collect()
-    assert phases is not None
-    assert all(0.002 <= phases[p] < 0.02 for p in PHASES)  # the mean of 1 ms and 3 ms, not the last step
-    assert math.isclose(sum(phases[p] for p in PHASES), phases["step"], rel_tol=1e-9)
-    assert timer.collect() is None  # collected steps are not counted twice
+            observer.mark(phase)
+        observer.end_step()
+    phases = observer.take()
+    assert phases["observer/sampled_step"] == 1
+    assert all(0.003 <= phases[f"time/{p}_s"] < 0.03 for p in PHASES)  # step 1's 3 ms, not step 2's 1 ms
+    assert math.isclose(sum(phases[f"time/{p}_s"] for p in PHASES), phases["time/step_s"], rel_tol=1e-9)
+    assert observer.take() == {}  # a sample is taken once
 
 
 @pytest.mark.parametrize(
@@ -124,11 +124,11 @@ def test_device_cuda_with_too_few_gpus_names_both_numbers(ranks: int, gpus: int)
 def test_window_sums_and_finds_the_first_nonfinite_step() -> None:
     window = Window(torch.device("cpu"))
     logits = torch.tensor([[2.0, 0.0], [0.0, 1.0], [3.0, 0.0]])  # predicts 0, 1, 0
-    window.add(torch.tensor(0.5), logits, torch.tensor([0, 1, 1]), step=1)
-    window.add(torch.tensor(0.25), logits, torch.tensor([0, 0, 0]), step=2)
+    window.add(torch.tensor(0.5), 1, torch.tensor([0, 1, 1]), logits)
+    window.add(torch.tensor(0.25), 2, torch.tensor([0, 0, 0]), logits)
     assert window.totals() == (0.75, 4, -1) and window.samples == 6
-    window.add(torch.tensor(float("inf")), logits, torch.tensor([0, 1, 0]), step=3)
-    window.add(torch.tensor(float("nan")), logits, torch.tensor([0, 1, 0]), step=4)
+    window.add(torch.tensor(float("inf")), 3, torch.tensor([0, 1, 0]), logits)
+    window.add(torch.tensor(float("nan")), 4, torch.tensor([0, 1, 0]), logits)
     loss_sum, correct, first_bad = window.totals()
     assert math.isnan(loss_sum) and correct == 10 and first_bad == 3
     window.reset()
@@ -176,17 +176,22 @@ def _average(rank: int, world_size: int, cap_bytes: int, collective: str) -> lis
         param.grad = grad
     flat = FlatGrads(list(plan(params, cap_bytes)), world_size)  # keeps the gradients, now views into buffers
     net = Comm()
+    net.observer.every = 1
+    net.observer.begin_step(1)  # watched: the observer counts what went
     for bucket in flat.buckets:  # as manual.py averages its buffers
         if collective == "all_reduce":
             net.all_reduce(bucket.grads).wait()
             bucket.grads.div_(world_size)
         else:
-            net.reduce_scatter(bucket.shard, bucket.buffer, grad_bytes=bucket.nbytes).wait()
+            net.reduce_scatter(bucket.shard, bucket.buffer).wait()
             bucket.shard.div_(world_size)
             net.all_gather(bucket.buffer, bucket.shard).wait()
-    comm = net.counts
+    net.observer.end_step()
+    row = net.observer.take()
     views = all(p.grad is v for b in flat.buckets for p, v in zip(b.params, b.views, strict=True))
-    return [*(p.grad for p in params), torch.tensor([len(flat.buckets), comm.collectives, comm.bytes, views])]
+    padded = sum(b.padded_nbytes for b in flat.buckets)
+    made = [len(flat.buckets), row["comm/collectives_per_step"], row["comm/bytes_per_step"], views, padded]
+    return [*(p.grad for p in params), torch.tensor(made)]
 
 
 AVERAGE_CASES = [
@@ -209,7 +214,10 @@ def test_flat_buffers_average_is_sum_over_world_size(tmp_path: Path) -> None:
             assert torch.equal(grads[1], torch.full((2, 2), 15.0))
             assert torch.equal(grads[2], torch.arange(5.0) / 2)
             calls = buffers * (1 if collective == "all_reduce" else 2)
-            assert made.tolist() == [buffers, calls, (3 + 4 + 5) * 4, 1]  # bytes: the 12 gradient floats
+            # On the wire, 2 ranks: an all_reduce sends the 12 gradient floats; a reduce_scatter and an
+            # all_gather half of each buffer, padded to a multiple of 2 (docs/metrics.md).
+            wire = (3 + 4 + 5) * 4 if collective == "all_reduce" else made.tolist()[4]
+            assert made.tolist()[:4] == [buffers, calls, wire, 1]
 
 
 def test_plan_groups_consecutive_parameters_up_to_the_cap() -> None:
@@ -229,27 +237,42 @@ def test_plan_groups_consecutive_parameters_up_to_the_cap() -> None:
 def test_comm_metrics_arithmetic() -> None:
     # Two collectives in flight 0-4 s and 2-6 s: busy 6 s; the last left at 2 s and came back at 6 s.
     assert busy_time([(0.0, 4.0), (2.0, 6.0), (7.0, 8.0)]) == 7.0
-    # A link carrying one at a time: launched at 0 and 1, 3 s each -> done at 3 and 6; the step waits
-    # from 2 (both) -> exposed 2..6 = 4 s. Launched late enough, nothing waits.
-    assert fifo_exposed([(0.0, 3.0, 2.0), (1.0, 3.0, 2.0)]) == 4.0
-    assert fifo_exposed([(0.0, 1.0, 5.0)]) == 0.0
-    counts = CommCounters(bytes=4_000_000_000, collectives=4, seconds=8.0, exposed_seconds=2.0, timed_steps=2)
-    m = comm_metrics(counts, steps=2, sync_phase_s=0.0, in_sync_phase=False, world_size=2)
-    assert m["comm/bytes_per_step"] == 2e9 and m["comm/collectives_per_step"] == 2
-    assert m["time/comm_s"] == 4.0 and m["time/comm_exposed_s"] == 1.0 and m["comm/overlap_fraction"] == 0.75
-    assert m["comm/busbw_GBps"] == pytest.approx(0.5)  # 2e9 B / 4 s x 2(2-1)/2
-    # One sampled step of a 10-step window (DDP's runtime stats): its times are the row's, bytes per step as ever.
-    sampled = CommCounters(bytes=10_000, collectives=0, seconds=0.004, exposed_seconds=0.001, timed_steps=1)
-    m = comm_metrics(sampled, steps=10, sync_phase_s=0.0, in_sync_phase=False, world_size=2)
-    assert m["comm/bytes_per_step"] == 1000 and m["time/comm_s"] == 0.004 and m["comm/overlap_fraction"] == 0.75
-    manual = comm_metrics(CommCounters(bytes=100, collectives=1), 1, sync_phase_s=0.5, in_sync_phase=True, world_size=4)
-    assert manual["time/comm_s"] == manual["time/comm_exposed_s"] == 0.5 and manual["comm/overlap_fraction"] == 0.0
-    untimed = comm_metrics(
-        CommCounters(bytes=100, collectives=1), 1, sync_phase_s=0.5, in_sync_phase=False, world_size=2
+
+    # The link's ideal: a link carrying one at a time, launched at 0 and 1, 3 s each -> done at 3 and 6.
+    def ar(launched: float, needed: float, resumed: float) -> Collective:
+        return Collective("all_reduce", 8, 2, False, launched, resumed, needed, link_s=3.0, resumed=resumed)
+
+    # Waited for together from 2 (torch's one wait for DDP's buckets): 2..6 = 4 s.
+    assert link_ideal([ar(0.0, 2.0, 10.0), ar(1.0, 2.0, 10.0)]) == 4.0
+    # Waited for one after the other (bucketed's after_backward), the first wait slow for real (2..8):
+    # replayed, the second wait moves 5 s earlier (to 3.1), so the same 4 s less the 0.1 s between them.
+    assert link_ideal([ar(0.0, 2.0, 8.0), ar(1.0, 8.1, 10.0)]) == pytest.approx(3.9)
+    # Launched late enough, nothing waits; compute between waits keeps its length (fsdp's units).
+    assert link_ideal([ar(0.0, 5.0, 5.0)]) == 0.0
+    unit = lambda launched, needed, resumed: Collective(  # noqa: E731
+        "all_gather", 8, 2, False, launched, resumed, needed, link_s=1.0, resumed=resumed
     )
-    assert "time/comm_s" not in untimed and untimed["comm/bytes_per_step"] == 100
-    assert comm_metrics(CommCounters(), 1, 0.5, True, 2) == {}
-    assert counts.pop().bytes == 4_000_000_000 and counts.bytes == 0
+    assert link_ideal([unit(0.0, 0.5, 2.0), unit(4.0, 4.5, 6.0)]) == pytest.approx(1.0)
+    # The one definition (trainer/measures.py): two all_reduces of 1e9 bytes on 2 ranks, in flight 0-4
+    # and 2-6 s, waited for from 3 s; a control agreement apart, never in the bytes or the times.
+    data = [
+        Collective("all_reduce", 1_000_000_000, 2, False, launched=0.0, completed=4.0, needed=3.0),
+        Collective("all_reduce", 1_000_000_000, 2, False, launched=2.0, completed=6.0, needed=3.0),
+    ]
+    control = Collective("all_reduce", 4, 2, True, launched=6.0, completed=9.0, needed=6.0)
+    m = comm_row([*data, control], emulated=False)
+    assert m["comm/bytes_per_step"] == 2e9 and m["comm/collectives_per_step"] == 2  # 2(2-1)/2 of each buffer
+    assert m["comm/control_bytes_per_step"] == 4 and m["comm/control_collectives_per_step"] == 1
+    assert m["time/comm_s"] == 6.0 and m["time/comm_exposed_s"] == 3.0 and m["comm/overlap_fraction"] == 0.5
+    assert m["comm/busbw_GBps"] == pytest.approx(2e9 / 6 / 1e9) and "time/comm_exposed_link_s" not in m
+    # The same data by other collectives, the same bytes: an all_gather of S, or a broadcast of S/N from each rank.
+    gather = [Collective("all_gather", 4000, 4, False, 0.0, 1.0, 0.0)]
+    broadcasts = [Collective("broadcast", 1000, 4, False, 0.0, 1.0, 0.0) for _ in range(4)]
+    assert comm_row(gather, False)["comm/bytes_per_step"] == comm_row(broadcasts, False)["comm/bytes_per_step"] == 3000
+    assert wire_bytes("reduce_scatter", 4000, 4) == 3000 and wire_bytes("all_reduce", 4000, 4) == 6000
+    assert wire_bytes("all_reduce", 4000, 1) == 0  # one rank sends nothing
+    assert comm_row([control], False) == {"comm/control_bytes_per_step": 4, "comm/control_collectives_per_step": 1}
+    assert comm_row([], False) == {}
 
 
 def _agree(rank: int, world_size: int, values: list) -> str:
@@ -276,12 +299,12 @@ def test_ranks_that_drift_into_different_jobs_are_stopped(tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize("sync", ["ddp", "bucketed"])
-def test_time_comm_every_n_steps_must_be_a_whole_number(sync: str) -> None:
+def test_sample_every_n_steps_must_be_a_whole_number(sync: str) -> None:
     for bad in ("-1", "1.5"):
         with pytest.raises(
-            ConfigError, match=r"trainer\.time_comm_every_n_steps=.* is invalid: (must be|accepted:) an integer >= 0"
+            ConfigError, match=r"trainer\.sample_every_n_steps=.* is invalid: (must be|accepted:) an integer >= 0"
         ):
-            check_overrides([f"sync={sync}", f"trainer.time_comm_every_n_steps={bad}"])
+            check_overrides([f"sync={sync}", f"trainer.sample_every_n_steps={bad}"])
 
 
 @pytest.mark.slow  # forks a process

@@ -20,6 +20,7 @@ import trainer.loop.faulty_step as faulty_step
 import trainer.loop.trainer as trainer_module
 from tests.compose import compose_config
 from tests.dist_helpers import collectives_stopped, run_on_ranks, still_in_step
+from tests.observe_helpers import sampled, sent
 from tests.train_helpers import (
     SIX_STEPS,
     assert_same_model,
@@ -91,7 +92,7 @@ def _train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> di
         "optimizer": optimizer_state,
         "checkpoint": load_checkpoint(Path(run_dir) / "checkpoints" / "last.pt")["optimizer"],
         "describe": trainer.sync.describe(),
-        "row": trainer.sync.row_metrics(),
+        "row": trainer._rows.rows[-1],  # the last row: the run's last steps are sampled
     }
 
 
@@ -128,7 +129,6 @@ def _mechanism(rank: int, world_size: int, stage: int, cap_mb: float) -> dict[st
     torch.manual_seed(rank)  # each rank draws other weights: wrap() must replace them with rank 0's
     model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
     sync = ZeroSync(stage=stage, bucket_cap_mb=cap_mb)
-    sync.comm.timing = True  # every step stamped (the loop stamps 1 step in trainer.time_comm_every_n_steps)
     sync.wrap(model)
     optimizer = sync.build_optimizer(model, partial(torch.optim.SGD, lr=0.1))
     flat = sync.flat
@@ -142,18 +142,18 @@ def _mechanism(rank: int, world_size: int, stage: int, cap_mb: float) -> dict[st
         F.cross_entropy(model(x) if first_layer else model[2](x[:, :3]), y).backward()
         launched.append(len(sync._works))
         sync.after_backward(model)
+        sync.comm.observer.mark("sync")  # on the sampled step: the gradients held now are the row's
         if poison:
             sync._grads.shard[0] = float("nan")  # type: ignore[union-attr]  # one rank's shard: both must answer False
         return sync.grads_finite(model, optimizer)
 
-    finite = backward()
-    sync.optimizer_step(optimizer)
-    sync.zero_grad(optimizer)
-    in_flight = len(sync._gathers)  # the gathers: waited for by the next forward, or wait_for_parameters()
-    sync.wait_for_parameters()  # (a step's timing is read once its gathers are in)
-    waited = [stamp.waited is not None for stamp in sync.comm._stamps]  # the training thread waited for each
-    counts = sync.pop_comm_counts()
-    memory = sync.row_metrics()
+    with sampled(sync, model, optimizer) as counts:  # the observer watches this step (the loop: 1 in n)
+        finite = backward()
+        sync.optimizer_step(optimizer)
+        sync.zero_grad(optimizer)
+        in_flight = len(sync._gathers)  # the gathers: waited for by the next forward, or wait_for_parameters()
+        sync.wait_for_parameters()  # (a step's row is taken once its gathers are in)
+    memory = counts
     # Stage 2 drops every .grad; stage 1 zeroes its flat buffers' views and drops a lone tensor's.
     lone = {id(g[0]) for g, place in zip(sync._grads.groups, sync._grads.in_flat, strict=True) if place is None}
     zeroed = all(
@@ -199,7 +199,6 @@ def _mechanism(rank: int, world_size: int, stage: int, cap_mb: float) -> dict[st
         "nonfinite": nonfinite,
         "zeroed": zeroed,
         "counts": counts,
-        "waited": waited,
         "memory": memory,
         "launched": launched,
         "in_flight": in_flight,
@@ -366,16 +365,18 @@ def test_strategy_mechanism(ranks: list[dict[str, Any]], mechanism: str) -> None
         # One step: per bucket, its reduction (stage 1: all_reduce of the gradients; stage 2: of the
         # padded bucket, which gloo all_reduces where NCCL would reduce_scatter) and the padded bucket
         # gathered (on gloo one broadcast per rank of its half); gradient bytes once.
-        counts = rank["counts"]
+        # On the wire, 2 ranks (docs/metrics.md): an all_reduce sends its buffer, a broadcast half of it.
+        row = rank["counts"]
         reduced = 23 * 4 if stage == 1 else 24 * 4
-        assert counts.kinds == {"all_reduce": [reduced, len(buckets)], "broadcast": [24 * 4, 2 * len(buckets)]}
+        assert sent(row) == {"all_reduce": [reduced, len(buckets)], "broadcast": [24 * 4 / 2, 2 * len(buckets)]}
         assert info["collectives"] == "all_reduce + broadcast"
-        assert counts.bytes == 23 * 4 and counts.collectives == 3 * len(buckets)
+        assert row["comm/bytes_per_step"] == reduced + 24 * 4 / 2
+        assert row["comm/collectives_per_step"] == 3 * len(buckets)
         # Timed as bucketed's (time/comm_s, time/comm_exposed_s): every collective of the step, the
-        # all_gathers after it included, was waited for by the training thread (how long that wait
-        # was depends on the machine: a gather already back when waited for exposes nothing).
-        assert counts.timed_steps == 1 and counts.seconds > 0 and 0 <= counts.exposed_seconds <= counts.seconds
-        assert len(rank["waited"]) == 3 * len(buckets) and all(rank["waited"])
+        # all_gathers after it included, was waited for by the training thread (the observer gives
+        # a row only then; how long that wait was depends on the machine: a gather already back when
+        # waited for exposes nothing).
+        assert row["time/comm_s"] > 0 and 0 <= row["time/comm_exposed_s"] <= row["time/comm_s"]
         # Gradient memory after backward: the 12-element shard (stage 2), or it and the 24 of the buckets.
         assert rank["memory"]["memory/gradients_mb"] * 2**20 == 4 * (12 if stage == 2 else 12 + 24)
         assert rank["late_move_error"] < 1e-7

@@ -1,12 +1,11 @@
-"""The one clock of everything timed in a step: the loop's phases, the communication object's
-stamps, the bucket-cap tuner's trials.
+"""The one clock of everything timed: the observer's marks of the sampled step (trainer/observer.py)
+and the bucket-cap tuner's trials.
 
 On CPU a mark is `time.perf_counter()`: an op has finished when Python moves on, and gloo completes
 a collective's future when its data is there. On CUDA kernels run asynchronously, so a mark is a
-CUDA event recorded on a stream, and two marks become seconds only when read (`seconds` waits for
-the later one: a device sync, which the loop makes at logged rows only). Events for the training
-thread come from a pool that `reuse()` frees once its marks are read: creating an event costs a
-device query, which a GPU step of a few milliseconds would pay at every mark.
+CUDA event recorded on the current stream of the thread that marks, and two marks become seconds
+only when read (`seconds` waits for the later one: a device sync, which the loop makes at logged
+rows only). Creating an event costs a device query: marks are taken on sampled steps only.
 """
 
 from __future__ import annotations
@@ -26,24 +25,10 @@ class Clock:
     def __init__(self, device: torch.device, source: Callable[[], float] = time.perf_counter) -> None:
         self.cuda = device.type == "cuda"
         self._source = source
-        # The loop runs a whole step on the stream that is current when it starts.
-        self._stream = torch.cuda.current_stream(device) if self.cuda else None
-        self._pool: list[torch.cuda.Event] = []
-        self._used = 0
 
     def now(self) -> Mark:
-        """A mark on the training thread (pooled events on CUDA)."""
-        if not self.cuda:
-            return self._source()
-        if self._used == len(self._pool):  # only while the first marks fill the pool
-            self._pool.append(torch.cuda.Event(enable_timing=True))
-        event = self._pool[self._used]
-        self._used += 1
-        event.record(self._stream)
-        return event
-
-    def now_anywhere(self) -> Mark:
-        """A mark from any thread, on its current stream (a collective's completion callback)."""
+        """A mark from any thread, on its current stream (the training thread's, or a collective's
+        completion callback's)."""
         if not self.cuda:
             return self._source()
         event = torch.cuda.Event(enable_timing=True)
@@ -56,7 +41,3 @@ class Clock:
             return float(end - begin)
         end.synchronize()
         return float(begin.elapsed_time(end)) / 1000.0
-
-    def reuse(self) -> None:
-        """Every pooled mark has been read: the pool's events may be recorded again."""
-        self._used = 0

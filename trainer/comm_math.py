@@ -60,16 +60,3 @@ def overlap_fraction(busy_s: float, exposed_s: float) -> float:
     if busy_s <= 0:
         raise ValueError(f"busy_s={busy_s}: an overlap needs communication time > 0")
     return max(0.0, 1.0 - exposed_s / busy_s)
-
-
-def fifo_exposed(collectives: Iterable[tuple[float, float, float]]) -> float:
-    """What a link that carries one collective at a time would make a step wait for, nothing else
-    costing time: per collective (launched, its link time, when the step began waiting for it), each
-    starts at its launch or when the link frees, whichever is later, and the step waits from its wait
-    until the link is done with it."""
-    free, blocked = float("-inf"), []
-    for launched, seconds, waited_from in sorted(collectives):
-        free = max(free, launched) + seconds
-        if free > waited_from:
-            blocked.append((waited_from, free))
-    return busy_time(blocked)

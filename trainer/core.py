@@ -78,8 +78,8 @@ class TrainSettings:
     num_epochs: Annotated[int | None, Field(ge=1)]  # with max_steps too: whichever ends first
     seed: Annotated[int, Field(ge=0, lt=SEED_BOUND, description="model init and data shuffling")]
     log_every_n_steps: Annotated[int, Field(ge=1, description="a row on every rank; the last step always")]
-    time_comm_every_n_steps: Annotated[
-        int, Field(ge=0, description="every collective is timed on one step in this many; 0: none")
+    sample_every_n_steps: Annotated[
+        int, Field(ge=0, description="phases, communication and memory measured on one step in n; 0: none")
     ]
     eval_every_n_steps: Annotated[int, Field(ge=0, description="0: only at the end")]
     eval_max_samples: Annotated[int | None, Field(ge=1, description="the val split's first n; null: all of it")]

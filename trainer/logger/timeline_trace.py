@@ -206,7 +206,7 @@ def _name(launch: dict[str, Any], ranges: list[dict[str, Any]], ddp_buckets: lis
     ]
     inner = max(around, key=lambda r: r["ts"]) if around else None
     if inner is not None and inner["name"].startswith(
-        ("bucket ", "all_reduce", "reduce_scatter", "all_gather", "broadcast")
+        ("bucket ", "control ", "all_reduce", "reduce_scatter", "all_gather", "broadcast")
     ):
         return str(inner["name"])
     if ddp_buckets and kind == "all_reduce" and index < len(ddp_buckets) and ddp_buckets[index] == nbytes:

@@ -20,13 +20,13 @@ class FaultyStepRunner(StepRunner):
 
     _poisoned = False  # kind=nan_loss at this step: this rank's loss becomes NaN
 
-    def run(self, batches: Iterator[Any], step: int, logged: bool = False) -> None:
+    def run(self, batches: Iterator[Any], step: int) -> None:
         fault, ctx = self.settings.fault, self.ctx
         if fault.due(ctx.rank, step, ctx.attempt):
             self.sync.wait_for_parameters()  # kind=perturb nudges a parameter: after the last step's writes
         faults.maybe_fire(fault, ctx.rank, step, ctx.attempt, self.model)
         self._poisoned = fault.poisons_loss(ctx.rank, step, ctx.attempt)
-        super().run(batches, step, logged)
+        super().run(batches, step)
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         loss, logits = super().forward(inputs, targets, step)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from trainer.logger.base import MetricLogger, TimelineLogger
-from trainer.loop.timing import StepTimer
+from trainer.observer import Observer
 from trainer.sync.comm import Comm
 
 log = logging.getLogger(__name__)
@@ -41,18 +41,19 @@ CLOCK_ROUNDS = 8  # barriers whose exits give each rank's clock offset to rank 0
 KINETO_SILENT = "6"
 
 
-class ProfiledStepTimer(StepTimer):
-    """The step timer of a profiled run: also keeps each phase's host interval for the trace."""
+class ProfiledObserver(Observer):
+    """The observer of a profiled run: it also keeps each phase's host interval of the steps the
+    profiler records (every one of them, sampled or not), for the trace."""
 
-    def __init__(self, device: torch.device) -> None:
-        super().__init__(device)
+    def __init__(self, device: torch.device, every: int = 0, emulated: bool = False) -> None:
+        super().__init__(device, every, emulated)
         self.host: list[tuple[str, float, float, int]] = []  # (phase, start, end, step) while recording
         self.step = 0  # the step being run (set by StepProfiler)
         self.recording = False  # the profiler records this step (set by StepProfiler)
         self._last = 0.0
 
-    def start(self) -> None:
-        super().start()
+    def begin_step(self, step: int) -> None:
+        super().begin_step(step)
         self._last = time.perf_counter()
 
     def mark(self, phase: str) -> None:
@@ -66,8 +67,8 @@ class ProfiledStepTimer(StepTimer):
             self.host.append((phase, self._last, now, self.step))
             self._last = now
 
-    def stop(self) -> None:
-        super().stop()
+    def end_step(self) -> None:
+        super().end_step()
         if self.recording:
             self.profiled += 1
 
@@ -104,7 +105,7 @@ class StepProfiler(AbstractContextManager["StepProfiler"]):
         device: torch.device,
         rank: int,
         out_dir: Path,
-        timer: StepTimer | None = None,
+        observer: Observer | None = None,
         active_steps: int = 3,
         on_traces: Callable[[int], None] | None = None,
         wait_for_parameters: Callable[[], None] | None = None,
@@ -112,7 +113,7 @@ class StepProfiler(AbstractContextManager["StepProfiler"]):
     ) -> None:
         self._profile: profile | None = None
         self._device, self._rank, self._out_dir = device, rank, out_dir
-        self._timer = timer if isinstance(timer, ProfiledStepTimer) else None
+        self._timer = observer if isinstance(observer, ProfiledObserver) else None
         self._step_marks: list[tuple[int, float]] = []  # (training step starting, perf_counter) per step()
         self._clock: dict[str, Any] = {}
         self._active = active_steps

@@ -13,12 +13,11 @@ from typing import Any
 
 from trainer.core import DistContext, hostname
 from trainer.logger.base import MetricLogger
-from trainer.loop.comm_metrics import comm_metrics
 from trainer.loop.lm import TokenRates
-from trainer.loop.metrics import Window, optimizer_state_mb, parameters_mb
+from trainer.loop.metrics import Window
 from trainer.loop.step import StepRunner
 from trainer.loop.summary import rank_timing
-from trainer.loop.timing import StepTimer
+from trainer.observer import Observer
 from trainer.reliability.save_cost import ResidentMemory, cuda_peak_mb
 from trainer.sync.base import SyncStrategy
 
@@ -42,10 +41,9 @@ def _one_word(value: Any) -> str:
 
 
 def sync_facts(sync: SyncStrategy, network: str | None) -> dict[str, Any]:
-    """The strategy's describe(), how its communication is timed, and the emulated network it ran
+    """The strategy's describe(), which step the observer measures, and the emulated network it ran
     on (network=<preset>): what the `sync:` line and summary.json's `sync` show."""
-    info = sync.describe()
-    info.setdefault("comm_timing", sync.comm.describe())  # ddp's own record times its C++ all-reduce
+    info = {**sync.describe(), "comm_timing": sync.comm.observer.describe()}
     return info if network is None else {**info, "network": network}
 
 
@@ -71,6 +69,8 @@ class TrainRows:
         self.network = network  # network=<preset>: the emulated link, as the sync line names it
         self.rates = rates  # token data: tokens/s and MFU rows
         self.rows: list[dict[str, Any]] = []
+        self.skipped_steps = 0  # on_nonfinite=skip: steps whose gradients were not finite, so far
+        self.overflow_steps = 0  # fp16: steps the scaler skipped for an overflow, so far
         self._samples = 0  # trained on, over every window (evaluation and checkpoints excluded)
         self._tokens = 0  # the same windows' tokens (token data: the whole-run tokens/s and MFU)
         self._seconds = 0.0
@@ -91,49 +91,47 @@ class TrainRows:
         epoch: int,
         window: Window,
         totals: tuple[float, int, int],
-        timer: StepTimer,
+        observer: Observer,
         runner: StepRunner,
     ) -> float:
-        """One row from the window since the previous row; returns its loss. The window is reset."""
+        """One row from the window since the previous row and the observer's sampled step; returns
+        its loss. The window is reset."""
         loss_sum, correct, _ = totals
         # The mean micro-batch loss (each was divided by grad_accum_steps): a rank that ran
         # micro-batches it had no data for (data.drop_last=false) averages only those it trained.
         trained = window.micro_batches
         loss = loss_sum * runner.settings.grad_accum_steps / trained if trained else float("nan")
-        phases = timer.collect() or {}  # mean of every step since the previous row
         elapsed = time.perf_counter() - window.started
         self._samples += window.samples
         self._tokens += window.tokens
         self._seconds += elapsed
-        in_sync, world_size = self.sync.comm_in_sync_phase, self.ctx.world_size
-        comm = comm_metrics(self.sync.pop_comm_counts(), window.num_steps, phases.get("sync", 0.0), in_sync, world_size)
+        self._count_skipped(window.not_finite_steps, runner)
         row: dict[str, Any] = {
             "step": step,
             "epoch": epoch,
             # Omitted by a rank that trained on nothing since the last row (it only ran micro-batches without data).
-            **({"train/loss": loss, "train/accuracy": correct / window.tokens} if trained else {}),
+            **({"train/loss": loss} if trained else {}),
+            # The sampled step's own samples (docs/metrics.md).
+            **({"train/accuracy": correct / window.predicted} if window.predicted else {}),
             "train/lr": runner.lr,
-            # The logged step's global norm of the averaged gradient, before clipping.
+            # The sampled step's global norm of the averaged gradient, before clipping.
             **({"train/grad_norm": window.grad_norm} if window.grad_norm is not None else {}),
-            **{f"time/{phase}_s": seconds for phase, seconds in phases.items()},
             "throughput/samples_per_s": window.samples / elapsed,
             **(self.rates.row(window.tokens, elapsed) if self.rates else {}),
             "memory/rss_mb": self._rss.bytes() / 2**20,
-            "memory/parameters_mb": parameters_mb(runner.model),
-            "memory/optimizer_state_mb": optimizer_state_mb(runner.optimizer),
-            **({"train/skipped_steps": runner.skipped_steps} if runner.skipped_steps else {}),
+            **observer.take(),  # the sampled step's time/*, comm/*, memory/* (trainer/measures.py)
+            **({"train/skipped_steps": self.skipped_steps} if self.skipped_steps else {}),
             # fp16: the loss scale in use, and the steps its overflows skipped so far.
             **(
-                {"train/grad_scale": window.extra["scale"][0], "train/overflow_steps": runner.overflow_steps}
+                {"train/grad_scale": window.extra["scale"][0], "train/overflow_steps": self.overflow_steps}
                 if runner.scaler is not None
                 else {}
             ),
-            **comm,
-            **self.sync.row_metrics(),
+            **({"sync/bucket_cap_mb": self.sync.tuner.cap_mb} if self.sync.tuner is not None else {}),
             # trainer.profile=true: these steps ran under the profiler (slower than the others).
-            **({"trainer/profiled_steps": timer.profiled} if timer.profiled else {}),
+            **({"trainer/profiled_steps": observer.profiled} if observer.profiled else {}),
         }
-        timer.profiled = 0
+        observer.profiled = 0
         if not self._sync_line_shown and self.sync.settled():
             self.show_sync_line()
         if self.ctx.device.type == "cuda":
@@ -143,6 +141,20 @@ class TrainRows:
         self.rows.append(row)
         window.reset()
         return loss
+
+    def _count_skipped(self, steps: list[int], runner: StepRunner) -> None:
+        """The window's steps whose gradients were not finite: fp16's overflows, or on_nonfinite=skip's
+        skips (said here, at the row: the step itself never reads its flag on the host)."""
+        if not steps:
+            return
+        if runner.scaler is not None:
+            self.overflow_steps += len(steps)
+            return
+        self.skipped_steps += len(steps)
+        log.warning(
+            "step(s) %s: non-finite gradients, optimizer step skipped on every rank (trainer.on_nonfinite=skip)",
+            ", ".join(map(str, steps)),
+        )
 
     def log_checkpoint(self, step: int, epoch: int, cost: dict[str, float]) -> None:
         """A checkpoint's own row at its step (its blocking time, this rank's peak memory while saving)."""

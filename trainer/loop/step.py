@@ -1,8 +1,10 @@
-"""One optimizer step: k micro-batches forward and backward, the sync, the optimizer; each phase timed.
+"""One optimizer step: k micro-batches forward and backward, the sync, the optimizer.
 
 Kept apart from the loop (trainer.py) because this is the hot path: everything here runs every
 step, so everything here is counted in µs (docs/performance.md). What is due between steps (rows,
-checks, evaluation, checkpoints) belongs to the loop.
+checks, evaluation, checkpoints) belongs to the loop. The step reports its phases to the observer
+(trainer/observer.py), which only acts on the sampled step; on any other step nothing here reads
+a clock, records a CUDA event, launches a kernel of the lab's own or reads a tensor on the host.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from trainer.core import DistContext, TrainSettings
+from trainer.loop.loss_scale import AgreedScaler
 from trainer.loop.metrics import Window
-from trainer.loop.timing import StepTimer
-from trainer.sync.base import SyncStrategy
+from trainer.observer import Observer
+from trainer.sync.base import SyncStrategy, optimizer_grads
 
 log = logging.getLogger(__name__)
 
@@ -38,18 +41,16 @@ def autocast_for(precision: str, device: torch.device) -> Callable[[], AbstractC
     return lambda: torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def grad_scaler_for(precision: str, device: torch.device, sharded: bool) -> torch.amp.GradScaler | None:
-    """fp16's loss scaler (None otherwise). Its scale must stay the same on every rank, so the
-    overflow it finds must be every rank's: with replicated gradients each rank finds the same;
-    with sharded ones (zero, fsdp) each rank sees only its shard, and torch's ShardedGradScaler
-    all-reduces what unscale_ found before the scale is updated."""
-    if precision != "fp16":
-        return None
-    if sharded:
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # fp16 only: not on every run
+def grad_scaler_for(precision: str, device: torch.device) -> AgreedScaler | None:
+    """fp16's loss scaler (None otherwise); its overflows are agreed through the global gradient norm."""
+    return AgreedScaler(device.type) if precision == "fp16" else None
 
-        return ShardedGradScaler(device=device.type)
-    return torch.amp.GradScaler(device.type)
+
+def skips_on_device(optimizer: Optimizer) -> bool:
+    """Whether the optimizer skips a step itself when handed a non-finite flag (torch's fused Adam,
+    AdamW, Adagrad: `found_inf`, no host read). Fused SGD is left out: on torch 2.14 a first step
+    skipped that way leaves its momentum buffer uninitialised. Any other reads the flag on the host."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and not isinstance(optimizer, torch.optim.SGD)
 
 
 class StepRunner:
@@ -66,84 +67,87 @@ class StepRunner:
         sync: SyncStrategy,
         optimizer: Optimizer,
         scheduler: LRScheduler,
-        timer: StepTimer,
+        observer: Observer,
         window: Window,
     ) -> None:
         self.settings, self.ctx, self.model, self.train_model, self.sync = settings, ctx, model, train_model, sync
         self.empty_inputs = empty_inputs  # a batch of 0 samples, for backward_without_data()
-        self.optimizer, self.scheduler, self.timer, self.window = optimizer, scheduler, timer, window
+        self.optimizer, self.scheduler, self.observer, self.window = optimizer, scheduler, observer, window
         self.autocast = autocast_for(settings.precision, ctx.device)
-        self.scaler = grad_scaler_for(settings.precision, ctx.device, sync.grads_sharded)
-        self.overflow_steps = 0  # fp16: steps skipped because the scaled gradients overflowed
+        self.scaler = grad_scaler_for(settings.precision, ctx.device)
+        # fp16 and on_nonfinite=skip: whether a step's gradients were finite is a device flag, agreed by the norm
+        self.checks_finite = self.scaler is not None or settings.on_nonfinite == "skip"
+        self.skips_on_device = skips_on_device(optimizer)
         self.lr = optimizer.param_groups[0]["lr"]  # the rate the last step used
-        self.skipped_steps = 0  # on_nonfinite=skip
 
-    def run(self, batches: Iterator[Any], step: int, logged: bool = False) -> None:
+    def run(self, batches: Iterator[Any], step: int) -> None:
         """Optimizer step number `step` (1-based) on the next grad_accum_steps batches: the
-        tutorial's step (forward, backward, the sync, the clip, the optimizer), each phase timed.
-        `logged`: a row follows this step and reports its gradient norm (computed only then,
-        unless trainer.max_grad_norm clips every step)."""
-        k, timer, window = self.settings.grad_accum_steps, self.timer, self.window
-        timer.start()
+        tutorial's step (forward, backward, the sync, the clip, the optimizer)."""
+        k, observer, window, sync = self.settings.grad_accum_steps, self.observer, self.window, self.sync
+        observer.begin_step(step)
+        sampled = observer.sampling
         for i in range(k):
             # Only the last micro-batch may communicate; the others accumulate gradients locally.
-            with self.sync.no_sync(self.train_model) if i < k - 1 else nullcontext():
+            with sync.no_sync(self.train_model) if i < k - 1 else nullcontext():
                 batch = next(batches)
                 if batch is None:  # this rank's share of the epoch is used up (data.drop_last=false)
-                    timer.mark("data")
+                    observer.mark("data")
                     self.backward_without_data()
-                    timer.mark("backward")
+                    observer.mark("backward")
                     continue
                 inputs = batch[0].to(self.ctx.device, non_blocking=True)
                 targets = batch[1].to(self.ctx.device, non_blocking=True)
-                timer.mark("data")
+                observer.mark("data")
                 loss, logits = self.forward(inputs, targets, step)
-                window.add(loss, logits, targets, step)
-                timer.mark("forward")
+                window.add(loss, step, targets, logits if sampled else None)  # accuracy: on the sampled step
+                observer.mark("forward")
                 (loss if self.scaler is None else self.scaler.scale(loss)).backward()
-                timer.mark("backward")
-        self.sync.after_backward(self.train_model)
-        timer.mark("sync")
-        self.lr = self.optimizer.param_groups[0]["lr"]
-        max_norm, scaler = self.settings.max_grad_norm, self.scaler
-        if scaler is not None:  # fp16: the true gradients first, and every step's norm says whether they overflowed
-            scaler.unscale_(self.optimizer)
-        norm = self.sync.grad_norm(self.optimizer) if max_norm is not None or logged or scaler else None
-        checked = scaler is not None or self.settings.on_nonfinite == "skip"
-        finite = self._finite(norm) if checked else True  # one host read, the same answer on every rank
-        if norm is not None and (finite or scaler is None):
-            window.add_grad_norm(norm, step)
-        if not finite and scaler is not None:  # an overflow: the scaler lowers its scale below
-            self.overflow_steps += 1
-        elif not finite:  # trainer.on_nonfinite=skip
-            # Gradients are averaged by now (and a norm is global), so every rank skips this same
-            # step: the replicas stay equal.
-            self.skipped_steps += 1
-            log.warning("step %d: non-finite gradients, optimizer step skipped (trainer.on_nonfinite=skip)", step)
-        else:
-            if max_norm is not None:  # clip the averaged gradient by its global norm, as one process would
-                assert norm is not None
-                self.sync.scale_grads(self.optimizer, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-            self.sync.optimizer_step(self.optimizer)
-        if scaler is not None:
-            scaler.update()  # from what unscale_ found: the same on every rank
-        self.scheduler.step()
-        self.sync.zero_grad(self.optimizer)
-        timer.mark("optimizer")
+                observer.mark("backward")
+        sync.after_backward(self.train_model)
+        observer.mark("sync")
+        self.optimize(step, sampled)
+        observer.mark("optimizer")
         window.num_steps += 1
-        timer.stop()
+        observer.end_step()
+        sync.after_step()  # bucket_cap_mb=auto's trials
+
+    def optimize(self, step: int, sampled: bool) -> None:
+        """Unscale (fp16), the global norm where something needs it, the clip, the optimizer step
+        (skipped on every rank alike when the gradients are not finite), the LR schedule."""
+        self.lr = self.optimizer.param_groups[0]["lr"]
+        max_norm, scaler, optimizer = self.settings.max_grad_norm, self.scaler, self.optimizer
+        if scaler is not None:  # fp16: the true gradients first
+            scaler.unscale(optimizer_grads(optimizer))
+        norm = None
+        if max_norm is not None or sampled or self.checks_finite:
+            norm = self.sync.grad_norm(optimizer)  # the same on every rank: also the agreement on an overflow
+            self.window.add_grad_norm(norm, step, sampled, every_step=max_norm is not None)
+        found_inf = None
+        if self.checks_finite:
+            assert norm is not None
+            found_inf = (~torch.isfinite(norm)).to(torch.float32)
+            self.window.add_found_inf(found_inf, step)
+        if max_norm is not None:  # clip the averaged gradient by its global norm, as one process would
+            assert norm is not None
+            self.sync.scale_grads(optimizer, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        if found_inf is None:
+            self.sync.optimizer_step(optimizer)
+        elif self.skips_on_device:  # the optimizer leaves every parameter and its state as they were
+            optimizer.found_inf, optimizer.grad_scale = found_inf, None  # type: ignore[attr-defined]
+            self.sync.optimizer_step(optimizer)
+            optimizer.found_inf = None  # type: ignore[attr-defined]
+        elif not bool(found_inf):  # one host read a step: this optimizer cannot skip on the device
+            self.sync.optimizer_step(optimizer)
+        if scaler is not None:
+            assert found_inf is not None
+            scaler.update_from(found_inf)
+        self.scheduler.step()
+        self.sync.zero_grad(optimizer)
 
     def scale(self) -> torch.Tensor | None:
         """fp16: the loss scale in use, as a tensor (a row reads it with its other tensors, in one go);
         else None. GradScaler's own get_scale() reads it on the host by itself."""
-        return None if self.scaler is None else self.scaler._get_scale_async()  # torch's GradScaler.update keeps it
-
-    def _finite(self, norm: torch.Tensor | None) -> bool:
-        """on_nonfinite=skip: whether this step's gradients are finite, the same answer on every rank.
-        A norm computed this step already is that answer (one host read); else the strategy checks."""
-        if norm is not None:
-            return bool(torch.isfinite(norm))
-        return self.sync.grads_finite(self.model, self.optimizer)
+        return None if self.scaler is None else self.scaler._get_scale_async()  # torch's GradScaler keeps it
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss, logits) of a micro-batch: its loss divided by grad_accum_steps (the step's is their sum)."""

@@ -161,7 +161,7 @@ def _link_lines(summary: dict[str, Any]) -> list[str]:
     alone = _ranks_mean(summary, "median_time/comm_exposed_link_s")
     line = f"  link {network}: median step {_ms(step)}"
     if exposed is None:
-        return [line + ", communication not timed in any row (trainer.time_comm_every_n_steps)"]
+        return [line + ", communication not measured in any row (trainer.sample_every_n_steps)"]
     line += f", of it communication waited for {_ms(exposed)}"
     if alone is not None:
         line += f" (the link alone: {_ms(alone)})"

@@ -37,7 +37,7 @@ from trainer.logger.base import MetricLogger, resumed_at
 from trainer.loop.faulty_step import FaultyStepRunner
 from trainer.loop.lm import compile_model, end_of_run_sample, token_rates, write_vocab
 from trainer.loop.metrics import Window, evaluate
-from trainer.loop.profiling import ProfiledStepTimer, StepProfiler, send_timeline
+from trainer.loop.profiling import StepProfiler, send_timeline
 from trainer.loop.progress import logging_above, progress_bar
 from trainer.loop.rows import TrainRows, sync_facts
 from trainer.loop.step import StepRunner
@@ -49,7 +49,7 @@ from trainer.loop.step_math import (
     total_steps,
 )
 from trainer.loop.summary import gather_summary, parameter_layout, write_json
-from trainer.loop.timing import StepTimer
+from trainer.measures import MemoryProbe
 from trainer.reliability import fault as faults
 from trainer.reliability import resume
 from trainer.reliability.exits import StepBoundary, Terminated
@@ -91,13 +91,12 @@ class Trainer:
             compile_model(self.model)
         self.train_model = sync.wrap(self.model)
         self.optimizer = sync.build_optimizer(self.model, optimizer_factory)
-        pin = ctx.device.type == "cuda"
         with from_leaves():  # e.g. a batch too large for the world size
-            self.train_loader = data.train_loader(ctx.rank, ctx.world_size, settings.seed, pin_memory=pin)
+            self.train_loader = data.train_loader(ctx.rank, ctx.world_size, settings.seed, device=ctx.device)
             # trainer.eval_max_samples: the split's first n samples, cut before sharding, so every
             # world size evaluates the same windows.
             subset = settings.eval_max_samples
-            self.val_loader = data.val_loader(ctx.rank, ctx.world_size, pin_memory=pin, max_samples=subset)
+            self.val_loader = data.val_loader(ctx.rank, ctx.world_size, device=ctx.device, max_samples=subset)
         assert isinstance(self.train_loader.sampler, ResumableSampler)
         self._sampler = self.train_loader.sampler  # shuffles per epoch; skips ahead on resume
         # Every rank runs as many steps as the rank with the most batches (data.drop_last=false may
@@ -120,8 +119,11 @@ class Trainer:
         self.config = config
         self.step = 0
         self.epoch = 0
-        # A profiled run's timer also keeps each phase's interval for the trace (trainer.profile).
-        self._timer = (ProfiledStepTimer if settings.profile else StepTimer)(ctx.device)
+        # The one instrument, which the builder gave the strategy's communication object: it watches
+        # the sampled step (trainer/observer.py), memory included.
+        self.observer = sync.comm.observer
+        self.observer.probe = MemoryProbe(self.model, self.optimizer, self.sync.held)
+        self.observer.last_step = self.total_steps
         self._window = Window(ctx.device)
         self._nonfinite = NonFiniteCheck(ctx.device)
         self._batches: Iterator[Any] | None = None  # the current epoch's batches
@@ -139,7 +141,7 @@ class Trainer:
             sync=sync,
             optimizer=self.optimizer,
             scheduler=self.scheduler,
-            timer=self._timer,
+            observer=self.observer,
             window=self._window,
         )
         self._checkpoint_step: int | None = None  # the newest checkpoint this run can resume from
@@ -199,7 +201,7 @@ class Trainer:
             self.ctx.device,
             self.ctx.rank,
             self.run_dir / "profiler",
-            self._timer,
+            self.observer,
             on_traces=send,
             wait_for_parameters=self.sync.wait_for_parameters,
             comm=self.sync.comm,
@@ -257,9 +259,7 @@ class Trainer:
             if self._uneven:  # None once this rank's batches run out: StepRunner pairs the others' collectives
                 self._batches = itertools.chain(self._batches, itertools.repeat(None))
         try:
-            logged = is_due(self.step + 1, self.settings.log_every_n_steps, self.total_steps)
-            self.sync.comm.begin_step(self.step + 1)  # the communication object times 1 step in n
-            self.runner.run(self._batches, self.step + 1, logged)
+            self.runner.run(self._batches, self.step + 1)
         except Exception as err:  # say where: the step, and this rank
             raise StepFailed(f"step {self.step + 1} on rank {self.ctx.rank}: {type(err).__name__}: {err}") from err
         self.step += 1
@@ -284,7 +284,7 @@ class Trainer:
             if checking:  # the last row's answers raise if bad; this row's are sent (its one collective)
                 self._nonfinite.at_row(totals[2], self._window.extra.get("answers"))
             epoch = epoch_of(self.step, self.steps_per_epoch)
-            loss = self._rows.log(self.step, epoch, self._window, totals, self._timer, self.runner)
+            loss = self._rows.log(self.step, epoch, self._window, totals, self.observer, self.runner)
             if bar is not None:
                 bar.set_postfix(loss=f"{loss:.4f}", refresh=False)  # drawn at the next update
         every = s.check_replicas_every_n_steps
@@ -339,10 +339,10 @@ class Trainer:
         """Loss and accuracy on the validation split (its first trainer.eval_max_samples), exact over
         those samples on every rank."""
         runner = self.runner
-        with self.sync.comm.uncounted():  # the rows' comm/* are per training step
-            metrics = evaluate(
-                self.model, self.val_loader, self.ctx.device, runner.autocast, self._val_batches, runner.empty_inputs
-            )
+        # Between steps: the observer never samples it, the rows' comm/* stay per training step.
+        metrics = evaluate(
+            self.model, self.val_loader, self.ctx.device, runner.autocast, self._val_batches, runner.empty_inputs
+        )
         if metrics:
             for logger in self.loggers:
                 logger.log({"step": self.step, "epoch": epoch_of(self.step, self.steps_per_epoch), **metrics})

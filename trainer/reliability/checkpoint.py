@@ -54,7 +54,8 @@ NOT_TRAINING = (
     "data.num_workers",
     "sync.time_buckets",
     "network",  # an emulated link delays collectives; it changes no value they carry
-    "trainer.time_comm_every_n_steps",  # what times the collectives, not what they carry
+    "trainer.sample_every_n_steps",  # what the observer watches, not what the step computes
+    "trainer.time_comm_every_n_steps",  # its name in checkpoints written before it was renamed
 )
 
 

@@ -26,7 +26,9 @@ from trainer.errors import ConfigError, check, from_leaves
 from trainer.logger.base import MetricLogger
 from trainer.logger.jsonl import JsonlLogger
 from trainer.loop.lm import compiler_missing
+from trainer.loop.profiling import ProfiledObserver
 from trainer.loop.trainer import Trainer
+from trainer.observer import Observer
 from trainer.setup.validate import check_group, check_pairing, per_rank_batch
 from trainer.sync.base import DecayGroups, SyncStrategy
 from trainer.sync.comm import Comm
@@ -255,7 +257,11 @@ def build_trainer(
     model = convert_sync_batchnorm(parts.model, ctx.device) if parts.sync_batchnorm else parts.model
     network = None if parts.link is None else parts.link.describe()  # the sync line names it
     # Before the trainer's wrap(): ddp registers its hook, zero picks its collectives, with the link known.
-    parts.sync.comm = Comm(parts.link, ctx.device, parts.settings.time_comm_every_n_steps)
+    # The one instrument; a profiled run's also keeps each profiled step's phases for the trace.
+    observer = (ProfiledObserver if parts.settings.profile else Observer)(
+        ctx.device, parts.settings.sample_every_n_steps, emulated=parts.link is not None
+    )
+    parts.sync.comm = Comm(parts.link, observer)
     trainer = Trainer(
         settings=parts.settings,
         ctx=ctx,

@@ -32,12 +32,11 @@ class Trial:
 class CapTuner:
     """Tries each candidate bucket cap for a few steps of the run, then stays with the fastest.
 
-    Contract with the strategy that owns the buckets (nothing here knows what a bucket is):
-    - build the buckets with `cap_mb` before the first step;
-    - call `after_step()` once per optimizer step, on every rank, at the same point of the step
-      (after the step's communication is done, e.g. in after_backward); it runs collectives on the
-      default group at the end of each trial, so every rank must make the same calls;
-    - when it returns a number, rebuild the buckets with that cap before the next step communicates.
+    Contract with the strategy that owns the buckets (nothing here knows what a bucket is): it
+    builds the buckets with `cap_mb` before the first step and sets itself `tuner`; then
+    SyncStrategy.after_step(), which the loop calls at the end of every step on every rank, calls
+    `after_step()` here (it runs collectives at the end of each trial, so every rank must make the
+    same calls) and, when that returns a number, the strategy's rebuild() with that cap.
     A step's time is the time between consecutive after_step() calls: one full step, whatever the
     strategy does where. Each candidate gets `warmup_steps` untimed steps (the step that rebuilt
     the buckets, caches, DDP's own first-iteration rebuild), then `steps_per_trial` timed ones. The
@@ -80,7 +79,7 @@ class CapTuner:
         """Note one step; returns the cap to rebuild with when it changes, else None."""
         if self.chosen_mb is not None:
             return None
-        now = self._clock.now_anywhere()  # a fresh event on CUDA: only while trials run
+        now = self._clock.now()  # a fresh event on CUDA: only while trials run
         self._step += 1
         if self._step > self.warmup_steps:  # the interval since the previous call: this whole step
             self._times.append(self._clock.seconds(self._last, now))
@@ -126,3 +125,7 @@ class CapTuner:
     def table(self) -> list[dict[str, Any]]:
         """The trials as plain dicts, for summaries."""
         return [asdict(trial) for trial in self.trials]
+
+    def describe(self) -> dict[str, Any]:
+        """The trials, the choice and the cap in use, for the sync line."""
+        return {"auto_trials": self.table(), "auto_chosen_mb": self.chosen_mb, "bucket_cap_mb_in_use": self.cap_mb}

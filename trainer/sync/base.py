@@ -15,6 +15,7 @@ unsharded model's terms: a checkpoint looks the same whichever strategy wrote it
 
 from __future__ import annotations
 
+import typing
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -25,7 +26,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from trainer.core import TrainSettings
-from trainer.sync.comm import Comm, CommCounters
+from trainer.sync.autotune import CapTuner
+from trainer.sync.comm import Comm
 from trainer.sync.sharded_state import Read, load_state_parts, state_parts
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
@@ -68,25 +70,25 @@ class DecayGroups:
 class SyncStrategy(ABC):
     """How the replicas' gradients become one averaged gradient.
 
-    A strategy sends every collective through `self.comm` (trainer/sync/comm.py), which counts,
-    names, times and emulates them; the trainer reads the counts at logged rows through
-    pop_comm_counts(). `comm_in_sync_phase` says that all its communication happens inside
-    after_backward, so the trainer's timing of that phase is its communication time.
-    `keeps_replicas_equal` says every rank holds the same full parameters after each step (the
-    trainer's replica check compares them; a strategy whose ranks hold shards sets it False).
-    `grads_sharded` says the gradients its optimizer reads are this rank's shard of the averaged
-    gradient (zero, fsdp), so their global norm needs a reduction across ranks.
-    `trains_one_model` says the ranks train one model between them (False for sync=none, where each
-    trains its own): only then does a checkpoint continue at another world size.
+    A strategy sends every collective through `self.comm` (trainer/sync/comm.py) and measures
+    nothing: the observer (trainer/observer.py) watches its collectives, and reads the facts it
+    states (`facts()`, `held()`). `keeps_replicas_equal` says every rank holds the same full
+    parameters after each step (the trainer's replica check compares them; a strategy whose ranks
+    hold shards sets it False). `grads_sharded` says the gradients its optimizer reads are this
+    rank's shard of the averaged gradient (zero, fsdp), so their global norm needs a reduction
+    across ranks. `trains_one_model` says the ranks train one model between them (False for
+    sync=none, where each trains its own): only then does a checkpoint continue at another world size.
     """
 
-    comm_in_sync_phase: bool = False
+    name = ""  # its option in conf/sync/, for the sync line
+    key_attributes: dict[str, str] = {}  # a key stored under another name (`wrap`, which is a method here)
     keeps_replicas_equal: bool = True  # the trainer's replica check applies
     grads_sharded: bool = False  # each rank's optimizer reads its own disjoint shard of the gradient
     trains_one_model: bool = True  # the ranks train one model (sync=none: one each)
+    tuner: CapTuner | None = None  # bucket_cap_mb=auto: tries caps, then rebuild() with the fastest
 
     def __init__(self) -> None:
-        self.comm = Comm()  # the builder gives it the device, the link and the timing before wrap()
+        self.comm = Comm()  # the builder gives it the link and the observer before wrap()
 
     @abstractmethod
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -141,11 +143,11 @@ class SyncStrategy(ABC):
         """
         grads = optimizer_grads(optimizer)
         device = optimizer.param_groups[0]["params"][0].device
-        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=device)
+        norm = total_norm(grads) if grads else torch.zeros((), device=device)
         if not self.grads_sharded:
             return norm
         squares = norm.to(torch.float32) ** 2
-        self.comm.all_reduce(squares, grad_bytes=0).wait()  # counted and named like any collective; no gradient bytes
+        self.comm.agree(squares)  # a control collective: a few bytes, not gradient traffic
         return squares.sqrt()
 
     def scale_grads(self, optimizer: Optimizer, factor: torch.Tensor) -> None:
@@ -200,22 +202,63 @@ class SyncStrategy(ABC):
         """
         optimizer.zero_grad(set_to_none=True)
 
-    def pop_comm_counts(self) -> CommCounters:
-        """What was sent (and, if measured, how long it took) since the last call: at logged rows."""
-        return self.comm.pop()
+    def rebuild(self, cap_mb: float) -> None:
+        """Remake the buckets with this cap (bucket_cap_mb=auto's tuner calls it between steps)."""
+        raise NotImplementedError(f"sync={self.name} has no bucket cap to tune")
 
-    def row_metrics(self) -> dict[str, float]:
-        """Extra fields the strategy reports in every logged row (e.g. DDP's bucket cap in use); read at rows only."""
+    def after_step(self) -> None:
+        """The loop ends a step (every rank at the same point): bucket_cap_mb=auto's trials run here."""
+        if self.tuner is not None:
+            cap_mb = self.tuner.after_step()
+            if cap_mb is not None:  # every rank at the same step; the step's communication is done
+                self.rebuild(cap_mb)
+
+    def facts(self) -> dict[str, Any]:
+        """What the algorithm built, for the sync line and summary.json (its buckets, its units)."""
+        return {}
+
+    def held(self) -> dict[str, int]:
+        """Bytes this strategy holds now, by kind of memory, beyond what the model's parameters and
+        gradients and the optimizer's parameters and state show (a bucket being reduced, DDP's
+        reducer buckets); the observer asks on the sampled step."""
         return {}
 
     def describe(self) -> dict[str, Any]:
-        """What the strategy does, for logs and summaries."""
-        return {}
+        """The sync line: the strategy's name, the keys it was built with (its constructor's
+        parameters, read back; a key named after an option of another key, `auto_*` or
+        `powersgd_*`, only while that option is chosen), the tuner's trials, the facts of what it built."""
+        hints = typing.get_type_hints(type(self).__init__)
+        options = {key: _literals(hint) for key, hint in hints.items()}
+        values = {k: getattr(self, self.key_attributes.get(k, k)) for k in hints if k != "return"}
+        info: dict[str, Any] = {"strategy": self.name}
+        for key, value in values.items():
+            prefix = key.split("_")[0]
+            chooser = next((k for k, choices in options.items() if prefix in choices and k != key), None)
+            if chooser is None or values[chooser] == prefix:
+                info[key] = value
+        if self.tuner is not None:
+            info |= self.tuner.describe()
+        return info | self.facts()
 
     def settled(self) -> bool:
         """Whether describe()'s layout is final: the run's `sync:` line waits for it (bucket_cap_mb=auto
         is still trying caps before that)."""
-        return True
+        return self.tuner is None or self.tuner.done
+
+
+def _literals(hint: Any) -> set[Any]:
+    """The values a type hint's Literal parts allow (float | Literal["auto"]: {"auto"})."""
+    if typing.get_origin(hint) is Literal:
+        return set(typing.get_args(hint))
+    return set().union(*(_literals(arg) for arg in typing.get_args(hint)))
+
+
+def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of all these tensors together, as torch.nn.utils.get_total_norm computes it;
+    one foreach call where they share a device and dtype (torch's groups them in Python first)."""
+    if len({(t.device, t.dtype) for t in tensors}) > 1:
+        return torch.nn.utils.get_total_norm(tensors)
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors)))
 
 
 def optimizer_grads(optimizer: Optimizer) -> list[torch.Tensor]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import torch.distributed as dist
 from torch import nn
@@ -45,9 +45,11 @@ REFUSAL_FIX = "use sync=manual or sync=zero with sync.find_unused_parameters=tru
 class BucketedSync(SyncStrategy):
     """Gradients averaged bucket by bucket as backward produces them, by hooks this module registers."""
 
+    name = "bucketed"
+
     def __init__(
         self,
-        bucket_cap_mb: float | str = 25.0,
+        bucket_cap_mb: float | Literal["auto"] = 25.0,
         collective: Collective = "all_reduce",
         auto_candidates_mb: Sequence[float] = DEFAULT_CANDIDATES_MB,
         auto_steps_per_trial: int = 3,
@@ -58,8 +60,6 @@ class BucketedSync(SyncStrategy):
         self.collective = collective
         self.auto_candidates_mb = [float(c) for c in auto_candidates_mb]
         self.auto_steps_per_trial, self.auto_warmup_steps = auto_steps_per_trial, auto_warmup_steps
-        self._tuner: CapTuner | None = None
-        self._cap_mb = 0.0  # the cap the buckets were built with
         self._params: list[nn.Parameter] = []
         self._names: list[str] = []
         self._flat: FlatGrads | None = None
@@ -75,22 +75,14 @@ class BucketedSync(SyncStrategy):
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._names = names_of(model, self._params)
         self._calls = [0] * len(self._params)
-        if self.bucket_cap_mb == "auto":
-            self._tuner = CapTuner(
-                self.auto_candidates_mb,
-                self.auto_steps_per_trial,
-                self.auto_warmup_steps,
-                self._params[0].device,
-                self.comm,
-            )
-            self.rebuild(self._tuner.cap_mb)
-        else:
-            self.rebuild(float(self.bucket_cap_mb))
+        if self.bucket_cap_mb == "auto":  # the tuner tries caps in the first steps (SyncStrategy.after_step)
+            candidates, device = self.auto_candidates_mb, self._params[0].device
+            self.tuner = CapTuner(candidates, self.auto_steps_per_trial, self.auto_warmup_steps, device, self.comm)
+        self.rebuild(self.tuner.cap_mb if self.tuner else float(self.bucket_cap_mb))
         return model
 
     def rebuild(self, cap_mb: float) -> None:
         """(Re)make the buckets for a cap, keeping the gradients they hold; not while buckets are in flight."""
-        self._cap_mb = cap_mb
         # Reverse registration order: the last layers' gradients are ready first in backward.
         self._flat = FlatGrads(list(group_by_size(reversed(self._params), int(cap_mb * 2**20))), dist.get_world_size())
         position = {id(p): i for i, p in enumerate(self._params)}
@@ -140,7 +132,7 @@ class BucketedSync(SyncStrategy):
         bucket = self._flat.buckets[index]
         if self.collective == "all_reduce":
             return self.comm.all_reduce(bucket.grads, index)
-        return self.comm.reduce_scatter(bucket.shard, bucket.buffer, index, grad_bytes=bucket.nbytes)
+        return self.comm.reduce_scatter(bucket.shard, bucket.buffer, index)
 
     def after_backward(self, model: nn.Module) -> None:
         assert self._flat is not None
@@ -163,10 +155,6 @@ class BucketedSync(SyncStrategy):
             gather.wait()
         self._works, self._calls = [], [0] * len(self._params)
         self._order.reset()
-        if self._tuner is not None:  # bucket_cap_mb=auto: the averaged gradients move to the new buckets
-            cap_mb = self._tuner.after_step()
-            if cap_mb is not None:
-                self.rebuild(cap_mb)
 
     def _learn(self) -> None:
         """End of step 1's backward: the ranks agree on each parameter's gradient count (every rank
@@ -204,24 +192,8 @@ class BucketedSync(SyncStrategy):
         assert self._flat is not None
         self._flat.zero()
 
-    def row_metrics(self) -> dict[str, float]:
-        return {"sync/bucket_cap_mb": self._cap_mb}
-
-    def settled(self) -> bool:
-        return self._tuner is None or self._tuner.done  # auto: rebuilt at the choice, final from then on
-
-    def describe(self) -> dict[str, Any]:
-        info: dict[str, Any] = {
-            "strategy": "bucketed",
-            "bucket_cap_mb": self.bucket_cap_mb,
-            "collective": self.collective,
-        }
-        if self._tuner is not None:
-            info["auto_trials"] = self._tuner.table()
-            info["auto_chosen_mb"] = self._tuner.chosen_mb
-            info["bucket_cap_mb_in_use"] = self._cap_mb
-        if self._flat is not None:
-            info["num_buckets"] = len(self._flat.buckets)
-            info["bucket_sizes_bytes"] = self._flat.sizes()
-            info["total_parameter_bytes"] = self._flat.nbytes
-        return info
+    def facts(self) -> dict[str, Any]:
+        if self._flat is None:
+            return {}
+        sizes = self._flat.sizes()
+        return {"num_buckets": len(sizes), "bucket_sizes_bytes": sizes, "total_parameter_bytes": sum(sizes)}

@@ -11,11 +11,11 @@ find_unused_parameters=true, which walks the autograd graph from the outputs eve
 marks the unused ones ready (their gradient left alone, as one process leaves it). no_sync()
 skips the all-reduces: gradients accumulate locally.
 
-What ddplab adds around the call: the books of what the reducer sent and its own timing of it
-(trainer/sync/ddp_private.py, read at logged rows); a communication hook where one is asked for
-(sync.comm_hook: torch's compression hooks; time_buckets or an emulated link: the all-reduce written
-as a Python hook, trainer/sync/ddp_hooks.py), sending through `self.comm`; and bucket_cap_mb=auto,
-which times a few steps with each candidate cap (trainer/sync/autotune.py) and rebuilds the DDP.
+What ddplab adds around the call: a communication hook where one is asked for (sync.comm_hook:
+torch's compression hooks; time_buckets or an emulated link: the all-reduce written as a Python
+hook, trainer/sync/ddp_hooks.py), sending through `self.comm`; the bucket layout read back from
+DDP's record for the sync line (trainer/sync/ddp_private.py); and bucket_cap_mb=auto's rebuild.
+DDP's own C++ all-reduce is not touched: the observer sees it through the process group's hooks.
 """
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations as real types.
@@ -23,7 +23,7 @@ which times a few steps with each candidate cap (trainer/sync/autotune.py) and r
 import inspect
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -33,9 +33,8 @@ from torch.nn.parallel import DistributedDataParallel
 from trainer.errors import ConfigError
 from trainer.sync.autotune import DEFAULT_CANDIDATES_MB, CapTuner
 from trainer.sync.base import SyncStrategy
-from trainer.sync.comm import CommCounters
 from trainer.sync.ddp_hooks import AllReduceHook, CommHook, SwappableDDP, TorchHook
-from trainer.sync.ddp_private import ReducerBooks, bucket_layout, logging_data
+from trainer.sync.ddp_private import bucket_layout, logging_data
 
 # torch 2.14 renamed the per-forward buffer broadcast to forward_sync_buffers (the old name warns).
 # The new flag always syncs buffers at construction, which we want anyway: replicas start equal.
@@ -49,9 +48,11 @@ _BUFFER_FLAG = (
 class DDPSync(SyncStrategy):
     """Gradients are all-reduced in buckets during backward, overlapping communication with compute."""
 
+    name = "ddp"
+
     def __init__(
         self,
-        bucket_cap_mb: float | str = 25.0,
+        bucket_cap_mb: float | Literal["auto"] = 25.0,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
         find_unused_parameters: bool = False,
@@ -80,18 +81,12 @@ class DDPSync(SyncStrategy):
         self._module: nn.Module | None = None
         self._ddp: DistributedDataParallel | None = None
         self._proxy: SwappableDDP | None = None  # bucket_cap_mb=auto
-        self._tuner: CapTuner | None = None
-        self._cap_mb = 0.0  # the cap the current DDP was built with
         self._hook: AllReduceHook | TorchHook | None = None
-        self._books: ReducerBooks | None = None  # without a hook: what the C++ reducer sent
+        self._sizes: list[int] = []  # the bucket sizes as last read from DDP's record
+        self._rebuilt = False  # DDP rebuilds its buckets once: from then on its layout is fixed
 
     def wrap(self, model: nn.Module) -> nn.Module:
         device = next(model.parameters()).device
-        if self.time_buckets and device.type != "cpu":
-            raise ConfigError(
-                f"sync.time_buckets=true times buckets with host clocks, which cannot time NCCL on {device}; "
-                "accepted: false (DDP's runtime statistics time communication on CUDA), or trainer.device=cpu"
-            )
         # DDP's own check of a hook's name, which refuses bf16 on any build without CUDA, never sees ours.
         if self.comm_hook == "bf16" and dist.get_backend() == "nccl" and torch.cuda.nccl.version() < (2, 10):
             raise ConfigError(
@@ -103,14 +98,11 @@ class DDPSync(SyncStrategy):
             self._hook = TorchHook(self.comm_hook, self.comm, self.powersgd_rank, self.powersgd_start_step)
         elif self.time_buckets or self.comm.link is not None:  # DDP's all-reduce must pass through self.comm
             self._hook = AllReduceHook(self.comm)
-        if self.time_buckets and self.comm.every:  # what time_buckets asks for: every bucket of every step
-            self.comm.every = 1
         if self.bucket_cap_mb != "auto":
             return self._build(float(self.bucket_cap_mb))
-        self._tuner = CapTuner(
-            self.auto_candidates_mb, self.auto_steps_per_trial, self.auto_warmup_steps, device, self.comm
-        )
-        self._proxy = SwappableDDP(self._build(self._tuner.cap_mb))
+        candidates, steps, warmup = self.auto_candidates_mb, self.auto_steps_per_trial, self.auto_warmup_steps
+        self.tuner = CapTuner(candidates, steps, warmup, device, self.comm)  # tries caps: SyncStrategy.after_step
+        self._proxy = SwappableDDP(self._build(self.tuner.cap_mb))
         return self._proxy
 
     def _build(self, cap_mb: float) -> DistributedDataParallel:
@@ -127,72 +119,34 @@ class DDPSync(SyncStrategy):
             find_unused_parameters=self.find_unused_parameters,
             **buffers,
         )
-        self._cap_mb = cap_mb
+        self._sizes, self._rebuilt = bucket_layout(self._ddp)
         if self._hook is not None:
             self._ddp.register_comm_hook(state=None, hook=self._hook.hook)
-        else:
-            grad_bytes = sum(p.numel() * p.element_size() for p in self._module.parameters() if p.requires_grad)
-            self._books = ReducerBooks(self._ddp, grad_bytes, self.comm.every or 10)
         return self._ddp
 
-    def after_backward(self, model: nn.Module) -> None:
-        # DDP has already averaged every bucket: backward waited for them.
-        if self._books is not None:
-            self._books.steps += 1
-        if self._tuner is not None:
-            cap_mb = self._tuner.after_step()
-            if cap_mb is not None:  # every rank at the same step; the gradients are averaged already
-                assert self._proxy is not None
-                self._count_reduced()  # with the old layout
-                self._proxy.ddp = self._build(cap_mb)  # the old DDP, its reducer and hooks go with it
-
-    def pop_comm_counts(self) -> CommCounters:
-        counts = self.comm.pop()
-        if self._books is not None:
-            self._books.add_to(counts)
-        return counts
-
-    def _count_reduced(self) -> None:
-        if self._books is not None:
-            self._books.add_to(self.comm.counts)
+    def rebuild(self, cap_mb: float) -> None:
+        """bucket_cap_mb=auto: a new DDP with this cap (a DDP's cap is fixed at construction)."""
+        assert self._proxy is not None
+        self._proxy.ddp = self._build(cap_mb)  # the old DDP, its reducer and hooks go with it
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
         assert self._ddp is not None and model in (self._ddp, self._proxy), "no_sync needs the module wrap() returned"
         return self._ddp.no_sync()
 
-    def row_metrics(self) -> dict[str, float]:
-        return {"sync/bucket_cap_mb": self._cap_mb}
-
     def settled(self) -> bool:
         # bucket_cap_mb=auto: the trials, then the chosen cap's DDP, whose buckets are final once
         # rebuilt after its first step.
-        return self._tuner is None or (self._tuner.done and bool(self.describe().get("buckets_rebuilt", True)))
+        return self.tuner is None or (self.tuner.done and bool(self.facts().get("buckets_rebuilt")))
 
-    def describe(self) -> dict[str, Any]:
-        info: dict[str, Any] = {
-            "strategy": "ddp",
-            "bucket_cap_mb": self.bucket_cap_mb,
-            "gradient_as_bucket_view": self.gradient_as_bucket_view,
-            "static_graph": self.static_graph,
-            "find_unused_parameters": self.find_unused_parameters,
-            "broadcast_buffers": self.broadcast_buffers,
-            "time_buckets": self.time_buckets,
-            "comm_hook": self.comm_hook,
-            "comm_timing": self.comm.describe()
-            if self._hook is not None or self._ddp is None
-            else f"DDP runtime stats, 1 step in {self.comm.every or 10}",
-        }
-        if self.comm_hook == "powersgd":
-            info["powersgd_rank"] = self.powersgd_rank
-            info["powersgd_start_step"] = self.powersgd_start_step
-        if self._tuner is not None:
-            info["auto_trials"] = self._tuner.table()
-            info["auto_chosen_mb"] = self._tuner.chosen_mb
-            info["bucket_cap_mb_in_use"] = self._cap_mb
-        if self._ddp is not None:
-            sizes, rebuilt = self._books.layout() if self._books else bucket_layout(self._ddp)
-            info["num_buckets"] = len(sizes)
-            info["bucket_sizes_bytes"] = sizes
-            info["buckets_rebuilt"] = rebuilt
-            info["total_parameter_bytes"] = int(logging_data(self._ddp).get("total_parameter_size_bytes", 0))
-        return info
+    def facts(self) -> dict[str, Any]:
+        if self._ddp is None:
+            return {}
+        if not self._rebuilt:  # read between steps only: inside a step DDP's reducer holds the record's lock
+            self._sizes, self._rebuilt = bucket_layout(self._ddp)
+        total = int(logging_data(self._ddp).get("total_parameter_size_bytes", 0))
+        sizes = {"num_buckets": len(self._sizes), "bucket_sizes_bytes": self._sizes}
+        return sizes | {"buckets_rebuilt": self._rebuilt, "total_parameter_bytes": total}
+
+    def held(self) -> dict[str, int]:
+        """DDP's reducer keeps the gradients in buckets of its own, unless they are the .grad tensors."""
+        return {} if self.gradient_as_bucket_view else {"gradients": sum(self._sizes)}

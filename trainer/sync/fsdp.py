@@ -62,9 +62,7 @@ class CommAllGather(AllGather):
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
     ) -> dist.Work | None:
-        # all_reduce-equivalent bytes: a gather moves half what an all_reduce of its output does
-        nbytes = output_tensor.numel() * output_tensor.element_size()
-        work = self.comm.all_gather(output_tensor, input_tensor, self.unit, grad_bytes=nbytes // 2, group=group)
+        work = self.comm.all_gather(output_tensor, input_tensor, self.unit, group=group)
         if async_op:
             return work
         work.wait()
@@ -88,8 +86,7 @@ class CommReduceScatter(ReduceScatter):
         op: Any,
         async_op: bool = False,
     ) -> dist.Work | None:
-        nbytes = input_tensor.numel() * input_tensor.element_size()
-        work = self.comm.reduce_scatter(output_tensor, input_tensor, self.unit, nbytes // 2, op=op, group=group)
+        work = self.comm.reduce_scatter(output_tensor, input_tensor, self.unit, op=op, group=group)
         if async_op:
             return work
         work.wait()
@@ -108,6 +105,8 @@ class FSDPSync(SyncStrategy):
 
     # Ranks hold different shards, not replicas: there are no full local parameters for the
     # trainer's replica check to compare (state_dicts() gathers them when a checkpoint needs them).
+    name = "fsdp"
+    key_attributes = {"wrap": "wrap_policy"}
     keeps_replicas_equal = False
     grads_sharded = True  # each parameter's .grad is a DTensor: this rank's shard of the average
 
@@ -237,20 +236,11 @@ class FSDPSync(SyncStrategy):
         set_model_state_dict(model, model_state, options=options)
         set_optimizer_state_dict(model, optimizer, by_name(optimizer_state, self._param_names), options=options)
 
-    def describe(self) -> dict[str, Any]:
-        info: dict[str, Any] = {
-            "strategy": "fsdp",
-            "reshard_after_forward": self.reshard_after_forward,
-            "mixed_precision": self.mixed_precision,
-            "wrap": self.wrap_policy,
-        }
-        if self._wrapped:
-            info["wrap_in_use"] = self._wrapped
-        if self._unit_bytes:
-            info["num_units"] = len(self._unit_bytes)
-            info["unit_bytes"] = self._unit_bytes  # each unit's gathered parameters (padded)
-            info["sharded_bytes_per_rank"] = self._sharded_bytes
-        return info
+    def facts(self) -> dict[str, Any]:
+        if not self._unit_bytes:
+            return {}
+        units = {"num_units": len(self._unit_bytes), "unit_bytes": self._unit_bytes}  # each gathered in full (padded)
+        return {"wrap_in_use": self._wrapped, **units, "sharded_bytes_per_rank": self._sharded_bytes}
 
 
 def local_of(tensor: torch.Tensor) -> torch.Tensor:

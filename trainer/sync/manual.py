@@ -36,7 +36,7 @@ from trainer.sync.unused import Arrivals
 class ManualSync(SyncStrategy):
     """The algorithm DDP automates, spelled out: all_reduce(SUM) and divide, after backward."""
 
-    comm_in_sync_phase = True  # it communicates only in after_backward, which the trainer times
+    name = "manual"
 
     def __init__(
         self,
@@ -74,7 +74,7 @@ class ManualSync(SyncStrategy):
                 comm.all_reduce(bucket.grads, index).wait()
                 bucket.grads.div_(world_size)
             else:  # all_reduce = reduce_scatter + all_gather
-                comm.reduce_scatter(bucket.shard, bucket.buffer, index, grad_bytes=bucket.nbytes).wait()
+                comm.reduce_scatter(bucket.shard, bucket.buffer, index).wait()
                 bucket.shard.div_(world_size)
                 comm.all_gather(bucket.buffer, bucket.shard, index).wait()
         for param in self._in_place:
@@ -93,15 +93,8 @@ class ManualSync(SyncStrategy):
         for param in self._in_place:  # autograd then hands the next gradient over without a copy
             param.grad = None
 
-    def describe(self) -> dict[str, Any]:
-        info: dict[str, Any] = {
-            "strategy": "manual",
-            "coalesce_mb": self.coalesce_mb,
-            "collective": self.collective,
-            "find_unused_parameters": self.find_unused_parameters,
-        }
-        if self._flat is not None:
-            info["num_buffers"] = len(self._flat.buckets)
-            info["buffer_sizes_bytes"] = self._flat.sizes()
-            info["num_reduced_in_place"] = len(self._in_place)
-        return info
+    def facts(self) -> dict[str, Any]:
+        if self._flat is None:
+            return {}
+        sizes = self._flat.sizes()
+        return {"num_buffers": len(sizes), "buffer_sizes_bytes": sizes, "num_reduced_in_place": len(self._in_place)}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch.distributed as dist
 from torch import nn
@@ -16,6 +15,7 @@ log = logging.getLogger(__name__)
 class NoSync(SyncStrategy):
     """Replicas drift apart on purpose; useful for single-process runs and divergence baselines."""
 
+    name = "none"
     keeps_replicas_equal = False
     trains_one_model = False  # each rank trains its own: a checkpoint holds rank 0's
 
@@ -26,6 +26,3 @@ class NoSync(SyncStrategy):
                 dist.get_world_size(),
             )
         return model
-
-    def describe(self) -> dict[str, Any]:
-        return {"strategy": "none"}

@@ -74,6 +74,8 @@ Stage = Literal[1, 2, 3]  # sync.stage
 class ZeroSync(SyncStrategy):
     """Sharded optimizer state (stage 1) and gradient (stage 2), reduced bucket by bucket during backward."""
 
+    name = "zero"
+
     keeps_replicas_equal = True  # the all_gather leaves every rank the same full parameters
     grads_sharded = True  # the optimizer reads this rank's shard of the averaged gradient
 
@@ -177,11 +179,11 @@ class ZeroSync(SyncStrategy):
     def _reduce(self, index: int) -> dist.Work:
         """Bucket `index` is complete: start reducing it to this rank's shard of the sum."""
         assert self._grads is not None
-        full, grad_bytes = self._grads.to_reduce(index), self._grads.grad_bytes(index)
+        full = self._grads.to_reduce(index)
         if self.stage == 2 and self._native:  # each rank receives only its 1/N slice of the sum
-            return self.comm.reduce_scatter(self._grads.shards[index], full, index, grad_bytes=grad_bytes)
+            return self.comm.reduce_scatter(self._grads.shards[index], full, index)
         # Stage 1 keeps the full gradient anyway; gloo's fast path: the whole sum, then a slice
-        return self.comm.all_reduce(full, index, grad_bytes=grad_bytes)
+        return self.comm.all_reduce(full, index)
 
     def _average(self, index: int) -> None:
         """After the bucket's reduction: this rank's slice of the sum, divided by N, in its shard."""
@@ -286,9 +288,8 @@ class ZeroSync(SyncStrategy):
         self.comm.agree(finite, dist.ReduceOp.MIN)  # every rank must reach this
         return bool(finite.item())
 
-    def row_metrics(self) -> dict[str, float]:
-        assert self._grads is not None, "build_optimizer() first"
-        return self._grads.memory()
+    def held(self) -> dict[str, int]:
+        return {"gradients": self._grads.staged_bytes()} if self._grads is not None else {}
 
     def state_dicts(self, model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
         """The model's state is full on every rank already; the optimizer's is gathered (a collective)."""
@@ -318,22 +319,17 @@ class ZeroSync(SyncStrategy):
     ) -> None:
         zero_checkpoint.load_state_parts(self, model, optimizer, saved, read, groups)
 
-    def describe(self) -> dict[str, Any]:
-        info: dict[str, Any] = {"strategy": "zero", "stage": self.stage, "bucket_cap_mb": self.bucket_cap_mb}
-        if self._grads is not None:
-            reduce = "all_reduce" if self.stage == 1 or not self._native else "reduce_scatter"
-            info["collectives"] = f"{reduce} + {'all_gather' if self._native else 'broadcast'}"
-        if self.layout is not None:
-            layout = self.layout
-            info["world_size"] = layout.world_size
-            info["num_params"] = len(layout.indices)
-            info["numel"] = layout.numel
-            info["padded_numel"] = layout.padded_numel
-            info["shard_numel"] = layout.shard_numel
-            info["num_buckets"] = len(layout.buckets)
-        if self._grads is not None:  # the gradient bytes per bucket, without padding, as bucketed lists them
-            info["bucket_sizes_bytes"] = [n * self._grads.element_size for n in self._grads.numels]
-        return info
+    def facts(self) -> dict[str, Any]:
+        if self.layout is None or self._grads is None:
+            return {}
+        reduce = "all_reduce" if self.stage == 1 or not self._native else "reduce_scatter"
+        sizes = [n * self._grads.element_size for n in self._grads.numels]  # gradient bytes, as bucketed lists them
+        shape = {k: getattr(self.layout, k) for k in ("world_size", "numel", "padded_numel", "shard_numel")}
+        return {"collectives": f"{reduce} + {'all_gather' if self._native else 'broadcast'}", **shape} | {
+            "num_params": len(self.layout.indices),
+            "num_buckets": len(sizes),
+            "bucket_sizes_bytes": sizes,
+        }
 
 
 def zero_sync(

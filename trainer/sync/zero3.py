@@ -79,6 +79,9 @@ from trainer.sync.zero_state import (
 class Zero3Sync(SyncStrategy):
     """Parameters, gradients and optimizer state sharded; each unit gathered just in time."""
 
+    name = "zero"
+    key_attributes = {"wrap": "wrap_policy"}
+
     keeps_replicas_equal = False  # between steps ranks hold shards; state_dicts() gathers the full model
     grads_sharded = True
 
@@ -111,8 +114,6 @@ class Zero3Sync(SyncStrategy):
         self._forward: list[int] = []  # the units in forward's order (learned in the first training forward)
         self._backward: list[int] = []  # the order units finish backward: forward's reversed, the root last
         self._backward_gathers: list[int] = []  # the order backward reaches them: the root first
-        self._holding: set[int] = set()  # units whose full gradients exist (not reduced yet)
-        self._grad_bytes: list[int] = []  # per unit, its full gradients' bytes
         self._num_params: list[int] = []  # per unit, its trainable parameters: the gradients to wait for
         self._order: InOrder | None = None  # which units may reduce now
         self._arrived: list[int] = []
@@ -124,8 +125,6 @@ class Zero3Sync(SyncStrategy):
         # ranks' check of the unused parameters comes before any gradient collective (as zero.py).
         self._after_backward_only = True
         self._trainable: list[bool] = []  # per unit: whether it has trainable parameters
-        self._held = {"parameters": 0, "gradients": 0}  # bytes beyond the shards, now and at most
-        self._peak = {"parameters": 0, "gradients": 0}
 
     def refuses(self, settings: TrainSettings) -> str | None:
         if settings.compile:
@@ -207,10 +206,6 @@ class Zero3Sync(SyncStrategy):
                 bucket.untyped_storage().resize_(0)  # freed: gathered in the unit's turn
         self._arrived = [0] * len(self._units)
         self._num_params = [sum(len(self._views[b]) for b in self._buckets[u]) for u in range(len(self._units))]
-        self._grad_bytes = [
-            sum(p.numel() * p.element_size() for b in self._buckets[u] for p, _ in self._views[b])
-            for u in range(len(self._units))
-        ]
         for u, unit in enumerate(self._units):
             unit.register_forward_pre_hook(partial(self._before_forward, u))
             unit.register_forward_hook(partial(self._after_forward, u))
@@ -234,7 +229,6 @@ class Zero3Sync(SyncStrategy):
         for b in self._buckets[u]:
             full, (_, at, size) = self._full[b], self.layout.pieces(self._rank)[b]
             full.untyped_storage().resize_(full.numel() * full.element_size())
-            self._count("parameters", full.numel() * full.element_size())
             mine = self.param_shard[at : at + size]
             # Autograd saved views of this buffer in the forward: refilling it must not bump their version.
             with torch.no_grad(), _unsafe_preserve_version_counter(full):
@@ -262,12 +256,7 @@ class Zero3Sync(SyncStrategy):
             return
         for b in self._buckets[u]:
             self._full[b].untyped_storage().resize_(0)
-            self._count("parameters", -self._full[b].numel() * self._full[b].element_size())
         self._gathered.discard(u)
-
-    def _count(self, kind: str, nbytes: int) -> None:
-        self._held[kind] += nbytes
-        self._peak[kind] = max(self._peak[kind], self._held[kind])
 
     # The hooks: a unit's forward, its backward, each of its gradients.
 
@@ -334,9 +323,6 @@ class Zero3Sync(SyncStrategy):
 
     def _gradient_ready(self, u: int) -> None:
         """A gradient of unit u arrived; once all did, its turn in backward is over."""
-        if u not in self._holding:  # its full gradients exist from now until _reduce drops them
-            self._holding.add(u)
-            self._count("gradients", self._grad_bytes[u])
         self._arrived[u] += 1
         if self._arrived[u] < self._num_params[u] or u == len(self._units) - 1:
             return  # the root reduces after backward: under reentrant checkpointing its gradients arrive in parts
@@ -355,7 +341,6 @@ class Zero3Sync(SyncStrategy):
         self._settle()
         for b in self._buckets[u]:
             bucket = self._grads.new_zeros(self.layout.buckets[b][1])  # a gradient that never came counts as zero
-            self._count("gradients", bucket.numel() * bucket.element_size())
             for param, at in self._views[b]:
                 if param.grad is not None:
                     bucket[at : at + param.numel()].copy_(param.grad.view(-1))
@@ -366,9 +351,6 @@ class Zero3Sync(SyncStrategy):
             else:  # gloo's fast path: the whole sum, this rank's slice read after
                 work = self.comm.all_reduce(bucket, self._labels[u])
             self._reducing.append((b, bucket, work))
-        if u in self._holding:
-            self._holding.discard(u)
-            self._count("gradients", -self._grad_bytes[u])
         self._done(u)
 
     def _settle(self) -> None:
@@ -382,7 +364,6 @@ class Zero3Sync(SyncStrategy):
                 shard.div_(dist.get_world_size())
             else:
                 torch.div(bucket[self._rank * size : (self._rank + 1) * size], dist.get_world_size(), out=shard)
-            self._count("gradients", -bucket.numel() * bucket.element_size())
         self._reducing = []
 
     def _done(self, u: int) -> None:
@@ -427,18 +408,9 @@ class Zero3Sync(SyncStrategy):
         self.comm.agree(finite, dist.ReduceOp.MIN)  # every rank must reach this
         return bool(finite.item())
 
-    def row_metrics(self) -> dict[str, float]:
-        """Memory beyond the shards since the last row, at most: gathered units, the gradients of a
-        unit being reduced (and while accumulating, every full gradient); the shards themselves."""
-        assert self.param_shard is not None and self._grads is not None
-        shard = self.param_shard.numel() * self.param_shard.element_size()
-        peak, self._peak = self._peak, dict(self._held)
-        return {
-            "memory/parameters_mb": shard / 2**20,
-            "memory/parameters_peak_mb": (shard + peak["parameters"]) / 2**20,
-            "memory/gradients_mb": shard / 2**20,  # the gradient shard, after backward
-            "memory/gradients_peak_mb": (shard + peak["gradients"]) / 2**20,
-        }
+    def held(self) -> dict[str, int]:
+        """The padded gradient buckets being reduced (the full gradients and the shards are .grad tensors)."""
+        return {"gradients": sum(bucket.numel() * bucket.element_size() for _, bucket, _ in self._reducing)}
 
     # Checkpoints: the full model in the usual terms, or this rank's shard.
 
@@ -491,16 +463,14 @@ class Zero3Sync(SyncStrategy):
     ) -> None:
         zero_checkpoint.load_state_parts(self, model, optimizer, saved, read, groups)
 
-    def describe(self) -> dict[str, Any]:
-        info: dict[str, Any] = {"strategy": "zero", "stage": 3, "wrap": self.wrap_policy, "prefetch": self.prefetch}
-        info["reshard_after_forward"] = self.reshard_after_forward
-        info["collectives"] = "all_gather + reduce_scatter" if self._native else "broadcast + all_reduce"
+    def facts(self) -> dict[str, Any]:
+        info: dict[str, Any] = {
+            "stage": 3,
+            "collectives": "all_gather + reduce_scatter" if self._native else "broadcast + all_reduce",
+        }
         if self.layout is not None:
-            info["num_units"] = len(self._units)
-            info["unit_bytes"] = [
-                sum(self._full[b].numel() * self._full[b].element_size() for b in u) for u in self._buckets
-            ]
-            info["shard_numel"] = self.layout.shard_numel
+            unit_bytes = [sum(self._full[b].numel() * self._full[b].element_size() for b in u) for u in self._buckets]
+            info |= {"num_units": len(self._units), "unit_bytes": unit_bytes, "shard_numel": self.layout.shard_numel}
         return info
 
 

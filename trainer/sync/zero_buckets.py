@@ -1,4 +1,4 @@
-"""sync=zero's gradient buckets: what a bucket holds while backward fills it, and the memory that takes.
+"""sync=zero's gradient buckets: what a bucket holds while backward fills it.
 
 Stage 1 (only the optimizer state sharded): the gradients live in flat bucket buffers (each .grad a
 view, as `bucketed`'s), and the full bucket is what zero.py all-reduces. A bucket of one parameter
@@ -50,8 +50,6 @@ class GradientBuckets:
         self.staging: list[torch.Tensor | None] = [None] * len(self.groups)
         # Per bucket: one parameter that needs no padding, whose gradient can be reduced where autograd put it.
         self.in_place = [len(g) == 1 and n == p for g, n, p in zip(self.groups, self.numels, self.padded, strict=True)]
-        in_place_numel = sum(n for n, alone in zip(self.numels, self.in_place, strict=True) if alone)
-        self._in_place_bytes = in_place_numel * self.element_size
         # Stage 1: per bucket, its place among the flat buffers, or None for a gradient reduced in place.
         self.in_flat: list[int | None] = [None] * len(self.groups)
         if stage == 1:
@@ -60,23 +58,10 @@ class GradientBuckets:
             for position, (index, bucket) in enumerate(zip(flat, self.flat.buckets, strict=True)):
                 bucket.shard = self.shards[index]  # one contiguous shard for the optimizer, not one per bucket
                 self.in_flat[index] = position
-        self._live = 0  # bytes of staging buffers allocated now (stage 2)
-        self.peak_bytes = self.held_bytes  # the most gradient memory held at once, during backward included
 
-    @property
-    def held_bytes(self) -> int:
-        """Gradient bytes this rank holds now: the shard, and the full buckets (stage 1: the gradients
-        reduced in place counted whole, as they are from backward to the step) or those staged (stage 2)."""
-        if self.flat is None:
-            return self.shard.numel() * self.element_size + self._live
-        full = sum(b.padded_nbytes for b in self.flat.buckets)
-        return self.shard.numel() * self.element_size + full + self._in_place_bytes
-
-    def memory(self) -> dict[str, float]:
-        """The rows' gradient memory: what a rank holds once backward's buckets are reduced (stage 2:
-        the shard; stage 1: it and the full buckets), and the most it held at once, backward included."""
-        after_backward = self.held_bytes - self._live
-        return {"memory/gradients_mb": after_backward / 2**20, "memory/gradients_peak_mb": self.peak_bytes / 2**20}
+    def staged_bytes(self) -> int:
+        """Stage 2's staging buffers alive now (gradients no .grad holds); stage 1 keeps them in .grad."""
+        return sum(b.numel() * b.element_size() for b in self.staging if b is not None)
 
     def hold(self, index: int, j: int, param: nn.Parameter, first: bool) -> None:
         """A gradient for `param` was accumulated (its hook): into its bucket (see the module's doc)."""
@@ -95,7 +80,6 @@ class GradientBuckets:
             return
         if first and self.staging[index] is None and self.in_place[index] and grad.is_contiguous():
             self.staging[index] = grad.detach().view(-1)  # autograd's tensor, ours once .grad lets go of it
-            self._grew(grad.numel())
             param.grad = None
             return
         lo = self.offsets[index][j]
@@ -111,12 +95,7 @@ class GradientBuckets:
         if buffer is None:
             buffer = self.shard.new_zeros(self.padded[index])  # zeros: a gradient that never comes counts as zero
             self.staging[index] = buffer
-            self._grew(buffer.numel())
         return buffer
-
-    def _grew(self, numel: int) -> None:
-        self._live += numel * self.element_size
-        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
 
     def fill_missing(self, index: int) -> None:
         """Before a bucket starts after backward: gradients its hooks did not deliver, folded in."""
@@ -150,15 +129,9 @@ class GradientBuckets:
         assert staged is not None, "a bucket starts after its gradients (or fill_missing()) staged it"
         return staged
 
-    def grad_bytes(self, index: int) -> int:
-        """The bucket's gradient bytes, once per step (its padding is not gradient)."""
-        return self.numels[index] * self.element_size
-
     def release(self, index: int) -> None:
         """Stage 2: the bucket is reduced into the shard, its full buffer is freed."""
-        staged = self.staging[index]
-        if self.flat is None and staged is not None:
-            self._live -= staged.numel() * self.element_size
+        if self.flat is None:
             self.staging[index] = None
 
     def _in_place_grad(self, index: int) -> torch.Tensor:

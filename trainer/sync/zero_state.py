@@ -140,8 +140,8 @@ def gather_full_state(
     shard-sized tensor, all_gathered, the padding stripped, split per parameter. Anything else
     (Adam's 0-d "step", a float) is the same for every element of a group, so each parameter gets
     its group's. The groups list the model's parameters as a plain optimizer built on
-    model.parameters() would (`full_groups`). Not counted in the comm metrics (comm.uncounted()):
-    those are per-step training traffic, and this runs only at checkpoints.
+    model.parameters() would (`full_groups`). It runs between steps (checkpoints), which the observer
+    never samples: the rows' comm/* stay per training step.
     """
     groups = shard_state["param_groups"]
     states = [shard_state["state"].get(g, {}) for g in range(len(groups))]  # empty before the first step
@@ -154,8 +154,7 @@ def gather_full_state(
             shard = torch.cat([v for v in values if v is not None]) if len(values) > 1 else values[0]
             assert isinstance(shard, torch.Tensor)
             full = shard.new_empty(layout.padded_numel)
-            with comm.uncounted():
-                layout.gather(comm, full, shard.contiguous())  # every rank must reach this
+            layout.gather(comm, full, shard.contiguous())  # every rank must reach this
             pieces: list[Any] = layout.split(full)
         else:
             pieces = [_copy(values[g]) for g in group_of]

@@ -1,0 +1,241 @@
+"""Every quantity the lab measures, defined once: the same formula for every strategy.
+
+docs/metrics.md says each definition in prose, and every row key in docs/outputs.md links there.
+The observer (trainer/observer.py) takes the raw facts on the sampled step (a collective's kind,
+size and group, the instants of its life, the step's phase marks, memory per kind); the functions
+here turn them into the numbers of a row. Nothing else computes a row's time, bytes or overlap.
+
+- The sampled step: 1 step in `trainer.sample_every_n_steps`, the one before each row by default;
+  the same step for every quantity and every strategy. Other steps are not watched at all.
+- Bytes (`comm/bytes_per_step`): what this rank puts on the wire, from the collective's kind, the
+  bytes of its buffer S and the ranks n of the group it runs on, as a ring moves them: all_reduce
+  2(n-1)/n S, reduce_scatter (n-1)/n S (S: the full input), all_gather (n-1)/n S (S: the full
+  output), broadcast (n-1)/n S (n-1 ranks receive S and the ring's hops send it, averaged over the
+  n ranks). So the same data moved the same way counts the same, whichever collectives carry it:
+  an all_gather, or a broadcast from each rank of its slice. Control collectives (agreements of a
+  few bytes: a flag per parameter, the cap tuner's vote, a gradient norm) count apart
+  (`comm/control_bytes_per_step`), never in the gradient and parameter traffic.
+- Communication time (`time/comm_s`): the length of the union of the intervals from each
+  collective's launch to its completion as the backend reports it (gloo's thread, the NCCL
+  stream's event; on an emulated link, when the link hands it on); gaps between collectives are
+  not communication.
+- Exposed (`time/comm_exposed_s`): the length of the union of the intervals in which the training
+  thread waited for a collective: from when it asked for the result (its wait(); for collectives
+  torch waits for inside backward, DDP's buckets, the end of backward's computation: the last
+  one's launch) until the result was there. Never more than the communication time.
+- Overlap (`comm/overlap_fraction`): 1 - exposed / communication time.
+- Bus bandwidth (`comm/busbw_GBps`): bytes / communication time: the rate this rank sent at while
+  communicating, comparable with a link's speed whatever the kind.
+- The link's ideal (`time/comm_exposed_link_s`, network=<preset>): what the step would have waited
+  for if only the emulated link cost time. The step is replayed: its compute keeps its length, each
+  wait of the training thread takes only what the link would have made it wait, and whatever came
+  after a wait (later launches, later waits) moves earlier by what the wait saved; the link carries
+  one collective at a time, each for its link time from its (replayed) launch. Waits the training
+  thread makes back to back (bucketed's after backward) and the one torch makes for all of DDP's
+  buckets at the end of backward are then measured from the same instants.
+- Phases (`time/<phase>_s`, `time/step_s`): the sampled step's own intervals between the loop's
+  marks; they add up to the step.
+- Memory (`memory/<kind>_mb`, `memory/<kind>_peak_mb`): the bytes of the storages this rank holds,
+  each storage once, by kind: parameters (the model's, a DTensor's local shard, and the optimizer's
+  own where it steps a shard), gradients (their .grad, and the buffers a strategy says it holds
+  beyond them: a bucket being reduced, DDP's reducer buckets), optimizer state. Held: parameters
+  and optimizer state as the sampled step ends, gradients as its sync phase ends (averaged, before
+  the optimizer uses them); peak: the most at any probe of the sampled step (the ends of its
+  backward, sync and optimizer phases, each collective's launch and the end of each wait for one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from trainer.comm_math import busy_time
+
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+PHASES = ("data", "forward", "backward", "sync", "optimizer")  # the loop's marks, in a step's order
+MIB = 2**20
+
+
+def wire_factor(kind: str, ranks: int) -> float:
+    """The share of a collective's buffer one rank puts on the wire (module docstring)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown collective {kind!r}; one of {', '.join(KINDS)}")
+    if ranks < 1:
+        raise ValueError(f"need ranks >= 1, got {ranks}")
+    return (2 if kind == "all_reduce" else 1) * (ranks - 1) / ranks
+
+
+def wire_bytes(kind: str, nbytes: int, ranks: int) -> float:
+    """Bytes this rank puts on the wire for one collective of `kind` on a buffer of `nbytes`."""
+    return wire_factor(kind, ranks) * nbytes
+
+
+@dataclass
+class Collective:
+    """One collective of the sampled step, its instants in seconds from the step's start."""
+
+    kind: str
+    nbytes: int  # its buffer: the full input of a reduce_scatter, the full output of an all_gather
+    ranks: int  # the size of the group it ran on
+    control: bool  # an agreement of a few bytes, counted apart
+    launched: float
+    completed: float  # the backend's completion (or, where it reports none, the end of the wait)
+    needed: float  # when the training thread asked for the result
+    link_s: float = 0.0  # its time on the emulated link (0: none)
+    calls: int = 1  # collectives of `kind` sharing these instants and `nbytes` (a PowerSGD hook's three)
+    resumed: float | None = None  # when the training thread went on after waiting for it (None: completed)
+
+
+def comm_time(collectives: Sequence[Collective]) -> float:
+    """time/comm_s: the union of [launched, completed] over the data collectives."""
+    return busy_time((c.launched, max(c.launched, c.completed)) for c in collectives if not c.control)
+
+
+def exposed_time(collectives: Sequence[Collective]) -> float:
+    """time/comm_exposed_s: the union of [needed, completed] over the data collectives, where the
+    training thread asked before the result was there."""
+    return busy_time((c.needed, c.completed) for c in collectives if not c.control and c.completed > c.needed)
+
+
+def link_ideal(collectives: Sequence[Collective]) -> float:
+    """time/comm_exposed_link_s: the step replayed with only the link's time (module docstring).
+
+    A wait is one instant `needed` and everything asked for there (torch's one wait for DDP's
+    buckets is one); it ends when the last of them is back. Launches and waits are replayed in the
+    order they happened, each moved earlier by what the waits before it saved."""
+    data = [c for c in collectives if not c.control]
+    waits: dict[float, list[Collective]] = {}
+    for c in data:
+        waits.setdefault(c.needed, []).append(c)
+    events = sorted([(c.launched, 0, i) for i, c in enumerate(data)] + [(at, 1, -1) for at in waits])
+    done: dict[int, float] = {}
+    shift = free = exposed = 0.0  # how much earlier the replay is; when the link is free; the ideal wait
+    for at, is_wait, index in events:
+        if not is_wait:
+            c = data[index]
+            free = max(at - shift, free) + c.link_s
+            done[id(c)] = free
+            continue
+        group = waits[at]
+        real = max(0.0, max(c.resumed if c.resumed is not None else c.completed for c in group) - at)
+        ideal = max(0.0, max(done[id(c)] for c in group) - (at - shift))
+        exposed += ideal
+        shift += real - ideal
+    return exposed
+
+
+def overlap_fraction(comm_s: float, exposed_s: float) -> float:
+    """comm/overlap_fraction: the share of communication time hidden under compute (at least 0)."""
+    if comm_s <= 0:
+        raise ValueError(f"comm_s={comm_s}: an overlap needs communication time > 0")
+    return max(0.0, 1.0 - exposed_s / comm_s)
+
+
+def comm_row(collectives: Sequence[Collective], emulated: bool) -> dict[str, float]:
+    """A sampled step's comm/* and time/comm* keys (none when it sent nothing)."""
+    if not collectives:
+        return {}
+    data = [c for c in collectives if not c.control]
+    control = [c for c in collectives if c.control]
+    row: dict[str, float] = {}
+    if control:
+        row["comm/control_bytes_per_step"] = sum(wire_bytes(c.kind, c.nbytes, c.ranks) for c in control)
+        row["comm/control_collectives_per_step"] = sum(c.calls for c in control)
+    if not data:
+        return row
+    total = 0.0
+    for kind in KINDS:
+        of_kind = [c for c in data if c.kind == kind]
+        if of_kind:
+            sent = sum(wire_bytes(kind, c.nbytes, c.ranks) for c in of_kind)
+            row[f"comm/{kind}_bytes_per_step"] = sent
+            row[f"comm/{kind}_per_step"] = sum(c.calls for c in of_kind)
+            total += sent
+    row["comm/bytes_per_step"] = total
+    row["comm/collectives_per_step"] = sum(c.calls for c in data)
+    busy, exposed = comm_time(data), exposed_time(data)
+    row["time/comm_s"], row["time/comm_exposed_s"] = busy, min(exposed, busy)
+    if emulated:
+        row["time/comm_exposed_link_s"] = link_ideal(data)
+    if busy > 0:
+        row["comm/overlap_fraction"] = overlap_fraction(busy, exposed)
+        row["comm/busbw_GBps"] = total / busy / 1e9
+    return row
+
+
+def phase_row(marks: Sequence[tuple[str, float]]) -> dict[str, float]:
+    """The sampled step's time/<phase>_s (summed where a phase recurs: one per micro-batch) and time/step_s."""
+    row: dict[str, float] = {}
+    for (_, begin), (phase, end) in zip(marks, marks[1:], strict=False):
+        row[f"time/{phase}_s"] = row.get(f"time/{phase}_s", 0.0) + (end - begin)
+    row["time/step_s"] = marks[-1][1] - marks[0][1] if marks else 0.0
+    return row
+
+
+def memory_row(held: dict[str, int], peaks: dict[str, int]) -> dict[str, float]:
+    """memory/<kind>_mb (held at the sampled step's end) and memory/<kind>_peak_mb (the most at any
+    of its probes), in MiB."""
+    row = {f"memory/{kind}_mb": nbytes / MIB for kind, nbytes in held.items()}
+    row |= {f"memory/{kind}_peak_mb": nbytes / MIB for kind, nbytes in peaks.items()}
+    return row
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: its local shard
+
+
+def _storages(tensors: Iterable[torch.Tensor]) -> dict[int, torch.UntypedStorage]:
+    """Each storage behind these tensors once, by its identity (stable when it is resized: zero
+    stage 3's units are freed and regrown in place)."""
+    storages = (_local(t).untyped_storage() for t in tensors)
+    return {storage._cdata: storage for storage in storages}
+
+
+class MemoryProbe:
+    """Bytes held now per kind (module docstring); `held`: what the strategy holds beyond these.
+
+    The parameters are listed once (a walk of the model's modules costs more than a probe; they are
+    the same objects for the whole run), the optimizer state's storages at begin() of each sampled
+    step (a resumed run loads new ones); each call reads their sizes now, and the gradients', which
+    come and go within the step."""
+
+    def __init__(self, model: nn.Module, optimizer: Optimizer, held: Callable[[], dict[str, int]]) -> None:
+        self.model, self.optimizer, self.held = model, optimizer, held
+        self._owners: list[torch.Tensor] = []
+        self._parameters: dict[int, torch.UntypedStorage] = {}
+        self._state: dict[int, torch.UntypedStorage] = {}
+        self._state_entries = 0
+
+    def begin(self) -> None:
+        if not self._owners:
+            groups = self.optimizer.param_groups
+            self._owners = [*self.model.parameters(), *(p for group in groups for p in group["params"])]
+            self._parameters = _storages(self._owners)
+        self._list_state()
+
+    def _list_state(self) -> None:
+        state = self.optimizer.state.values()
+        self._state = _storages(v for s in state for v in s.values() if isinstance(v, torch.Tensor))
+        self._state_entries = len(self.optimizer.state)
+
+    def __call__(self) -> dict[str, int]:
+        if len(self.optimizer.state) != self._state_entries:  # the first step made its state
+            self._list_state()
+        grads = {}
+        for owner in self._owners:
+            grad = owner.grad
+            if grad is not None:
+                storage = _local(grad).untyped_storage()
+                grads[storage._cdata] = storage.nbytes()
+        held = {
+            "parameters": sum(s.nbytes() for s in self._parameters.values()),
+            "gradients": sum(grads.values()),
+            "optimizer_state": sum(s.nbytes() for s in self._state.values()),
+        }
+        for kind, nbytes in self.held().items():
+            held[kind] = held.get(kind, 0) + nbytes
+        return held
