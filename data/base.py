@@ -107,7 +107,7 @@ class DataModule(ABC):
     def build_datasets(self) -> tuple[Dataset, Dataset]:
         """Return (train, val); raise ValueError when files they need are missing."""
 
-    def train_loader(self, rank: int, world_size: int, seed: int, pin_memory: bool = False) -> Loader:
+    def train_loader(self, rank: int, world_size: int, seed: int, device: torch.device | None = None) -> Loader:
         """Shuffled loader over this rank's share of the train set.
 
         Invariant: every rank draws from one permutation (seeded by seed + epoch; the trainer
@@ -115,7 +115,7 @@ class DataModule(ABC):
         so the ranks' k-th batches together are exactly the k-th batch of size world_size ×
         batch_size that a single process would draw. drop_last=true drops the partial batches;
         false keeps them (the last global batch is smaller, and some ranks may have one batch
-        fewer than others: see train_batches).
+        fewer than others: see train_batches). `device`: where the batches are used (see _loader).
         """
         train, _ = self._built()
         if not self.drop_last and _size(train) < world_size:
@@ -131,7 +131,7 @@ class DataModule(ABC):
                 f"use data.batch_size <= {_size(train) // world_size} or fewer ranks"
             )
         sampler = ResumableSampler(train, world_size, rank, seed, self.drop_last)
-        return self._loader(train, sampler=sampler, drop_last=self.drop_last, pin_memory=pin_memory)
+        return self._loader(train, sampler=sampler, drop_last=self.drop_last, device=device)
 
     def train_batches(self, world_size: int) -> list[int]:
         """Batches per epoch of each rank's train loader (without building it): equal with drop_last."""
@@ -153,7 +153,7 @@ class DataModule(ABC):
         return [-(-rank_share(n, r, world_size) // b) for r in range(world_size)]
 
     def val_loader(
-        self, rank: int, world_size: int, pin_memory: bool = False, max_samples: int | None = None
+        self, rank: int, world_size: int, device: torch.device | None = None, max_samples: int | None = None
     ) -> Loader:
         """In-order loader over this rank's strided shard of the val set's first val_size(max_samples).
 
@@ -163,7 +163,7 @@ class DataModule(ABC):
         """
         _, val = self._built()
         shard = Subset(val, range(rank, self.val_size(max_samples), world_size))  # rank_share(n, rank, world_size)
-        return self._loader(shard, sampler=None, drop_last=False, pin_memory=pin_memory)
+        return self._loader(shard, sampler=None, drop_last=False, device=device)
 
     def _built(self) -> tuple[Dataset, Dataset]:
         if self._datasets is None:
@@ -175,12 +175,17 @@ class DataModule(ABC):
         dataset: Dataset,
         sampler: DistributedSampler | None,
         drop_last: bool,
-        pin_memory: bool,
+        device: torch.device | None,
     ) -> Loader:
-        # Samples already in tensors (synthetic, fake): a gather per batch, in this process.
+        """On a GPU, samples already in tensors (synthetic, fake) move to it once and each batch is a
+        gather there: no per-batch copy or pin. Any other dataset's batches are pinned (page-locked),
+        so that their copy to the GPU does not wait for it to drain."""
+        pin_memory = device is not None and device.type == "cuda"
         tensors = in_memory_tensors(dataset) if self.num_workers == 0 else None
-        if tensors is not None:
-            return TensorLoader(tensors, self.batch_size, sampler, drop_last, pin_memory)
+        if tensors is not None:  # a gather per batch, in this process
+            return TensorLoader(
+                tuple(t.to(device) for t in tensors) if pin_memory else tensors, self.batch_size, sampler, drop_last
+            )
         return DataLoader(
             dataset,
             batch_size=self.batch_size,

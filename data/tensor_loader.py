@@ -27,9 +27,10 @@ def in_memory_tensors(dataset: Dataset) -> tuple[torch.Tensor, ...] | None:
 class TensorLoader:
     """What DataLoader(TensorDataset(*tensors), batch_size, sampler, drop_last) yields, a batch per gather.
 
-    Keeps DataLoader's attributes that the trainer uses (`sampler`, `batch_size`, `len()`).
-    `pin_memory` puts each batch in page-locked memory, so that `.to(cuda, non_blocking=True)` is
-    asynchronous: from pageable memory the copy may wait for the GPU to drain.
+    Keeps DataLoader's attributes that the trainer uses (`sampler`, `batch_size`, `len()`). The
+    batches are gathered where the tensors are: on a GPU, each is a gather there. `pin_memory` (a
+    subclass's batches built on the host) puts each batch in page-locked memory, so that
+    `.to(cuda, non_blocking=True)` is asynchronous: from pageable memory the copy may wait for the GPU.
     """
 
     def __init__(
@@ -59,7 +60,7 @@ class TensorLoader:
         # The epoch's order, drawn from the sampler once and turned into one tensor: each batch is
         # then a slice of it, not a list of Python ints converted again every step. (A resumed
         # sampler yields fewer indices than its len(): count what it yields.)
-        order = torch.as_tensor(list(self.sampler), dtype=torch.int64)
+        order = torch.as_tensor(list(self.sampler), dtype=torch.int64).to(self.tensors[0].device)
         return self._serve(len(order), lambda start, stop: order[start:stop])
 
     def _serve(

@@ -166,13 +166,19 @@ class TextData(DataModule):
         return Windows(tokens[: self.num_train], self.block_size), Windows(tokens[self.num_train :], self.block_size)
 
     def _loader(
-        self, dataset: Dataset, sampler: DistributedSampler | None, drop_last: bool, pin_memory: bool
+        self, dataset: Dataset, sampler: DistributedSampler | None, drop_last: bool, device: torch.device | None
     ) -> Loader:
+        """A batch of windows is gathered from the token file on the host; on a GPU, pinned."""
         if isinstance(dataset, Subset):  # a rank's val shard: its windows, in order
             windows, indices = dataset.dataset, np.asarray(dataset.indices, dtype=np.int64)
         else:
             windows, indices = dataset, np.arange(len(dataset), dtype=np.int64)  # type: ignore[arg-type]
         assert isinstance(windows, Windows)
         return WindowLoader(
-            windows, indices, batch_size=self.batch_size, sampler=sampler, drop_last=drop_last, pin_memory=pin_memory
+            windows,
+            indices,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            drop_last=drop_last,
+            pin_memory=device is not None and device.type == "cuda",
         )

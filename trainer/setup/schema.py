@@ -202,6 +202,7 @@ class Optim(Target):
     lr: Annotated[float, Field(gt=0)]
     weight_decay: Annotated[float, Field(ge=0)]
     weight_decay_on: Annotated[WeightDecayOn, Field(description="matrices: only parameters with >= 2 dims decay")]
+    fused: Annotated[bool, Field(description="torch's fused kernel (CPU and CUDA)")]
 
 
 @dataclass
