@@ -89,3 +89,25 @@ def test_a_step_that_ends_in_time_stops_at_the_boundary_and_takes_its_timer_with
         assert result["later"] == f"step {SIGNALLED_AT + 1} ran to its end", (rank, result)
     checkpoint = torch.load(root / "run" / "checkpoints" / "last.pt", weights_only=True)
     assert checkpoint["step"] == SIGNALLED_AT  # written on the way out, at the step the signal's step ended
+
+
+def test_a_step_that_raises_after_the_signal_takes_its_timer_with_it() -> None:
+    """A SIGTERM inside a step, then the step fails (a peer gone, a collective error): the failure
+    goes on its way, and the grace timer does not outlive the step to fire into the loggers' flush."""
+    from trainer.reliability.exits import StepBoundary
+
+    boundary = StepBoundary(grace_s=5.0)
+    previous = {stop: signal.signal(stop, signal.getsignal(stop)) for stop in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with exit_cleanly([]):
+            with pytest.raises(RuntimeError, match="the step failed"), boundary:
+                signal.raise_signal(signal.SIGTERM)  # inside the step: it waits for the step's end
+                raise RuntimeError("the step failed")
+            left = signal.getitimer(signal.ITIMER_REAL)[0]
+    except SystemExit:
+        pass
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        for stop, handler in previous.items():
+            signal.signal(stop, handler)
+    assert left == 0.0, f"the grace timer still runs after its step raised: {left:.2f} s left"

@@ -80,9 +80,13 @@ class StepBoundary:
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
         global _step_grace_s, _pending
         _step_grace_s = None
-        if _pending is not None and kind is None:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signum, _pending = _pending, None
+        if _pending is None:
+            return
+        # The step is over: its grace timer goes with it, whether it ended or raised (a timer left
+        # running would fire later, in whatever runs then: closing the loggers on the way out).
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signum, _pending = _pending, None
+        if kind is None:
             raise Terminated(128 + signum)
 
 
