@@ -8,11 +8,15 @@ and renamed when every rank has finished: a crash half-way leaves the previous s
 resume finds.
 
 The tensors are keyed `model/<name>` and `optim/<name>/<key>` (<name> the parameter's in the
-model), each this rank's part: a DTensor's local shard (fsdp), a ShardedTensor's chunk of the
-flattened parameter (zero, trainer/sync/zero_checkpoint.py), or the whole tensor where every rank
-holds it alike (the replicated strategies, zero's model: each such tensor written by one rank,
-split by size in mine_to_write). The keys and the global shapes do not depend on the world size, so DCP reads
-each rank's new part from whatever parts were written: a sharded checkpoint resumes at another N.
+model), each this rank's part: a DTensor's local shard (fsdp), the blocks of the parameter that its
+shard's range covers, as torch's CheckpointableTensor (zero, trainer/sync/zero_checkpoint.py), or
+the whole tensor where every rank holds it alike (the replicated strategies, zero's model under
+stages 1 and 2: each such tensor written by one rank, split by size in mine_to_write). Every
+tensor's global shape is the model's (a parameter's, or its optimizer entry's, as a plain
+optimizer's state_dict holds it): the keys and the shapes depend on neither the world size nor the
+strategy, so DCP reads each rank's new part from whatever parts were written (a sharded checkpoint
+resumes at another N), and load_model, like torch's own dcp_to_torch_save, reads a state_dict that
+loads into the model.
 """
 
 from __future__ import annotations
@@ -31,7 +35,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.optim import Optimizer
 
 from trainer.reliability.checkpoint import FORMAT, CheckpointError
@@ -46,12 +49,9 @@ _STEP_DIR = re.compile(r"step-(\d+)$")
 
 
 @contextmanager
-def quiet_sharded_tensor() -> Iterator[None]:
-    """DCP warns that ShardedTensor is deprecated for DTensor, but a DTensor cannot say that a rank
-    holds an arbitrary range of a parameter, which is what a ZeRO shard holds."""
+def quiet_one_process() -> Iterator[None]:
+    """DCP warns every time it reads with no process group; load_model() does so on purpose (no_dist=True)."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWarning)
-        # load_model() reads in one process on purpose (no_dist=True); DCP says so every time.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         yield
 
@@ -71,7 +71,10 @@ def mine_to_write(tensors: dict[str, Any], rank: int, world_size: int, trains_on
     far: the same answer on every rank), each rank copies and writes about 1/N of them. Ranks that
     each train their own model (sync=none) do not hold them alike: rank 0 writes its own, as a full
     checkpoint holds rank 0's."""
-    whole = [k for k, v in tensors.items() if type(v) is torch.Tensor]  # not a DTensor's or ShardedTensor's part
+    from torch.distributed.checkpoint import CheckpointableTensor
+
+    # Not a DTensor's shard, nor a plain tensor that says which blocks of a larger one it holds (zero's).
+    whole = [k for k, v in tensors.items() if type(v) is torch.Tensor and not isinstance(v, CheckpointableTensor)]
     owner: dict[str, int] = {}
     load = [0] * world_size
     for key in sorted(whole, key=lambda k: (-tensors[k].numel() * tensors[k].element_size(), k)):
@@ -91,12 +94,20 @@ def step_dirs(directory: Path) -> list[Path]:
 
 
 def _cpu_copy(value: Any) -> Any:
-    """A copy in CPU memory that training cannot change: a tensor, a DTensor's or a ShardedTensor's local part."""
+    """A copy in CPU memory that training cannot change: a tensor, a DTensor's local part, or a
+    CheckpointableTensor (zero's parts) with what it says of its blocks (its attributes)."""
+    from torch.distributed.checkpoint import CheckpointableTensor
     from torch.distributed.tensor import DTensor
 
-    if isinstance(value, ShardedTensor):
-        shards = [Shard(s.tensor.to("cpu", copy=True), s.metadata) for s in value.local_shards()]
-        return ShardedTensor._init_from_local_shards_and_global_metadata(shards, value.metadata())
+    if isinstance(value, torch.Tensor) and isinstance(value, CheckpointableTensor):
+        # The memory it spans, copied once, viewed alike: zero's parts are views whose rows overlap,
+        # which a plain copy would write out whole, the shared elements once per row.
+        shape, strides = value.shape, value.stride()
+        spans = 1 + sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) if value.numel() else 0
+        copy = value.detach().as_strided((spans,), (1,)).to("cpu", copy=True).as_strided(shape, strides)
+        for name in ("global_shape", "global_offsets", "local_offsets", "local_sizes"):
+            setattr(copy, name, getattr(value, name))
+        return copy
     if isinstance(value, DTensor):
         local = value.to_local().to("cpu", copy=True)
         return DTensor.from_local(local, value.device_mesh, value.placements, shape=value.shape, stride=value.stride())
@@ -110,8 +121,7 @@ class CpuCopy:
     should_synchronize_after_execute = False
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        with quiet_sharded_tensor():
-            return {key: _cpu_copy(value) for key, value in state_dict.items()}
+        return {key: _cpu_copy(value) for key, value in state_dict.items()}
 
     def synchronize_staging(self) -> None:
         pass
@@ -195,13 +205,12 @@ def save(
             _write_meta(partial / META, meta)
             _publish(partial, final, directory, keep)
 
-    with quiet_sharded_tensor():
-        if in_flight is not None:
-            staged = CpuCopy()  # DCP's own stager cannot copy a ShardedTensor (zero's parts)
-            written = dcp.async_save(tensors, checkpoint_id=str(partial), process_group=group, async_stager=staged)
-            in_flight.start(written.upload_completion if isinstance(written, AsyncSaveResponse) else written, publish)
-            return final
-        dcp.save(tensors, checkpoint_id=str(partial), process_group=group)  # rank 0 writes .metadata last
+    if in_flight is not None:
+        staged = CpuCopy()  # the copy the step waits for
+        written = dcp.async_save(tensors, checkpoint_id=str(partial), process_group=group, async_stager=staged)
+        in_flight.start(written.upload_completion if isinstance(written, AsyncSaveResponse) else written, publish)
+        return final
+    dcp.save(tensors, checkpoint_id=str(partial), process_group=group)  # rank 0 writes .metadata last
     publish()
     dist.barrier(group)  # nobody reads (or resumes from) it before it is complete
     return final
@@ -257,7 +266,7 @@ def load_model(checkpoint: Path) -> dict[str, torch.Tensor]:
         for flat, meta in saved_tensors(checkpoint).items()
         if flat.startswith("model/")
     }
-    with quiet_sharded_tensor():
+    with quiet_one_process():
         dcp.load(template, checkpoint_id=str(checkpoint), no_dist=True)
     return {flat.removeprefix("model/"): value for flat, value in template.items()}
 
@@ -268,7 +277,6 @@ def load(strategy: SyncStrategy, model: nn.Module, optimizer: Optimizer, checkpo
     import torch.distributed.checkpoint as dcp
 
     def read(template: dict[str, Any]) -> None:
-        with quiet_sharded_tensor():
-            dcp.load(template, checkpoint_id=str(checkpoint))
+        dcp.load(template, checkpoint_id=str(checkpoint))
 
     strategy.load_sharded_state(model, optimizer, saved_tensors(checkpoint), read, groups)

@@ -45,6 +45,7 @@ from trainer.sync.comm import Comm
 from trainer.sync.fsdp_state import by_index, by_name
 from trainer.sync.fsdp_units import MixedPrecision, Wrap, choose_units, resolve
 from trainer.sync.fsdp_usage import FirstForwardCheck, expected_usage
+from trainer.sync.sharded_state import Read
 
 # What the parameters are all-gathered in, and the gradients reduce-scattered in.
 MIXED_PRECISION = {"none": None, "bf16": (torch.bfloat16, torch.float32)}
@@ -226,6 +227,16 @@ class FSDPSync(SyncStrategy):
         model_state = get_model_state_dict(model, options=options)
         optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)
         return model_state, by_index(optimizer_state, self._param_names)
+
+    def sharded_state(self, model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        reshard(model)  # the state-dict functions name the registered parameters: the optimizer's shards
+        return super().sharded_state(model, optimizer)
+
+    def load_sharded_state(
+        self, model: nn.Module, optimizer: Optimizer, saved: dict[str, Any], read: Read, groups: list[dict[str, Any]]
+    ) -> None:
+        reshard(model)
+        super().load_sharded_state(model, optimizer, saved, read, groups)
 
     def load_state_dicts(
         self, model: nn.Module, optimizer: Optimizer, model_state: dict[str, Any], optimizer_state: dict[str, Any]

@@ -2,16 +2,19 @@
 
 zero's optimizer steps one flat piece of the shard per param group, not the model's parameters,
 so torch's state-dict API cannot name its state. Here each per-element entry (exp_avg, ...) of
-each trainable parameter becomes a ShardedTensor over the flattened parameter: this rank's chunk
-is the part of the parameter its shard holds, at its offset, and the metadata lists every rank's
-chunk (computed from the layout, no collective). Saved as one plain tensor per rank under one key,
-the shards would be taken as replicas and de-duplicated (all but one lost), and their padding
-would depend on N; as ranges of each parameter they read back at any world size. A scalar entry
-(Adam's step) is the same for every element and every rank: one plain tensor. Under stages 1 and
-2 the model's parameters are whole on every rank after the gathers: plain tensors, written once.
-Under stage 3 (zero3.py, no full buffer: `flat` is None) each trainable parameter is written as
-its ranges too, from the parameter shard, so nothing is gathered to save or load; torch's DCP
-reads either form into the other, so a checkpoint moves between the stages and world sizes.
+each trainable parameter is written as the part of that parameter this rank's shard holds: a range
+of the flattened parameter, which DCP is told is the blocks of the parameter (shaped like it) that
+the range covers (`part`: torch's CheckpointableTensor, a plain tensor that names its global shape
+and where its blocks lie in it; no collective). The checkpoint then holds every tensor at the
+model's shape, whichever strategy and world size wrote it, as a plain optimizer's state_dict would
+(what export, sample and torch's own dcp_to_torch_save read). Saved as one plain tensor per rank
+under one key, the shards would be taken as replicas and de-duplicated (all but one lost), and
+their padding would depend on N; as blocks of each parameter they read back at any world size. A
+scalar entry (Adam's step) is the same for every element and every rank: one plain tensor. Under
+stages 1 and 2 the model's parameters are whole on every rank after the gathers: plain tensors,
+written once. Under stage 3 (zero3.py, no full buffer: `flat` is None) each trainable parameter is
+written as its part too, from the parameter shard, so nothing is gathered to save or load; DCP
+reads either form into the other.
 
 zero.py's and zero3.py's methods call these; they read the layout through the public attributes
 kept for checkpoints (layout, spans, flat, param_shard, full_groups).
@@ -19,18 +22,20 @@ kept for checkpoints (layout, spans, flat, param_shard, full_groups).
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import math
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata
-from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 from torch.optim import Optimizer
 
 from trainer.sync.flat import names_of
 from trainer.sync.sharded_state import Read, optimizer_entries
 from trainer.sync.zero_state import Layout, _group_of, _is_piece
+
+if TYPE_CHECKING:  # DCP is imported where a checkpoint is written or read (trainer/reliability/sharded.py)
+    from torch.distributed.checkpoint import CheckpointableTensor
 
 
 class ZeroShard(Protocol):
@@ -46,46 +51,98 @@ class ZeroShard(Protocol):
 
 
 Chunk = tuple[int, int, int]  # (start, end) in the flattened parameter, and where the start lies in the shard
+Block = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) of a block of a tensor, one per dimension
 
 
-def chunks(layout: Layout, i: int) -> list[Chunk]:
-    """Every rank's chunk of trainable parameter i (layout order): (0, 0, 0) for a rank holding none."""
+def chunk(layout: Layout, i: int, rank: int) -> Chunk:
+    """Rank's chunk of trainable parameter i (layout order): (0, 0, 0) where it holds none."""
     offset, numel = layout.offsets[i], layout.shapes[i].numel()
+    for lo, at, size in layout.pieces(rank):
+        a, b = max(offset, lo), min(offset + numel, lo + size)
+        if a < b:  # a parameter lies in one bucket: one contiguous chunk per rank at most
+            return a - offset, b - offset, at + a - lo
+    return 0, 0, 0
+
+
+def blocks(start: int, end: int, shape: tuple[int, ...]) -> list[Block]:
+    """[start, end) of a row-major tensor of `shape`, flattened, as the fewest blocks that make it up
+    (each contiguous in memory): the end of a first row, the whole rows, the start of a last row,
+    the partial rows split the same way in their own dimensions. DCP's chunks are blocks."""
+    if start >= end:
+        return []
+    if not shape:
+        return [((), ())]
+    inner = math.prod(shape[1:])  # elements per row (per index of dimension 0)
+    full_lo, full_hi = -(-start // inner), end // inner  # the whole rows: [full_lo, full_hi)
+    if full_lo > full_hi:  # inside one row
+        row = start // inner
+        return [((row, *o), (1, *s)) for o, s in blocks(start - row * inner, end - row * inner, shape[1:])]
     out = []
-    for rank in range(layout.world_size):
-        found = (0, 0, 0)
-        for lo, at, size in layout.pieces(rank):
-            a, b = max(offset, lo), min(offset + numel, lo + size)
-            if a < b:  # a parameter lies in one bucket: one contiguous chunk per rank at most
-                found = (a - offset, b - offset, at + a - lo)
-                break
-        out.append(found)
+    if start < full_lo * inner:
+        row = full_lo - 1
+        out += [((row, *o), (1, *s)) for o, s in blocks(start - row * inner, inner, shape[1:])]
+    if full_lo < full_hi:
+        out.append(((full_lo, *(0 for _ in shape[1:])), (full_hi - full_lo, *shape[1:])))
+    if full_hi * inner < end:
+        out += [((full_hi, *o), (1, *s)) for o, s in blocks(0, end - full_hi * inner, shape[1:])]
     return out
 
 
-def _sharded(local: torch.Tensor, mine: Chunk, every: list[Chunk], numel: int, rank: int) -> ShardedTensor:
-    device = str(local.device)
-    metas = [ShardMetadata([a], [b - a], f"rank:{r}/{device}") for r, (a, b, _) in enumerate(every) if b > a]
-    shards = [Shard(local, ShardMetadata([mine[0]], [mine[1] - mine[0]], f"rank:{rank}/{device}"))]
-    properties = TensorProperties(dtype=local.dtype)
-    global_meta = ShardedTensorMetadata(metas, torch.Size([numel]), properties)
-    return ShardedTensor._init_from_local_shards_and_global_metadata(shards if mine[1] > mine[0] else [], global_meta)
+def part(values: torch.Tensor, start: int, shape: torch.Size) -> torch.Tensor:
+    """values, the range [start, start + values.numel()) of a flattened tensor of `shape`, as DCP's
+    CheckpointableTensor: the blocks of that tensor the range covers, each a slice of one view of
+    values (no copy: written from and read into in place).
+
+    DCP wants every block a slice of one local tensor of the tensor's dimensions. A view with the
+    tensor's own row-major strides lays each block out as the tensor does; a block's place in it
+    is its start in values written in those strides (each digit as large as the view's size leaves
+    room for, the rest in the last dimension), so the view's rows overlap in memory and it spans
+    exactly values' elements (tests/test_sharded_export.py checks every range of several shapes).
+    """
+    spans = blocks(start, start + values.numel(), tuple(shape))
+    local_offsets: list[tuple[int, ...]]
+    if not shape or not spans:  # a 0-d tensor (one element), or none of it here
+        local = values.view(spans[0][1]) if spans else values
+        local_offsets = [() for _ in spans]
+    else:
+        strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+        size = [max(sizes[d] for _, sizes in spans) for d in range(len(shape))]
+        local_offsets = []
+        for offsets, sizes in spans:
+            left = sum(o * st for o, st in zip(offsets, strides, strict=True)) - start  # its start in values
+            digits = []
+            for d in range(len(shape) - 1):
+                digits.append(min(left // strides[d], size[d] - sizes[d]))
+                left -= digits[-1] * strides[d]
+            local_offsets.append((*digits, left))
+        size[-1] = max(at[-1] + sizes[-1] for at, (_, sizes) in zip(local_offsets, spans, strict=True))
+        local = values.as_strided(size, strides)
+    said = cast("CheckpointableTensor", local)  # the attributes DCP reads: no wrapper, no subclass
+    said.global_shape = tuple(shape)
+    said.global_offsets = tuple(o for o, _ in spans)
+    said.local_offsets = tuple(local_offsets)
+    said.local_sizes = tuple(s for _, s in spans)
+    return local
 
 
-def _parameter_ranges(strategy: ZeroShard, model: nn.Module) -> dict[str, ShardedTensor]:
+def values_of(part: torch.Tensor, numel: int) -> torch.Tensor:
+    """A part's range back as the flat values it views."""
+    return part.as_strided((numel,), (1,))
+
+
+def _parameter_parts(strategy: ZeroShard, model: nn.Module) -> dict[str, torch.Tensor]:
     """Stage 3: every state_dict name of a trainable parameter (a tied one has several), as this
-    rank's range of it: a view of the parameter shard, written from and read into in place."""
+    rank's part of it: a view of the parameter shard, written from and read into in place."""
     assert strategy.layout is not None and strategy.param_shard is not None
     layout, rank = strategy.layout, dist.get_rank()
     index = {id(p): i for i, p in enumerate(p for p in model.parameters() if p.requires_grad)}  # layout order
-    ranges = {}
+    parts = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
         i = index.get(id(tensor))
         if i is not None:
-            every = chunks(layout, i)
-            a, b, at = every[rank]
-            ranges[name] = _sharded(strategy.param_shard[at : at + b - a], (a, b, at), every, tensor.numel(), rank)
-    return ranges
+            a, b, at = chunk(layout, i, rank)
+            parts[name] = part(strategy.param_shard[at : at + b - a], a, layout.shapes[i])
+    return parts
 
 
 def _named(strategy: ZeroShard, model: nn.Module) -> tuple[Layout, list[str], list[int]]:
@@ -104,23 +161,28 @@ def state_parts(
     tensors: dict[str, Any] = {f"model/{name}": value for name, value in model.state_dict().items()}
     shard_state = optimizer.state_dict()
     for i, name in enumerate(names):
-        g, every = group_of[i], chunks(layout, i)
-        lo, hi = strategy.spans[g]
-        a, b, at = every[rank]
-        for key, value in shard_state["state"].get(g, {}).items():
+        lo, hi = strategy.spans[group_of[i]]
+        a, b, at = chunk(layout, i, rank)
+        for key, value in shard_state["state"].get(group_of[i], {}).items():
             if _is_piece(value, lo, hi):
-                local = value[at - lo : at - lo + b - a]
-                tensors[f"optim/{name}/{key}"] = _sharded(local, (a, b, at), every, layout.shapes[i].numel(), rank)
+                tensors[f"optim/{name}/{key}"] = part(value[at - lo : at - lo + b - a], a, layout.shapes[i])
             else:
                 tensors[f"optim/{name}/{key}"] = value if isinstance(value, torch.Tensor) else torch.tensor(value)
-    if strategy.flat is None:  # stage 3: each parameter (under each of its names) is this rank's range of it
-        tensors.update({f"model/{name}": part for name, part in _parameter_ranges(strategy, model).items()})
+    if strategy.flat is None:  # stage 3: each parameter (under each of its names) is this rank's part of it
+        tensors.update({f"model/{name}": p for name, p in _parameter_parts(strategy, model).items()})
     all_names = names_of(model, list(model.parameters()))
     groups = [
         {**{k: v for k, v in group.items() if k != "params"}, "params": [all_names[p] for p in positions]}
         for group, positions in zip(shard_state["param_groups"], strategy.full_groups, strict=True)
     ]
     return tensors, groups
+
+
+def _per_element_keys(saved: dict[str, Any]) -> set[str]:
+    """The optimizer keys saved with one value per parameter element: those with dimensions (a
+    scalar such as Adam's step is 0-d). A 0-d parameter's per-element state is as 0-d as a step;
+    any parameter with dimensions tells them apart (zero_state._per_element's rule)."""
+    return {flat.rpartition("/")[2] for flat, meta in saved.items() if flat.startswith("optim/") and len(meta.size)}
 
 
 def load_state_parts(
@@ -132,23 +194,23 @@ def load_state_parts(
     layout, names, group_of = _named(strategy, model)
     template: dict[str, Any] = {f"model/{name}": value for name, value in model.state_dict().items()}  # in place
     index = {name: i for i, name in enumerate(names)}
-    if strategy.flat is None:  # stage 3: each trainable parameter read as this rank's range, into its shard
-        template.update({f"model/{name}": part for name, part in _parameter_ranges(strategy, model).items()})
+    if strategy.flat is None:  # stage 3: each trainable parameter read as this rank's part, into its shard
+        template.update({f"model/{name}": p for name, p in _parameter_parts(strategy, model).items()})
+    per_element = _per_element_keys(saved)
     for flat, meta in saved.items():
         if flat.startswith("optim/"):
-            i = index[flat.removeprefix("optim/").rpartition("/")[0]]
-            every, numel = chunks(layout, i), layout.shapes[i].numel()
-            a, b, at = every[rank]
-            if tuple(meta.size) == (numel,) and numel > 0 and len(meta.size) == 1:
+            name, _, key = flat.removeprefix("optim/").rpartition("/")
+            a, b, _ = chunk(layout, index[name], rank)
+            if key in per_element:
                 local = torch.zeros(b - a, dtype=meta.properties.dtype, device=strategy.param_shard.device)
-                template[flat] = _sharded(local, (a, b, at), every, numel, rank)
+                template[flat] = part(local, a, layout.shapes[index[name]])
             else:
                 template[flat] = torch.zeros(meta.size, dtype=meta.properties.dtype)
-    read(template)  # stage 3's parameters land in the shard itself (its ranges are views of it)
+    read(template)  # stage 3's parameters land in the shard itself (its parts are views of it)
     if strategy.flat is not None:
         with torch.no_grad():
             strategy.param_shard.copy_(layout.shard_of(strategy.flat, rank))
-    optimizer.load_state_dict(_shard_state(strategy, template, names, group_of, groups, layout))
+    optimizer.load_state_dict(_shard_state(strategy, template, names, group_of, groups, layout, per_element))
 
 
 def _shard_state(
@@ -158,8 +220,9 @@ def _shard_state(
     group_of: list[int],
     groups: list[dict[str, Any]],
     layout: Layout,
+    per_element: set[str],
 ) -> dict[str, Any]:
-    """The loaded per-parameter chunks put back together as the shard optimizer's state_dict."""
+    """The loaded per-parameter parts put back together as the shard optimizer's state_dict."""
     rank = dist.get_rank()
     assert strategy.param_shard is not None
     device = strategy.param_shard.device
@@ -168,14 +231,13 @@ def _shard_state(
     for i, name in enumerate(names):
         g = group_of[i]
         lo, hi = strategy.spans[g]
-        a, b, at = chunks(layout, i)[rank]
+        a, b, at = chunk(layout, i, rank)
         pieces = state.setdefault(g, {})
         for key, value in entries.get(name, {}).items():
-            if isinstance(value, ShardedTensor):  # this rank's chunk, at its place in the group's piece
+            if key in per_element:  # this rank's part, at its place in the group's piece
                 if key not in pieces:
                     pieces[key] = torch.zeros(hi - lo, dtype=value.dtype, device=device)  # padding stays zero
-                if b > a:
-                    pieces[key][at - lo : at - lo + b - a] = value.local_tensor()
+                pieces[key][at - lo : at - lo + b - a] = values_of(value, b - a)
             else:
                 pieces[key] = value
     hyper = [{k: v for k, v in group.items() if k != "params"} for group in groups]

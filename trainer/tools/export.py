@@ -1,14 +1,16 @@
 """Export a run's trained model as one plain file: `{"model": state_dict}`.
 
     python -m trainer.tools.export outputs/<run name> --out model.pt              # its last checkpoint
-    python -m trainer.tools.export outputs/<run name> --step 200 --out model.pt   # checkpoints/step-200.pt
+    python -m trainer.tools.export outputs/<run name> --step 200 --out model.pt   # step-200.pt or step-200/
     python -m trainer.tools.export multirun/<run name> --out exported/            # a sweep: exported/<job>.pt
 
-The file holds the unwrapped model's state_dict (the keys of the model as models/ builds it, no
-optimizer, schedule or RNG) and loads with torch.load(path, weights_only=True). Either checkpoint
-format: a full file (read with weights_only=True, so nothing in it runs) or a sharded step-<N>/
-(its model's parts put together here, in this one process, with no process group). The file is
-written to a temporary name and renamed: an export that fails half-way leaves no partial file.
+The file holds the unwrapped model's state_dict (the keys and shapes of the model as models/ builds
+it, no optimizer, schedule or RNG): it loads with torch.load(path, weights_only=True) and then
+model.load_state_dict(...), strict, whichever strategy trained it. Either checkpoint format: a full
+file (read with weights_only=True, so nothing in it runs) or a sharded step-<N>/ (its model's parts
+put together here, in this one process, with no process group: every strategy's parts, zero's
+ranges of a parameter too, are blocks of the parameter's own shape). The file is written to a
+temporary name and renamed: an export that fails half-way leaves no partial file.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,7 +33,7 @@ from trainer.tools.jobs import job_dirs
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m trainer.tools.export", description=__doc__.splitlines()[0])
     parser.add_argument("path", type=Path, help="a run dir (holding checkpoints/) or a sweep dir (its jobs' run dirs)")
-    parser.add_argument("--step", type=int, default=None, help="export checkpoints/step-<N>.pt (default: last.pt)")
+    parser.add_argument("--step", type=int, default=None, help="export step-<N>.pt or step-<N>/ (default: the last)")
     parser.add_argument("--out", type=Path, required=True, help="the file to write (a directory for a sweep dir)")
     return parser.parse_args(argv)
 
@@ -48,9 +51,18 @@ def checkpoint_of(run_dir: Path, step: int | None) -> Path:
     return max(found, key=lambda p: p.resolve().stat().st_mtime)  # a run that switched format: its newest
 
 
+def read(checkpoint: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A checkpoint's model state and what it holds besides (config, vocab, step, ...), either format:
+    a full file's own dict, or a sharded step-<N>/'s meta.pt beside its model's parts put together."""
+    if checkpoint.is_dir():
+        return sharded.load_model(checkpoint), sharded.load_meta(checkpoint)
+    saved = load_checkpoint(checkpoint)
+    return saved["model"], saved
+
+
 def export(checkpoint: Path, out: Path) -> int:
     """Write checkpoint's model state to out; returns the number of tensors written."""
-    model = sharded.load_model(checkpoint) if checkpoint.is_dir() else load_checkpoint(checkpoint)["model"]
+    model, _ = read(checkpoint)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     torch.save({"model": model}, tmp)

@@ -2,9 +2,12 @@
 
     python -m trainer.tools.sample <run dir> --prompt "def " --tokens 300 --temperature 0.8 --top-k 40 --seed 1
 
-Loads <run dir>/checkpoints/last.pt with weights_only=True (tensors and plain data only: no code in
-the file runs), rebuilds the model from the config saved in it, and decodes with the vocabulary
-saved beside the weights, so the corpus is not needed.
+Loads the run's last checkpoint in either format, as trainer.tools.export chooses it: last.pt or the
+sharded last/ (the newer, where a run wrote both). A full file is read with weights_only=True
+(tensors and plain data only: no code in the file runs); a sharded one's parts are put together in
+this one process, with no process group, and its meta.pt read with weights_only=True too. The model
+is rebuilt from the config saved in the checkpoint and decodes with the vocabulary saved beside the
+weights (a full file's `vocab`, a sharded one's meta.pt), so the corpus is not needed.
 """
 
 from __future__ import annotations
@@ -14,23 +17,25 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from data.tokens import decode, encode
 from models.generate import generate
 from models.gpt import GPT
+from trainer.reliability.checkpoint import CheckpointError
+from trainer.tools.export import checkpoint_of, read
 from trainer.tools.jobs import job_dirs
 
 GPT_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "dropout", "bias")
 
 
 def load_run(run_dir: Path) -> tuple[nn.Module, dict[str, Any]]:
-    """The model of <run dir>/checkpoints/last.pt and its vocabulary."""
-    path = run_dir / "checkpoints" / "last.pt"
-    if not path.is_file():
-        raise SystemExit(f"error: {path} does not exist: give the run dir of a finished (or checkpointed) run")
-    saved = torch.load(path, map_location="cpu", weights_only=True)
+    """The model of the run's last checkpoint (either format) and its vocabulary."""
+    try:
+        path = checkpoint_of(run_dir, None)
+        state, saved = read(path)
+    except CheckpointError as err:
+        raise SystemExit(f"error: {err}: give the run dir of a finished (or checkpointed) run") from None
     vocab = saved.get("vocab")
     if vocab is None:
         raise SystemExit(f"error: {path} holds no vocabulary: it is not a language model's run (data=text)")
@@ -40,14 +45,14 @@ def load_run(run_dir: Path) -> tuple[nn.Module, dict[str, Any]]:
         raise SystemExit(f"error: {path} was not written by a model=gpt run (its config has no such model)")
     keys = {k: v for k, v in node.items() if k in GPT_KEYS}
     model = GPT(**keys, input_shape=(int(keys["block_size"]),), num_classes=int(vocab["vocab_size"]))
-    model.load_state_dict(saved["model"])
+    model.load_state_dict(state)
     return model, vocab
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.tools.sample", description=__doc__.splitlines()[0])
     parser.add_argument(
-        "run_dir", type=Path, help="a run directory with checkpoints/last.pt (data=text), or a sweep dir (each job)"
+        "run_dir", type=Path, help="a run directory with checkpoints/ (data=text), or a sweep dir (each job)"
     )
     parser.add_argument("--prompt", default="\n", help="text the sample continues (default: a newline)")
     parser.add_argument("--tokens", type=int, default=300, help="tokens to generate (default 300)")
@@ -62,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--tokens={args.tokens} is invalid: must be >= 0")
     if args.top_k < 0:
         parser.error(f"--top-k={args.top_k} is invalid: must be >= 0 (0: no cut)")
-    jobs = job_dirs(args.run_dir, "checkpoints/last.pt") or [args.run_dir]  # none: load_run says why
+    jobs = job_dirs(args.run_dir, "checkpoints") or [args.run_dir]  # none: load_run says why
     for job in jobs:
         model, vocab = load_run(job)
         try:
