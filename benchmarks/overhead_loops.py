@@ -182,9 +182,9 @@ class Framework:
         backward; started after a barrier, it is the strategy's communication alone.
         """
         trainer = self.trainer
-        self._backward()
         times = []
         for _ in range(repeats):
+            self._backward()  # each sync its own backward: a later step's gradients are checked as they come
             dist.barrier()
             started = time.perf_counter()
             trainer.sync.after_backward(trainer.train_model)

@@ -116,6 +116,14 @@ class Case:
     plain_zero_grad: bool = False  # optimizer.zero_grad() instead of sync.zero_grad
     replicas: bool = True  # every rank ends with the same parameters
     kwargs: dict[str, Any] = field(default_factory=dict)
+    # Per step (0-based), the ranks that use the branch: steps not listed use branch_ranks. A branch
+    # unused by every rank in some steps (a mixture of experts' idle expert), or by some ranks.
+    branch_steps: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    optimizer: str = "adamw"  # or "sgd" (momentum 0.9, weight decay 0.1)
+    steps: int = STEPS
+
+    def uses_branch(self, rank: int, step: int) -> bool:
+        return rank in self.branch_steps.get(step, self.branch_ranks)
 
 
 def make(model: str) -> nn.Module:
@@ -139,19 +147,21 @@ def batch(model: str, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]
     return x[lo:hi], y[lo:hi]
 
 
-def optimizer_for(params: Any) -> torch.optim.Optimizer:
+def optimizer_for(params: Any, kind: str = "adamw") -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=0.1)
     return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)
 
 
 def reference(case: Case, ranks: tuple[int, ...] = (0, 1)) -> dict[str, torch.Tensor]:
     """One process, the ranks' samples together: each rank's loss with its own branch flag, averaged."""
     model = make(case.model)
-    optimizer = optimizer_for(model.parameters())
-    for step in range(STEPS):
+    optimizer = optimizer_for(model.parameters(), case.optimizer)
+    for step in range(case.steps):
         losses = []
         for rank in ranks:
             if isinstance(model, Branchy):
-                model.use_branch = rank in case.branch_ranks
+                model.use_branch = case.uses_branch(rank, step)
             x, y = batch(case.model, step, rank)
             losses.append(F.cross_entropy(model(x), y))
         (sum(losses) / len(losses)).backward()
@@ -160,16 +170,18 @@ def reference(case: Case, ranks: tuple[int, ...] = (0, 1)) -> dict[str, torch.Te
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def train(rank: int, case: Case) -> dict[str, Any]:
-    """One case on this rank: its full parameters at the end (rank 0 for sharded ones), or the refusal."""
+def train(rank: int, case: Case, alone: bool = False) -> dict[str, Any]:
+    """One case on this rank: its full parameters at the end (rank 0 for sharded ones), or the refusal.
+    alone: a refusal may come on this rank only (its peers wait in a collective): no barrier after it."""
     model = make(case.model)
-    if isinstance(model, Branchy):
-        model.use_branch = rank in case.branch_ranks
     sync = case.strategy()
+    step = -1  # a refusal in wrap() or build_optimizer(): before the first step
     try:
         module = sync.wrap(model)
-        optimizer = sync.build_optimizer(model, optimizer_for)
-        for step in range(STEPS):
+        optimizer = sync.build_optimizer(model, partial(optimizer_for, kind=case.optimizer))
+        for step in range(case.steps):
+            if isinstance(model, Branchy):
+                model.use_branch = case.uses_branch(rank, step)
             x, y = batch(case.model, step, rank)
             F.cross_entropy(module(x), y).backward()
             sync.after_backward(module)
@@ -180,6 +192,7 @@ def train(rank: int, case: Case) -> dict[str, Any]:
                 sync.zero_grad(optimizer)
         state, _ = sync.state_dicts(model, optimizer)
     except ConfigError as err:
-        dist.barrier()
-        return {"error": str(err)}
+        if not alone:
+            dist.barrier()
+        return {"error": str(err), "step": step}
     return {"params": {k: v.detach().clone() for k, v in state.items()}}

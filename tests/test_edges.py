@@ -28,6 +28,16 @@ from trainer.sync.zero import ZeroSync
 from trainer.sync.zero3 import Zero3Sync
 
 
+class NativeZero3(Zero3Sync):
+    """zero stage 3 sending what it sends on NCCL (or on an emulated link): all_gathers and
+    reduce_scatters, here on gloo, whose slow paths it otherwise replaces."""
+
+    def wrap(self, model: Any) -> Any:
+        wrapped = super().wrap(model)
+        self._native = True
+        return wrapped
+
+
 def timed(make: Any) -> Any:
     """The strategy with every step's collectives watched by the observer (the loop samples 1 step in n)."""
     return watch_every_step(make())
@@ -52,6 +62,8 @@ EVERY_STRATEGY = {
     "zero3": Zero3Sync,  # as fsdp's units: the blocks, the tied embedding and head in the root
     "zero3-module": partial(Zero3Sync, wrap="module", prefetch=2),
     "zero3-no-prefetch": partial(Zero3Sync, prefetch=0, reshard_after_forward=False),
+    "zero3-native": NativeZero3,  # reduce_scatter and all_gather: NCCL's path
+    "zero3-native-module": partial(NativeZero3, wrap="module", prefetch=2),
 }
 MANUAL_GROUPINGS = {
     "manual": (partial(ManualSync, **FIND), "branchy"),
@@ -83,6 +95,7 @@ CASES: dict[str, Case] = {
     "frozen-twice-fsdp": Case("frozen", FSDPSync),  # a unit run twice without grad, but frozen: not refused
     "reused-zero-stage1": Case("reused", partial(timed, partial(ZeroSync, stage=1, bucket_cap_mb=TINY_MB))),
     "reused-nonreentrant-zero3": Case("reused-nonreentrant", Zero3Sync),  # a unit gathered twice in a forward
+    "reused-nonreentrant-zero3-native": Case("reused-nonreentrant", NativeZero3),
     "reused-zero3-root": Case("reused", partial(Zero3Sync, wrap="block")),
     **{f"unused-all-{n}": Case(m, s) for n, (s, m) in MANUAL_GROUPINGS.items()},
     **{f"unused-one-{n}": Case(m, s, branch_ranks=(1,)) for n, (s, m) in MANUAL_GROUPINGS.items()},
@@ -95,6 +108,46 @@ CASES: dict[str, Case] = {
     "zero-grad-manual": Case("tied", ManualSync, plain_zero_grad=True),
     "zero-grad-bucketed": Case("tied", partial(BucketedSync, bucket_cap_mb=TINY_MB), plain_zero_grad=True),
 }
+# A parameter unused in some steps (4 steps, both optimizers): by every rank in step 2 (an expert no
+# sample chose), by every rank in step 1, by rank 1 only in step 2, by rank 1 only in step 1.
+SCHEDULES = {"all-later": {1: ()}, "all-first": {0: ()}, "some-later": {1: (0,)}, "some-first": {0: (0,)}}
+
+
+def scheduled(name: str, strategy: Any, schedule: str, optimizer: str) -> tuple[str, Case]:
+    case = Case("branchy", strategy, (0, 1), branch_steps=SCHEDULES[schedule], optimizer=optimizer, steps=4)
+    return f"sometimes-{schedule}-{name}-{optimizer}", case
+
+
+def _schedules(names: dict[str, Any], schedules: tuple[str, ...], optimizers: tuple[str, ...]) -> dict[str, Case]:
+    return dict(scheduled(n, s, sched, o) for n, s in names.items() for sched in schedules for o in optimizers)
+
+
+EVERY, OPTIMIZERS = tuple(SCHEDULES), ("sgd", "adamw")
+FUP = {
+    "manual": partial(ManualSync, **FIND),
+    "ddp": partial(DDPSync, **FIND),
+    "zero": partial(ZeroSync, **FIND),
+    "zero-stage1": partial(ZeroSync, stage=1, bucket_cap_mb=TINY_MB, **FIND),
+    "zero3-root": partial(Zero3Sync, wrap="block", **FIND),  # no blocks: every parameter in the root unit
+}
+# Each equals one process: with find_unused_parameters a parameter no rank used gets no update, one
+# some ranks used is averaged as sum / N. zero's flat shard has one step count per piece, so a
+# parameter no rank used is refused with a step-counted optimizer (AdamW) below, equal with SGD.
+SHARDED_FUP = {k: v for k, v in FUP.items() if k not in ("manual", "ddp")}
+CASES |= _schedules({k: v for k, v in FUP.items() if k not in SHARDED_FUP}, EVERY, OPTIMIZERS)
+CASES |= _schedules(SHARDED_FUP, EVERY, ("sgd",))
+CASES |= _schedules(SHARDED_FUP, ("some-later", "some-first"), ("adamw",))
+CASES |= _schedules({"zero3-unit": partial(Zero3Sync, wrap="module", **FIND)}, ("all-later", "all-first"), ("sgd",))
+FSDP_EVERY_FORWARD = {
+    "fsdp-fup": partial(FSDPSync, **FIND),  # the branch is a unit (Branchy has no ModuleList)
+    "fsdp-root-fup": partial(FSDPSync, wrap="block", **FIND),  # every parameter in the root unit
+}
+CASES |= _schedules(
+    {"fsdp": FSDPSync, "fsdp-root": partial(FSDPSync, wrap="block"), **FSDP_EVERY_FORWARD},
+    ("all-later", "all-first"),
+    OPTIMIZERS,
+)
+
 # Refused on every rank alike, naming the parameter, before the first optimizer step.
 REFUSED = {
     "unused-all-manual-noflag": (Case("branchy", ManualSync), "'branch.weight'"),
@@ -119,9 +172,36 @@ REFUSED = {
     # the shared layer is a unit run under reentrant checkpoints: its backward reruns it unannounced
     "reused-zero3": (Case("reused", Zero3Sync), "zero unit shared"),
 }
+# ...or at the first later step where a parameter goes without a gradient on every rank: without
+# find_unused_parameters each rank checks its own (sending zeros would step it where one process
+# skips it); zero with find_unused_parameters and AdamW (its step count is the shard piece's).
+NO_FUP = {
+    "manual-noflag": ManualSync,
+    "bucketed": partial(BucketedSync, bucket_cap_mb=TINY_MB),
+    "zero-noflag": ZeroSync,
+    "zero3-root-noflag": partial(Zero3Sync, wrap="block"),
+}
+REFUSED |= {name: (case, "'branch.weight'") for name, case in _schedules(NO_FUP, ("all-later",), OPTIMIZERS).items()}
+NEVER_USED = _schedules(SHARDED_FUP, ("all-later", "all-first"), ("adamw",))
+REFUSED |= {name: (case, "with torch.optim.AdamW") for name, case in NEVER_USED.items()}
+# zero stage 3 with find_unused_parameters agrees on each unit every forward: a unit one rank skips in a
+# later step is refused there, before its gathers could pair with another unit's.
+REFUSED |= {
+    name: (case, "zero unit branch")
+    for name, case in _schedules(
+        {"zero3-unit": partial(Zero3Sync, wrap="module", **FIND)}, ("some-later",), OPTIMIZERS
+    ).items()
+}
+# fsdp with find_unused_parameters checks every training forward as the first: a unit one rank skips
+# later, or a root parameter it leaves out, is refused in that forward (FSDP2's collectives would not pair).
+REFUSED |= {
+    name: (case, "'branch.weight'")
+    for name, case in _schedules(FSDP_EVERY_FORWARD, ("some-later",), OPTIMIZERS).items()
+}
 
 
 def _every_case(rank: int, world_size: int) -> dict[str, Any]:
+    assert not set(CASES) & set(REFUSED), "a case name used twice would report one case's result for both"
     results = {name: train(rank, case) for name, case in CASES.items()}
     results.update({name: train(rank, case) for name, (case, _) in REFUSED.items()})
     results["timed-future"] = _timed_future(rank, world_size)

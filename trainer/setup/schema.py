@@ -191,6 +191,9 @@ class FSDP(Target):
     reshard_after_forward: Annotated[bool, Field(description="free a unit's parameters after its forward")]
     mixed_precision: MixedPrecision
     wrap: Annotated[Wrap, Field(description="the units: one per block (ModuleList element) or per module")]
+    find_unused_parameters: Annotated[
+        bool, Field(description="check every training forward for units or parameters some rank leaves out")
+    ]
 
 
 # optim: every keyword handed to torch's optimizer, in torch's own bounds (lr > 0: zero trains nothing)

@@ -116,8 +116,12 @@ class FSDPSync(SyncStrategy):
         reshard_after_forward: bool = True,
         mixed_precision: MixedPrecision = "none",
         wrap: Wrap = "auto",
+        find_unused_parameters: bool = False,
     ) -> None:
         super().__init__()
+        # true: every training forward is checked as the first is (a unit or parameter some rank
+        # leaves out in a later step is refused there, not left to FSDP2's unpaired collectives)
+        self.find_unused_parameters = find_unused_parameters
         self.wrap_policy = wrap
         self._wrapped = ""  # what auto resolved to
         self.reshard_after_forward = reshard_after_forward
@@ -172,7 +176,7 @@ class FSDPSync(SyncStrategy):
         # as the forward finds it.
         model.register_forward_pre_hook(self._before_forward, prepend=True)
         if self._world_size > 1:
-            self._first_forward = FirstForwardCheck(model, *usage, comm=self.comm)
+            self._first_forward = FirstForwardCheck(model, *usage, self.comm, self.find_unused_parameters)
         return model  # sharded in place: the trainer's model and the forward module are one object
 
     def build_optimizer(self, model: nn.Module, factory: OptimizerFactory) -> Optimizer:

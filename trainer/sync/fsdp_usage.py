@@ -21,7 +21,10 @@ twice inside one checkpoint it would be exact, but the hooks cannot tell that ca
 A difference is a ConfigError on every rank alike (the same all_reduce told them all), naming the
 parameters, before any gradient collective. A parameter no rank used is fine (FSDP2 leaves it
 without a gradient, as one process does). Then the hooks are removed: later steps pay nothing,
-and a rank that drops a parameter only later is not caught (as DDP without find_unused_parameters).
+and a rank that drops a parameter only later is not caught (as DDP without find_unused_parameters):
+its unit's collectives go unpaired. With every_step (sync.find_unused_parameters=true) the hooks
+stay and every training forward is checked alike, for one small all_reduce per unit and one at
+the forward's end.
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ REMEDY = (
 
 
 class FirstForwardCheck:
-    """Hooks on the units (the root last) for the first training forward; removed once it passed."""
+    """Hooks on the units (the root last) for the first training forward; removed once it passed,
+    unless every training forward is to be checked."""
 
     def __init__(
         self,
@@ -55,10 +59,13 @@ class FirstForwardCheck:
         units: Sequence[tuple[str, nn.Module, list[str]]],
         params: Sequence[tuple[str, nn.Module, str]],
         comm: Comm,
+        every_step: bool = False,
     ) -> None:
         """units: (name, module, its parameters' names) of each non-root unit; params: (name, owning
         module, attribute) of every trainable parameter, where FSDP2 registers its unsharded tensor."""
         self.units = list(units)
+        self.every_step = every_step
+        self._forwards = 0  # training forwards checked
         self.comm = comm  # the strategy's: the ranks' agreements are counted as control traffic, on the link
         self.params = list(params)
         self._unsharded: dict[int, int] = {}  # id of an unsharded parameter -> index in params
@@ -77,6 +84,9 @@ class FirstForwardCheck:
 
     def _forward_starts(self, *_: Any) -> None:
         self._training = torch.is_grad_enabled()  # an evaluation's forward (no grad) is not checked
+        if self._training:  # each training forward is checked on its own
+            self._forwards += 1
+            self._entered, self._without_grad, self._unsharded = [0] * len(self.units), set(), {}
 
     def _entering(self, index: int) -> None:
         if not self._training:
@@ -98,9 +108,12 @@ class FirstForwardCheck:
         self.remove()
         seen = "; ".join(f"rank {r}: {self._describe(i)}" for r, i in enumerate(where))
         raise ConfigError(
-            f"sync=fsdp cannot train this model: in the first step's forward the ranks reached different FSDP "
+            f"sync=fsdp cannot train this model: in {self._which()} the ranks reached different FSDP "
             f"units ({seen}); a unit one rank skips leaves its parameters unused there. {REMEDY}"
         )
+
+    def _which(self) -> str:
+        return "the first training forward" if self._forwards == 1 else f"training forward {self._forwards}"
 
     def _describe(self, index: int) -> str:
         if index == len(self.units):
@@ -119,6 +132,7 @@ class FirstForwardCheck:
     def _forward_done(self, module: nn.Module, args: Any, output: Any) -> None:
         if not self._training:
             return
+        self._training = False  # a forward run inside this one's hooks is not a new training forward
         self._agree_on(len(self.units))
         self._note_unsharded()  # the root's own parameters
         used = [False] * len(self.params)
@@ -129,7 +143,8 @@ class FirstForwardCheck:
         reentrant = [i in self._without_grad and n > 1 and self._trainable[i] for i, n in enumerate(self._entered)]
         counts = torch.tensor(used + reentrant, dtype=torch.int32, device=self._device())
         self.comm.agree(counts)  # per parameter: on how many ranks used; per unit: how many saw it reentrant
-        self.remove()
+        if not self.every_step:
+            self.remove()
         world_size = dist.get_world_size()
         per_param, per_unit = counts.tolist()[: len(used)], counts.tolist()[len(used) :]
         twice = [self._describe(i) for i, n in enumerate(per_unit) if n]
@@ -144,7 +159,8 @@ class FirstForwardCheck:
             )
         # The rule of trainer/sync/unused.py; a parameter no rank used is fine here (FSDP2 leaves it
         # without a gradient, as one process does), so it counts as used everywhere.
-        refuse_missing([n or world_size for n in per_param], [name for name, _, _ in self.params], "fsdp", REMEDY)
+        used_on = [n or world_size for n in per_param]
+        refuse_missing(used_on, [name for name, _, _ in self.params], "fsdp", REMEDY, self._which())
 
     def _device(self) -> torch.device:
         owner, attr = self.params[0][1:] if self.params else (None, "")

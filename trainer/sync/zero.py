@@ -59,6 +59,7 @@ from trainer.sync.zero_buckets import GradientBuckets
 from trainer.sync.zero_state import (
     ELEMENTWISE,
     Layout,
+    Skipped,
     check_one_kind,
     check_optimizer,
     gather_full_state,
@@ -100,6 +101,8 @@ class ZeroSync(SyncStrategy):
         self._order: InOrder | None = None
         self._works: list[dist.Work] = []  # this step's bucket reductions, in order
         self._unused: list[tuple[int, int]] = []  # this step: shard slices of parameters no rank used
+        self._unused_names: list[str] = []
+        self._skipped = Skipped(stage)
         self._gathers: list[list[dist.Work]] = []  # per bucket, in flight from the optimizer step to the next forward
         self._accumulating = False
         self._grads_cleared = False  # after the optimizer step (a skipped step leaves them to zero_grad)
@@ -203,6 +206,7 @@ class ZeroSync(SyncStrategy):
         )
         unused = self._arrivals.unused_everywhere()  # the rule, before any gradient collective
         self._unused = self.layout.shard_slices(unused, self._rank)
+        self._unused_names = [self._arrivals.names[i] for i in unused]
         if self._order is None:
             self._learn()
         assert self._order is not None
@@ -227,6 +231,8 @@ class ZeroSync(SyncStrategy):
     def optimizer_step(self, optimizer: Optimizer) -> None:
         assert self.flat is not None and self.param_shard is not None and self.layout is not None and self._grads
         self.wait_for_parameters()  # a step whose forward did not wait for the last gathers (none in the trainer)
+        assert self._arrivals is not None
+        self._skipped.check(optimizer, self._unused_names, self._arrivals.checked)  # agreed: alike on every rank
         with unchanged(self.param_shard, optimizer, self._unused, self.spans):  # one process skips them
             optimizer.step()  # updates this rank's shard only
         # Every rank must reach these, in this order (a skipped step skips them on every rank alike).

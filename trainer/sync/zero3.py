@@ -68,6 +68,7 @@ from trainer.sync.sharded_state import Read
 from trainer.sync.unused import Arrivals
 from trainer.sync.zero_state import (
     Layout,
+    Skipped,
     check_one_kind,
     check_optimizer,
     gather_full_state,
@@ -120,6 +121,8 @@ class Zero3Sync(SyncStrategy):
         self._reducing: list[tuple[int, torch.Tensor, dist.Work]] = []  # (bucket, its gradients, the reduction)
         self._arrivals: Arrivals | None = None
         self._unused: list[tuple[int, int]] = []
+        self._unused_names: list[str] = []
+        self._skipped = Skipped(3)
         self._accumulating, self._rank, self._native, self._training = False, 0, True, False
         # Step 1, and every step with find_unused_parameters: no unit reduces during backward, so the
         # ranks' check of the unused parameters comes before any gradient collective (as zero.py).
@@ -264,8 +267,11 @@ class Zero3Sync(SyncStrategy):
         root, learning = u == len(self._units) - 1, self._order is None
         if root:
             self._training = torch.is_grad_enabled()  # an evaluation's forward runs without grad
-        if learning and self._training:  # the first training forward: every rank must enter the same unit
+        # The first training forward (and every one with find_unused_parameters): every rank must enter the
+        # same unit, whose gathers pair up; a later forward only where a rank may leave one out.
+        if self._training and (learning or self.find_unused_parameters):
             self._refuse_unless_agreed(u)
+        if learning and self._training:
             if not torch.is_grad_enabled() and self._trainable[u]:
                 raise ConfigError(
                     f"sync=zero sync.stage=3 cannot train this model: {self._labels[u]} ran without grad inside "
@@ -276,7 +282,9 @@ class Zero3Sync(SyncStrategy):
             if u not in self._forward:  # a unit run twice gathers twice, but is prefetched once
                 self._forward.append(u)
         self._wait(u)
-        if not learning and u not in self._in_backward:  # prefetch the units forward meets next
+        # Prefetch the units forward meets next; a unit the first forward did not run (a branch unused
+        # then) has no place in its order: gathered when it runs, it prefetches nothing.
+        if not learning and u not in self._in_backward and u in self._forward:
             at = self._forward.index(u)
             for v in self._forward[at + 1 : at + 1 + self.prefetch]:
                 self._gather(v)
@@ -291,13 +299,15 @@ class Zero3Sync(SyncStrategy):
             label = [*self._labels, "the end of the forward"]
             seen = "; ".join(f"rank {r}: {label[v]}" for r, v in enumerate(where))
             raise ConfigError(
-                f"sync=zero sync.stage=3 cannot train this model: in the first step's forward the ranks reached "
+                f"sync=zero sync.stage=3 cannot train this model: in a training forward the ranks reached "
                 f"different units ({seen}); every rank must run the same units, whose gathers pair up "
                 "(a unit used on all ranks, its output multiplied by 0 where unwanted), or use sync.stage=2"
             )
 
     def _after_forward(self, u: int, module: nn.Module, args: Any, output: Any) -> None:
         root = u == len(self._units) - 1
+        if root and torch.is_grad_enabled() and self.find_unused_parameters and self._order is not None:
+            self._refuse_unless_agreed(len(self._units))  # no rank has another unit left
         if root and torch.is_grad_enabled() and self._order is None:  # forward's order known: backward's too
             self._refuse_unless_agreed(len(self._units))
             blocks = [v for v in reversed(self._forward) if v != u]
@@ -317,6 +327,8 @@ class Zero3Sync(SyncStrategy):
             return
         self._in_backward.add(u)
         self._wait(u)
+        if u not in self._backward_gathers:  # a unit the first forward did not run: no place in the order
+            return
         at = self._backward_gathers.index(u)
         for v in self._backward_gathers[at + 1 : at + 1 + self.prefetch]:  # prefetch backward's next units
             self._gather(v)
@@ -373,7 +385,9 @@ class Zero3Sync(SyncStrategy):
 
     def after_backward(self, model: nn.Module) -> None:
         assert self._arrivals is not None and self.layout is not None and self._order is not None
-        self._unused = self.layout.shard_slices(self._arrivals.unused_everywhere(), self._rank)
+        unused = self._arrivals.unused_everywhere()  # the rule, before any gradient collective
+        self._unused = self.layout.shard_slices(unused, self._rank)
+        self._unused_names = [self._arrivals.names[i] for i in unused]
         for position in self._order.rest():  # every rank, the same units in the same order
             self._reduce(self._backward[position])
         self._settle()
@@ -387,6 +401,8 @@ class Zero3Sync(SyncStrategy):
 
     def optimizer_step(self, optimizer: Optimizer) -> None:
         assert self.param_shard is not None
+        assert self._arrivals is not None
+        self._skipped.check(optimizer, self._unused_names, self._arrivals.checked)  # agreed: alike on every rank
         with unchanged(self.param_shard, optimizer, self._unused, self.spans):  # one process skips them
             optimizer.step()  # this rank's shard: the next forward gathers each unit anew
 

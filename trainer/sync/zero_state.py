@@ -266,6 +266,43 @@ ELEMENTWISE = (
 )
 
 
+# Optimizers whose update of an element also depends on its parameter's own step count (Adam's bias
+# corrections, ASGD's averaging, Adagrad's lr_decay). One process skips a parameter without a
+# gradient, its count included; a flat shard has one count per piece, which every step advances.
+STEP_COUNTED = (
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.ASGD,
+    torch.optim.Adagrad,
+)
+
+
+class Skipped:
+    """Parameters no rank used in some step (find_unused_parameters=true; agreed, so alike on every
+    rank). unchanged() keeps them and their state as they were, so a parameter never used again
+    trains as in one process; one that gets gradients again would be stepped with its piece's count,
+    which advanced while one process's stood still: refused at that step, before it diverges."""
+
+    def __init__(self, stage: int) -> None:
+        self.stage = stage
+        self.names: set[str] = set()
+
+    def check(self, optimizer: Optimizer, unused_now: Sequence[str], step: int) -> None:
+        back = sorted(self.names.difference(unused_now))
+        if back and isinstance(optimizer, STEP_COUNTED):
+            raise ConfigError(
+                f"sync=zero (stage {self.stage}) cannot step parameter(s) {back[:5]} in step {step} with "
+                f"torch.optim.{type(optimizer).__name__}: no rank used them in an earlier step, and the step count "
+                "that sets their update's bias correction is one for a whole piece of the flat shard, so it "
+                "advanced where one process's stood still; use sync=ddp or sync=manual with "
+                "sync.find_unused_parameters=true, or an optimizer without a step count (torch.optim.SGD, RMSprop)"
+            )
+        self.names.update(unused_now)
+
+
 def check_optimizer(optimizer: Optimizer, pieces: Sequence[nn.Parameter]) -> None:
     """The shard optimizer must be element-wise and hold each piece of the shard as one group's one parameter."""
     cls = type(optimizer)
