@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -136,3 +137,49 @@ def test_rs_ag_gives_the_same_bits_as_all_reduce(mechanism: list[dict[str, dict[
         row = b["counts"]
         sent = {kind for kind in KINDS if f"comm/{kind}_per_step" in row}
         assert sent == {"reduce_scatter", "all_gather"} and row["comm/all_gather_per_step"] == b["buckets"]
+
+
+class Reordered(nn.Module):
+    """Layers registered last-first but applied first-first: reverse registration order is forward order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Linear(16, 4)
+        self.b = nn.Linear(16, 16)
+        self.a = nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def _reordered(rank: int, world_size: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    sync = BucketedSync(bucket_cap_mb=300 / 2**20)
+    model = sync.wrap(Reordered())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    in_flight: list[int] = []
+    probe = model.a.register_full_backward_pre_hook(lambda *_: in_flight.append(len(sync._works)))
+    for _ in range(3):  # step 1 learns the order gradients come in; the buckets are rebuilt in it
+        _backward(model, rank)
+        sync.after_backward(model)
+        optimizer.step()
+        sync.zero_grad(optimizer)
+    probe.remove()
+    return {
+        "in_flight": in_flight,
+        "buckets": len(sync._flat.buckets),
+        "params": [p.detach() for p in model.parameters()],
+    }  # type: ignore[union-attr]
+
+
+def test_buckets_are_rebuilt_in_the_order_gradients_arrive(tmp_path: Path) -> None:
+    """Reverse registration order puts the first layer's gradients (the last to come) in the first
+    bucket: nothing could leave before backward ends. After step 1 the buckets follow the arrival
+    order (rank 0's, so every rank builds the same), and the last layers' buckets leave while the
+    first layer still computes; the replicas stay equal."""
+    rank0, rank1 = run_on_ranks(_reordered, 2, tmp_path / "run")
+    for rank in (rank0, rank1):
+        assert rank["buckets"] >= 3
+        assert rank["in_flight"][0] == 0  # step 1 sends every bucket after backward (counts unknown)
+        assert rank["in_flight"][1:] == [rank["buckets"] - 2] * 2, rank["in_flight"]  # a's two buckets wait
+    assert all(torch.equal(a, b) for a, b in zip(rank0["params"], rank1["params"], strict=True))

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.dist_helpers import run_on_ranks
+from trainer.errors import ConfigError
 from trainer.sync.bucketed import BucketedSync
 from trainer.sync.flat import names_of
 
@@ -66,7 +67,7 @@ def _train(rank: int, kwargs: dict[str, Any]) -> dict[str, Any]:
         try:
             F.cross_entropy(module(x), y).backward()
             sync.after_backward(module)
-        except RuntimeError as err:
+        except ConfigError as err:
             return {"layout": layout, "step": step, "error": str(err)}
         sync.optimizer_step(optimizer)
         sync.zero_grad(optimizer)

@@ -9,7 +9,10 @@ parameter, communication while backward goes on.
    layer reused under reentrant checkpointing) and the ranks agree on the counts: a parameter
    without a gradient on some rank, or with different counts on different ranks, is refused
    (trainer/sync/unused.py's rule). Until the counts are known no bucket can tell it is complete,
-   so step 1's buckets all start after its backward: overlap begins at step 2.
+   so step 1's buckets all start after its backward: overlap begins at step 2. Step 1 also notes
+   the order the gradients arrived in, and the buckets are rebuilt once in rank 0's order (the
+   ranks take it from rank 0, so they build the same buckets), as DDP rebuilds its own: a model
+   whose registration order is not its backward order then keeps no finished bucket waiting.
 3. From step 2, backward: each hook counts its bucket's arrivals; when a bucket has them all and
    every bucket before it has started, its all_reduce(SUM) starts asynchronously while backward
    goes on computing the earlier layers ("layer 10 syncs while layer 9 computes"). Strictly in
@@ -27,6 +30,7 @@ from contextlib import contextmanager
 from functools import partial
 from typing import Any, Literal
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
@@ -65,6 +69,7 @@ class BucketedSync(SyncStrategy):
         self._flat: FlatGrads | None = None
         self._handles: list[RemovableHandle] = []
         self._calls: list[int] = []  # per parameter, the gradients it received in this backward
+        self._arrival: list[int] = []  # step 1: the parameters (positions) in the order their gradients came
         self._expected: list[int] | None = None  # per parameter, per backward: learned in step 1
         self._order: InOrder | None = None  # None in step 1
         self._works: list[dist.Work] = []  # this step's bucket collectives, in order
@@ -83,8 +88,10 @@ class BucketedSync(SyncStrategy):
 
     def rebuild(self, cap_mb: float) -> None:
         """(Re)make the buckets for a cap, keeping the gradients they hold; not while buckets are in flight."""
-        # Reverse registration order: the last layers' gradients are ready first in backward.
-        self._flat = FlatGrads(list(group_by_size(reversed(self._params), int(cap_mb * 2**20))), dist.get_world_size())
+        # The order gradients arrive in, once step 1 has seen it; until then reverse registration order
+        # (the last layers' gradients are ready first in backward).
+        ordered = [self._params[i] for i in self._arrival] if self._order else list(reversed(self._params))
+        self._flat = FlatGrads(list(group_by_size(ordered, int(cap_mb * 2**20))), dist.get_world_size())
         position = {id(p): i for i, p in enumerate(self._params)}
         for handle in self._handles:
             handle.remove()
@@ -114,7 +121,9 @@ class BucketedSync(SyncStrategy):
             view.copy_(param.grad)
             param.grad = view
         self._calls[position] += 1
-        if self._order is None:  # step 1: the counts are being learned; buckets start after backward
+        if self._order is None:  # step 1: the counts and the order are being learned; buckets start after backward
+            if self._calls[position] == 1:
+                self._arrival.append(position)
             return
         assert self._expected is not None
         if self._calls[position] > self._expected[position]:
@@ -136,6 +145,7 @@ class BucketedSync(SyncStrategy):
 
     def after_backward(self, model: nn.Module) -> None:
         assert self._flat is not None
+        learning = self._order is None
         if self._order is None:
             self._learn()
         elif self._order.next < len(self._flat.buckets):
@@ -155,6 +165,10 @@ class BucketedSync(SyncStrategy):
             gather.wait()
         self._works, self._calls = [], [0] * len(self._params)
         self._order.reset()
+        if learning:  # the buckets in the order step 1's gradients came, rank 0's (the averages move along)
+            arrival = torch.tensor(self._arrival, dtype=torch.int64, device=self._params[0].device)
+            self._arrival = self.comm.agree_from(arrival, 0).tolist()
+            self.rebuild(self.tuner.cap_mb if self.tuner else float(self.bucket_cap_mb))
 
     def _learn(self) -> None:
         """End of step 1's backward: the ranks agree on each parameter's gradient count (every rank
@@ -174,10 +188,11 @@ class BucketedSync(SyncStrategy):
     def _refuse_incomplete(self) -> None:
         assert self._expected is not None
         short = [name for name, c, e in zip(self._names, self._calls, self._expected, strict=True) if c < e]
-        raise RuntimeError(
+        raise ConfigError(
             f"sync=bucketed: a bucket never got all its gradients this step: parameter(s) {short[:5]} got fewer "
             "gradients than in the first step; every trainable parameter must receive its gradients in every "
-            "backward (or use sync=manual with sync.find_unused_parameters)"
+            "backward (sending the bucket with zeros would train another model than one process, which skips a "
+            "parameter without a gradient): use sync=manual or sync=ddp with sync.find_unused_parameters=true"
         )
 
     @contextmanager
