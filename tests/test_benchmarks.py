@@ -324,3 +324,19 @@ def test_network_lessons_quick_run(tmp_path: Path) -> None:
     for lesson in ("the link, not loopback", "one 25 MiB bucket", "manual's all_reduce after backward"):
         (line,) = [v for k, v in verdicts.items() if k.startswith(lesson)]
         assert ": holds (" in line, proc.stdout
+
+
+def test_overlap_gaps_quick_run(tmp_path: Path) -> None:
+    proc = forked([str(BENCHMARKS / "overlap_gaps.py"), "--quick"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| zero")]
+    assert [r[0].strip() for r in rows] == [
+        "zero stage 2",
+        "zero stage 1",
+        "zero stage 3",
+        "zero stage 3, all reductions in flight",
+    ], proc.stdout
+    for row in rows:
+        step, wait = (float(cell.split("±")[0]) for cell in (row[1], row[4]))
+        assert step > 0 and 0 <= wait <= step, row
+    assert float(rows[3][4].split("±")[0]) == 0.0, "the experiment's backward never waits for a reduction"
