@@ -93,7 +93,7 @@ def test_no_import_circles() -> None:
 # links, trace_names, which import nothing of trainer/ but each other): the composition root builds
 # everything; the loop uses sync, reliability and logger; reliability may read a strategy's state
 # (sync) and log (logger); sync imports none of the others. docs/architecture.md draws this.
-LEAVES = {"core", "errors", "clock", "comm_math", "links", "trace_names", "measures", "observer"}
+LEAVES = {"core", "errors", "clock", "comm_math", "links", "trace_names", "measures", "observer", "footprint"}
 MAY_IMPORT = {
     "setup": {"loop", "sync", "reliability", "logger"},
     "loop": {"sync", "reliability", "logger"},
@@ -152,8 +152,9 @@ def test_logger_none_never_imports_wandb(tmp_path: Path) -> None:
 
 STRATEGY_FILES = ("manual", "bucketed", "zero", "zero3")
 # What a strategy may say beside its algorithm: the facts of what it built (for the sync line), what
-# it holds (for the observer's memory probe), its name, and the wiring of bucket_cap_mb=auto's tuner.
-BOOKKEEPING_DEFS = ("facts", "held", "describe", "settled")
+# it holds (for the observer's memory probe) and keeps (for the memory predictor), its name, and the
+# wiring of bucket_cap_mb=auto's tuner.
+BOOKKEEPING_DEFS = ("facts", "held", "footprint", "describe", "settled")
 BOOKKEEPING_WORDS = ("tuner", "CapTuner", "auto_", 'name = "', "key_attributes")
 # A strategy measures nothing: no clock, no counter, no peak (trainer/observer.py does).
 MEASURING = re.compile(r"perf_counter|\bClock\b|peak|_count\(|counts?\b\s*[+-]?=|time\.time|elapsed_time|Event\(")

@@ -95,7 +95,8 @@ def sweep(tmp_path: Path) -> Path:
 # job 1: 8, 10 and 30 ms -> 10.00; 400 + 300 + 100 = 800; sync 0 %; loss (1.1 + 0.9 + 1.0) / 3; eval 0.8
 # job 2: 45 and 60 ms -> 52.50; 60 + 40 = 100; sync (0.05/0.09 + 0.06/0.12) / 2 = 52.78 %; loss 1.5
 # job 3: 100 and 200 ms -> 150.00; 10 + 20 = 30; incomplete, truncated last line skipped
-# No row has memory/optimizer_state_mb (written before it existed): opt state MB is `-` in every job.
+# No row has memory/optimizer_state_mb or memory/peak_mb (written before they existed): opt state MB
+# and mem MB/rank are `-` in every job.
 SYNC_0 = 100 * (0.006 / 0.052 + 0.006 / 0.066) / 2
 SYNC_2 = 100 * (0.05 / 0.09 + 0.06 / 0.12) / 2
 EXPECTED_CELLS = {
@@ -114,6 +115,7 @@ EXPECTED_CELLS = {
         "-",
         "700",
         "-",
+        "-",  # mem MB/rank: no row has memory/peak_mb
         "1.5000",
         "0.750",
         "r1 (20.00 ms)",
@@ -134,6 +136,7 @@ EXPECTED_CELLS = {
         "-",
         "700",
         "-",
+        "-",  # mem MB/rank: no row has memory/peak_mb
         "1.0000",
         "0.800",
         "r2 (30.00 ms)",
@@ -154,6 +157,7 @@ EXPECTED_CELLS = {
         "-",
         "700",
         "-",
+        "-",  # mem MB/rank: no row has memory/peak_mb
         "1.5000",
         "0.250",
         "r1 (60.00 ms)",
@@ -174,6 +178,7 @@ EXPECTED_CELLS = {
         "-",
         "(700)",
         "-",  # a run logged before memory/optimizer_state_mb existed: no value, not parenthesized
+        "-",  # mem MB/rank: no row has memory/peak_mb
         "(5.5000)",
         "",
         "(r1 (200.00 ms))",
@@ -284,9 +289,29 @@ def test_cpu_sweep_has_no_cuda_column(sweep: Path, tmp_path: Path) -> None:
     header = markdown_header((tmp_path / "report.md").read_text())
     assert "peak RSS MB" in header and "peak CUDA MB" not in header
     at = header.index("peak RSS MB")
-    assert header[at : at + 3] == ["peak RSS MB", "opt state MB", "train loss"]
+    assert header[at : at + 4] == ["peak RSS MB", "opt state MB", "mem MB/rank", "train loss"]
     records = list(csv.DictReader((tmp_path / "report.csv").open()))
     assert {r["peak_cuda_mb"] for r in records} == {""} and {r["peak_rss_mb"] for r in records} == {"700.0"}
     # Rows written before memory/optimizer_state_mb existed: the column is `-` (empty in the CSV).
     assert {r["opt_state_mb"] for r in records} == {""}
     assert {cells[at + 1] for cells in markdown_rows((tmp_path / "report.md").read_text()).values()} == {"-"}
+
+
+def test_memory_puts_the_prediction_beside_the_measurement(sweep: Path, tmp_path: Path) -> None:
+    """report --memory: each job's predicted total per rank, from its own overrides at its own number
+    of ranks, the same number the predictor prints for them; without --memory no such column."""
+    from trainer.tools.memory import predicted_total_mb
+
+    assert main([str(sweep), "--out", str(tmp_path / "plain")]) == 0
+    assert "predicted MB/rank" not in markdown_header((tmp_path / "plain" / "report.md").read_text())
+    assert main([str(sweep), "--memory", "--out", str(tmp_path)]) == 0
+    header = markdown_header((tmp_path / "report.md").read_text())
+    assert header[header.index("mem MB/rank") + 1] == "predicted MB/rank"
+    records = {r["job"]: r for r in csv.DictReader((tmp_path / "report.csv").open())}
+    for job, overrides, ranks in [("0", ["sync=ddp", "sync.bucket_cap_mb=1"], 2), ("1", ["sync=ddp"], 3)]:
+        expected = predicted_total_mb([*overrides, "logger=none", f"run_name=x-{job}"], ranks)
+        assert float(records[job]["predicted_memory_mb"]) == pytest.approx(expected, rel=1e-6)
+    # the default mlp with SGD's momentum at 64 per rank: ddp's replica, its reducer's buckets and the
+    # activations (docs/memory.md's example) against manual's, which has no buckets of its own
+    assert float(records["0"]["predicted_memory_mb"]) == pytest.approx(1.31, abs=0.01)
+    assert float(records["2"]["predicted_memory_mb"]) == pytest.approx(1.01, abs=0.01)

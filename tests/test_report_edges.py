@@ -38,6 +38,9 @@ def test_rank_stats_of_one_rank() -> None:
     assert stats.opt_state_mb is None  # rows logged before memory/optimizer_state_mb existed
     opt = [train_row(10, 0.01, 0.0, 100, 1.0, {"memory/optimizer_state_mb": m}) for m in (8.0, 9.5, 9.0)]
     assert rank_stats(0, opt).opt_state_mb == 9.5  # the maximum over the rank's rows, not the last
+    assert stats.step_memory_mb is None  # rows logged before memory/peak_mb existed
+    peaks = [train_row(10, 0.01, 0.0, 100, 1.0, {"memory/peak_mb": m}) for m in (30.0, 42.0, 41.0)]
+    assert rank_stats(0, [*peaks, eval_row(10, 0.5)]).step_memory_mb == 42.0  # the sampled steps' largest total
     empty = rank_stats(0, [eval_row(10, 0.5)])
     assert (empty.step_ms, empty.samples_per_s, empty.sync_share, empty.train_loss) == (None, None, None, None)
 
@@ -110,6 +113,7 @@ def test_single_job_dir_and_missing_hydra(tmp_path: Path, capsys: pytest.Capture
         "-",
         "700",
         "-",  # opt state MB: no row has memory/optimizer_state_mb
+        "-",  # mem MB/rank: no row has memory/peak_mb
         "2.0000",
         "",
         "r1 (20.00 ms)",

@@ -136,8 +136,16 @@ def test_strategy_sweep_bytes_exposed_time_and_peak_memory(
     assert printed[0] == "Strategy sweep: strategies, 2 ranks"
     header = markdown_header((out / "report.md").read_text())
     at = header.index("MB/step")
-    # opt state MB comes right after the memory peaks (after peak CUDA MB when there is one).
-    assert header[at : at + 6] == ["MB/step", "exposed ms", "peak RSS MB", "peak CUDA MB", "opt state MB", "train loss"]
+    # opt state MB and mem MB/rank come right after the memory peaks (after peak CUDA MB when there is one).
+    assert header[at : at + 7] == [
+        "MB/step",
+        "exposed ms",
+        "peak RSS MB",
+        "peak CUDA MB",
+        "opt state MB",
+        "mem MB/rank",
+        "train loss",
+    ]
     assert header[:5] == ["job", "status", "overrides", "sync", "bucket_mb"]
     cells = markdown_rows((out / "report.md").read_text())
     records = {r["job"]: r for r in csv.DictReader((out / "report.csv").open())}

@@ -13,6 +13,7 @@ TOOLS = {  # module -> the arguments that name a path
     "trainer.tools.timeline": [],
     "trainer.tools.collectives": None,  # no input path: it measures
     "trainer.tools.launch": None,  # torchrun's arguments, no run dir
+    "trainer.tools.memory": None,  # train.py's overrides, no run dir
     "trainer.tools.export": ["--out", "model.pt"],
     "trainer.tools.sample": [],
     "trainer.scaling.__main__": ["--run"],

@@ -35,19 +35,30 @@ here turn them into the numbers of a row. Nothing else computes a row's time, by
   buckets at the end of backward are then measured from the same instants.
 - Phases (`time/<phase>_s`, `time/step_s`): the sampled step's own intervals between the loop's
   marks; they add up to the step.
-- Memory (`memory/<kind>_mb`, `memory/<kind>_peak_mb`): the bytes of the storages this rank holds,
-  each storage once, by kind: parameters (the model's, a DTensor's local shard, and the optimizer's
-  own where it steps a shard), gradients (their .grad, and the buffers a strategy says it holds
-  beyond them: a bucket being reduced, DDP's reducer buckets), optimizer state. Held: parameters
-  and optimizer state as the sampled step ends, gradients as its sync phase ends (averaged, before
-  the optimizer uses them); peak: the most at any probe of the sampled step (the ends of its
-  backward, sync and optimizer phases, each collective's launch and the end of each wait for one).
+- Memory (`memory/<kind>_mb`, `memory/<kind>_peak_mb`, `memory/peak_mb`): the bytes of the
+  storages this rank holds, each storage once, by kind (MEMORY_KINDS): parameters (the model's, a
+  DTensor's local shard, and the optimizer's own where it steps a shard; where a strategy gathers
+  units, zero stage 3 and fsdp, only the shard), gradients (the .grad of the model's and the
+  optimizer's parameters, and the full gradients a strategy holds outside them: fsdp's unsharded
+  ones in backward), optimizer state (every tensor of its state), communication buffers (what a
+  strategy allocates to communicate beyond those: DDP's reducer buckets, zero's gradient buckets
+  being reduced, gathered units' full parameters), activations (what autograd saved for backward
+  in the step's forward and loss, parameters' own storages left out; the most of any
+  micro-batch). Held: parameters and optimizer state as the sampled step ends, gradients and
+  communication buffers as its sync phase ends (averaged, before the optimizer uses them),
+  activations as the forward ends (the peak of the micro-batches); peak: the most at any probe of
+  the sampled step (the ends of its forward, backward, sync and optimizer phases, each
+  collective's launch and the end of each wait for one). The step's total (`memory/peak_mb`): on
+  CUDA the allocator's own peak over the sampled step; elsewhere, with no allocator statistics,
+  the sum of the kinds' peaks: an upper bound on what these kinds held at once (temporaries
+  between probes are not seen).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -57,6 +68,7 @@ from trainer.comm_math import busy_time
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 PHASES = ("data", "forward", "backward", "sync", "optimizer")  # the loop's marks, in a step's order
+MEMORY_KINDS = ("parameters", "gradients", "optimizer_state", "comm_buffers", "activations")
 MIB = 2**20
 
 
@@ -176,11 +188,29 @@ def phase_row(marks: Sequence[tuple[str, float]]) -> dict[str, float]:
     return row
 
 
-def memory_row(held: dict[str, int], peaks: dict[str, int]) -> dict[str, float]:
-    """memory/<kind>_mb (held at the sampled step's end) and memory/<kind>_peak_mb (the most at any
-    of its probes), in MiB."""
+_cuda_peak_before: dict[int, int] = {}  # device index -> the allocator's peak before its last reset
+
+
+def reset_cuda_peak(device: torch.device) -> None:
+    """Start the CUDA allocator's peak anew (a save's, a sampled step's), keeping the run's for cuda_peak_mb."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    _cuda_peak_before[index] = max(_cuda_peak_before.get(index, 0), torch.cuda.max_memory_allocated(device))
+    torch.cuda.reset_peak_memory_stats(device)
+
+
+def cuda_peak_mb(device: torch.device) -> float:
+    """The CUDA allocator's peak since the start of the run, in MiB, across the resets."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return max(torch.cuda.max_memory_allocated(device), _cuda_peak_before.get(index, 0)) / 2**20
+
+
+def memory_row(held: dict[str, int], peaks: dict[str, int], allocator_peak: int | None = None) -> dict[str, float]:
+    """memory/<kind>_mb (held at its instant), memory/<kind>_peak_mb (the most at any probe) and
+    memory/peak_mb (the allocator's peak where there is one, else the sum of the kinds' peaks), in MiB."""
     row = {f"memory/{kind}_mb": nbytes / MIB for kind, nbytes in held.items()}
     row |= {f"memory/{kind}_peak_mb": nbytes / MIB for kind, nbytes in peaks.items()}
+    if peaks or allocator_peak is not None:
+        row["memory/peak_mb"] = (sum(peaks.values()) if allocator_peak is None else allocator_peak) / MIB
     return row
 
 
@@ -201,21 +231,33 @@ class MemoryProbe:
     The parameters are listed once (a walk of the model's modules costs more than a probe; they are
     the same objects for the whole run), the optimizer state's storages at begin() of each sampled
     step (a resumed run loads new ones); each call reads their sizes now, and the gradients', which
-    come and go within the step."""
+    come and go within the step. `gathers`: the strategy's model parameters, where they are not the
+    optimizer's own, are full copies it gathers per unit (zero stage 3): communication buffers."""
 
-    def __init__(self, model: nn.Module, optimizer: Optimizer, held: Callable[[], dict[str, int]]) -> None:
-        self.model, self.optimizer, self.held = model, optimizer, held
+    def __init__(
+        self, model: nn.Module, optimizer: Optimizer, held: Callable[[], dict[str, int]], gathers: bool = False
+    ) -> None:
+        self.model, self.optimizer, self.held, self.gathers = model, optimizer, held, gathers
         self._owners: list[torch.Tensor] = []
         self._parameters: dict[int, torch.UntypedStorage] = {}
+        self._gathered: dict[int, torch.UntypedStorage] = {}
         self._state: dict[int, torch.UntypedStorage] = {}
         self._state_entries = 0
 
     def begin(self) -> None:
         if not self._owners:
-            groups = self.optimizer.param_groups
-            self._owners = [*self.model.parameters(), *(p for group in groups for p in group["params"])]
-            self._parameters = _storages(self._owners)
+            stepped = [p for group in self.optimizer.param_groups for p in group["params"]]
+            self._owners = [*self.model.parameters(), *stepped]
+            self._parameters = _storages(stepped if self.gathers else self._owners)
+            if self.gathers:
+                self._gathered = {
+                    k: s for k, s in _storages(self.model.parameters()).items() if k not in self._parameters
+                }
         self._list_state()
+
+    def parameter_storages(self) -> set[int]:
+        """Every storage a parameter lives in (the activations' count leaves them out)."""
+        return set(self._parameters) | set(self._gathered)
 
     def _list_state(self) -> None:
         state = self.optimizer.state.values()
@@ -235,7 +277,49 @@ class MemoryProbe:
             "parameters": sum(s.nbytes() for s in self._parameters.values()),
             "gradients": sum(grads.values()),
             "optimizer_state": sum(s.nbytes() for s in self._state.values()),
+            "comm_buffers": sum(s.nbytes() for s in self._gathered.values()),
         }
         for kind, nbytes in self.held().items():
             held[kind] = held.get(kind, 0) + nbytes
         return held
+
+
+class SavedForBackward:
+    """Entered around the sampled step's forward and loss: the bytes autograd saves for backward,
+    each storage once, parameters left out (a Parameter, or a storage in `excluded`: zero's flat
+    buffers, whose views the model's parameters are); the most of any forward.
+
+    The pack hook returns the tensor itself (nothing is copied or moved); the hooks are installed
+    on the sampled step only, so other steps pay nothing."""
+
+    def __init__(self) -> None:
+        self.excluded: set[int] = set()
+        self.peak = 0
+        self._seen: dict[int, int] = {}
+        self._hooks: Any = None
+
+    def __enter__(self) -> SavedForBackward:
+        self._seen = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+        self.peak = max(self.peak, sum(self._seen.values()))
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        base = tensor if tensor._base is None else tensor._base  # a linear saves its weight's transpose
+        if isinstance(base, nn.Parameter):  # a parameter (or FSDP2's unsharded one): counted as such
+            return tensor
+        try:
+            storage = _local(tensor).untyped_storage()
+        except (RuntimeError, NotImplementedError):  # a tensor without a storage of its own (sparse, nested)
+            return tensor
+        if storage._cdata not in self.excluded:
+            self._seen[storage._cdata] = storage.nbytes()
+        return tensor
+
+
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor

@@ -36,6 +36,8 @@ class Probe(Protocol):
 
     def __call__(self) -> dict[str, int]: ...
 
+    def parameter_storages(self) -> set[int]: ...
+
 
 @dataclass
 class _Record:
@@ -68,6 +70,7 @@ class _Sample:
     peaks: dict[str, int] = field(default_factory=dict)
     at_sync: dict[str, int] = field(default_factory=dict)  # memory when the sync phase ended
     at_end: dict[str, int] = field(default_factory=dict)  # memory when the step ended
+    allocator_peak: int | None = None  # CUDA: the allocator's peak over the step
     ended: bool = False
 
     @property
@@ -82,7 +85,7 @@ _KINDS = {
     "ALLGATHER": "all_gather",
     "REDUCE_SCATTER": "reduce_scatter",
 }
-_PROBED = ("backward", "sync", "optimizer")  # marks after which memory is probed (and at each collective)
+_PROBED = ("forward", "backward", "sync", "optimizer")  # marks after which memory is probed (and at each collective)
 _HOOK_ID = 0xDD1AB  # our hooks' id on the default group: registering again replaces the last observer's
 
 
@@ -103,7 +106,7 @@ class Observer:
     """
 
     def __init__(self, device: torch.device, every: int = 0, emulated: bool = False) -> None:
-        self.clock = Clock(device)
+        self.clock, self.device = Clock(device), device
         self.every = every
         self.emulated = emulated  # network=<preset>: rows carry the link's ideal
         self.last_step: int | None = None  # the run's last step (the loop sets it): its last two are sampled
@@ -116,6 +119,7 @@ class Observer:
         self._group_size = 1
         self._launching: dict[int, _Record] = {}  # op id -> its record, between the group's two hooks
         self._launching_in_torch = False
+        self.saved = measures.SavedForBackward()  # what the sampled step's forwards save for backward
 
     def describe(self) -> str:
         """How the lab watches, for the sync line."""
@@ -132,6 +136,10 @@ class Observer:
             self._sample.marks.append(("start", self.clock.now()))
             if self.probe is not None:
                 self.probe.begin()
+                self.saved.excluded = self.probe.parameter_storages()
+            self.saved.peak = 0
+            if self.device.type == "cuda":
+                measures.reset_cuda_peak(self.device)  # host-side allocator statistics: no sync
             self._hook_group()
 
     def mark(self, phase: str) -> None:
@@ -150,6 +158,8 @@ class Observer:
             return
         assert self._sample is not None
         self._unhook_group()
+        if self.device.type == "cuda":
+            self._sample.allocator_peak = torch.cuda.max_memory_allocated(self.device)
         self._sample.ended = True
         self._samples.append(self._sample)
         self._sample, self.sampling = None, False
@@ -158,6 +168,8 @@ class Observer:
         if self.probe is None or self._sample is None:
             return {}
         held = self.probe()
+        if self.saved.peak:  # the forwards so far: their saved tensors (held until their backward)
+            held["activations"] = self.saved.peak
         peaks = self._sample.peaks
         for kind, nbytes in held.items():
             peaks[kind] = max(peaks.get(kind, 0), nbytes)
@@ -249,10 +261,12 @@ class Observer:
         at = partial(self.clock.seconds, origin)
         row = measures.phase_row([(phase, at(mark) if i else 0.0) for i, (phase, mark) in enumerate(newest.marks)])
         row |= measures.comm_row(self._collectives(newest, at), self.emulated)
-        # Held: parameters and optimizer state as the step leaves them, gradients as the sync phase does.
+        # Held: parameters and optimizer state as the step leaves them, gradients and communication
+        # buffers as the sync phase does, activations as the forwards left them (their peak).
         held: dict[str, int] = {k: newest.at_end[k] for k in ("parameters", "optimizer_state") if k in newest.at_end}
-        held |= {"gradients": newest.at_sync["gradients"]} if "gradients" in newest.at_sync else {}
-        row |= measures.memory_row(held, newest.peaks)
+        held |= {k: newest.at_sync[k] for k in ("gradients", "comm_buffers") if k in newest.at_sync}
+        held |= {"activations": newest.peaks["activations"]} if "activations" in newest.peaks else {}
+        row |= measures.memory_row(held, newest.peaks, newest.allocator_peak)
         row["observer/sampled_step"] = newest.step
         return row
 

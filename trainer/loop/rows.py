@@ -17,8 +17,9 @@ from trainer.loop.lm import TokenRates
 from trainer.loop.metrics import Window
 from trainer.loop.step import StepRunner
 from trainer.loop.summary import rank_timing
+from trainer.measures import cuda_peak_mb
 from trainer.observer import Observer
-from trainer.reliability.save_cost import ResidentMemory, cuda_peak_mb
+from trainer.reliability.save_cost import ResidentMemory
 from trainer.sync.base import SyncStrategy
 
 log = logging.getLogger(__name__)

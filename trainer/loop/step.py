@@ -53,6 +53,9 @@ def skips_on_device(optimizer: Optimizer) -> bool:
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and not isinstance(optimizer, torch.optim.SGD)
 
 
+_NOTHING = nullcontext()  # reusable: entered on every step that is not sampled
+
+
 class StepRunner:
     """Runs optimizer steps on the objects the Trainer owns, noting the loss and timing each phase."""
 
@@ -98,7 +101,8 @@ class StepRunner:
                 inputs = batch[0].to(self.ctx.device, non_blocking=True)
                 targets = batch[1].to(self.ctx.device, non_blocking=True)
                 observer.mark("data")
-                loss, logits = self.forward(inputs, targets, step)
+                with observer.saved if sampled else _NOTHING:  # what the forward saves for backward
+                    loss, logits = self.forward(inputs, targets, step)
                 window.add(loss, step, targets, logits if sampled else None)  # accuracy: on the sampled step
                 observer.mark("forward")
                 (loss if self.scaler is None else self.scaler.scale(loss)).backward()

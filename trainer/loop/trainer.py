@@ -122,7 +122,7 @@ class Trainer:
         # The one instrument, which the builder gave the strategy's communication object: it watches
         # the sampled step (trainer/observer.py), memory included.
         self.observer = sync.comm.observer
-        self.observer.probe = MemoryProbe(self.model, self.optimizer, self.sync.held)
+        self.observer.probe = MemoryProbe(self.model, self.optimizer, self.sync.held, self.sync.gathers_parameters)
         self.observer.last_step = self.total_steps
         self._window = Window(ctx.device)
         self._nonfinite = NonFiniteCheck(ctx.device)

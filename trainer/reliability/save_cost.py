@@ -19,14 +19,9 @@ from types import TracebackType
 import psutil
 import torch
 
+from trainer.measures import reset_cuda_peak
+
 SAMPLE_S = 0.002
-_cuda_peak_before: dict[int, int] = {}  # device index -> the allocator's peak before its last reset
-
-
-def cuda_peak_mb(device: torch.device) -> float:
-    """The CUDA allocator's peak since the start of the run, in MiB, across the resets of saves."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return max(torch.cuda.max_memory_allocated(device), _cuda_peak_before.get(index, 0)) / 2**20
 
 
 class ResidentMemory:
@@ -79,11 +74,7 @@ class SaveCost:
     def __enter__(self) -> SaveCost:
         self._peak_rss = self._rss.bytes()
         if self._device.type == "cuda":
-            index = self._device.index if self._device.index is not None else torch.cuda.current_device()
-            _cuda_peak_before[index] = max(
-                _cuda_peak_before.get(index, 0), torch.cuda.max_memory_allocated(self._device)
-            )
-            torch.cuda.reset_peak_memory_stats(self._device)
+            reset_cuda_peak(self._device)
         self._thread = threading.Thread(target=self._sample, name="ddplab-save-rss", daemon=True)
         self._thread.start()
         self._started = time.perf_counter()

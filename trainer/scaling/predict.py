@@ -22,8 +22,8 @@ from trainer.links import Topology
 from trainer.scaling.profile import RunProfile
 
 STRATEGIES = ("none", "manual", "bucketed", "ddp", "zero", "fsdp")
-# sync.wrap's values (trainer/setup/schema/sync.py's Wrap; a test keeps them equal): this package
-# does not import torch.
+# sync.wrap's values (trainer/setup/schema/sync.py's Wrap; a test keeps them equal): the step's
+# model does not import torch.
 FSDP_WRAPS = ("auto", "block", "module")
 MIB = 2**20
 DEFAULT_CAP_MB = 25.0  # bucket_cap_mb of sync=ddp and sync=bucketed, coalesce_mb of sync=manual

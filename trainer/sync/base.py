@@ -26,6 +26,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from trainer.core import TrainSettings
+from trainer.footprint import Footprint, Plan, replicated
 from trainer.sync.autotune import CapTuner
 from trainer.sync.comm import Comm
 from trainer.sync.sharded_state import Read, load_state_parts, state_parts
@@ -84,6 +85,7 @@ class SyncStrategy(ABC):
     key_attributes: dict[str, str] = {}  # a key stored under another name (`wrap`, which is a method here)
     keeps_replicas_equal: bool = True  # the trainer's replica check applies
     grads_sharded: bool = False  # each rank's optimizer reads its own disjoint shard of the gradient
+    gathers_parameters: bool = False  # the model's parameters are full copies gathered per unit, not the optimizer's
     trains_one_model: bool = True  # the ranks train one model (sync=none: one each)
     tuner: CapTuner | None = None  # bucket_cap_mb=auto: tries caps, then rebuild() with the fastest
 
@@ -219,9 +221,15 @@ class SyncStrategy(ABC):
 
     def held(self) -> dict[str, int]:
         """Bytes this strategy holds now, by kind of memory, beyond what the model's parameters and
-        gradients and the optimizer's parameters and state show (a bucket being reduced, DDP's
-        reducer buckets); the observer asks on the sampled step."""
+        gradients and the optimizer's parameters and state show (`comm_buffers`: a bucket being
+        reduced, DDP's reducer buckets, gathered units; `gradients`: full ones outside any .grad);
+        the observer asks on the sampled step."""
         return {}
+
+    def footprint(self, plan: Plan) -> Footprint:
+        """What this rank keeps, by kind, for the memory predictor (trainer/footprint.py's words,
+        trainer/scaling/memory.py's arithmetic): by default a replica's, every parameter and its .grad."""
+        return replicated(plan)
 
     def describe(self) -> dict[str, Any]:
         """The sync line: the strategy's name, the keys it was built with (its constructor's

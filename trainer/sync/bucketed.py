@@ -37,6 +37,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from trainer.errors import ConfigError
+from trainer.footprint import Footprint, Plan, replicated
 from trainer.sync.autotune import DEFAULT_CANDIDATES_MB, CapTuner
 from trainer.sync.base import SyncStrategy
 from trainer.sync.buckets import InOrder
@@ -91,7 +92,8 @@ class BucketedSync(SyncStrategy):
         # The order gradients arrive in, once step 1 has seen it; until then reverse registration order
         # (the last layers' gradients are ready first in backward).
         ordered = [self._params[i] for i in self._arrival] if self._order else list(reversed(self._params))
-        self._flat = FlatGrads(list(group_by_size(ordered, int(cap_mb * 2**20))), dist.get_world_size())
+        groups = list(group_by_size(ordered, int(cap_mb * 2**20)))
+        self._flat = FlatGrads(groups, dist.get_world_size(), shards=self.collective == "rs_ag")
         position = {id(p): i for i, p in enumerate(self._params)}
         for handle in self._handles:
             handle.remove()
@@ -206,6 +208,15 @@ class BucketedSync(SyncStrategy):
     def zero_grad(self, optimizer: Optimizer) -> None:
         assert self._flat is not None
         self._flat.zero()
+
+    def footprint(self, plan: Plan) -> Footprint:
+        """Its buckets (bucket_cap_mb=auto: the largest candidate's), padded, and their shards."""
+        cap_mb = max(self.auto_candidates_mb) if self.bucket_cap_mb == "auto" else float(self.bucket_cap_mb)
+        groups = group_by_size(reversed(plan.trainable), int(cap_mb * 2**20))
+        return replicated(plan, *FlatGrads.footprint(list(groups), plan.world_size, self.collective == "rs_ag"))
+
+    def held(self) -> dict[str, int]:
+        return self._flat.held() if self._flat is not None else {}
 
     def facts(self) -> dict[str, Any]:
         if self._flat is None:

@@ -31,6 +31,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer.errors import ConfigError
+from trainer.footprint import Footprint, Plan, replicated, whole
 from trainer.sync.autotune import DEFAULT_CANDIDATES_MB, CapTuner
 from trainer.sync.base import SyncStrategy
 from trainer.sync.ddp_hooks import AllReduceHook, CommHook, SwappableDDP, TorchHook
@@ -147,6 +148,13 @@ class DDPSync(SyncStrategy):
         sizes = {"num_buckets": len(self._sizes), "bucket_sizes_bytes": self._sizes}
         return sizes | {"buckets_rebuilt": self._rebuilt, "total_parameter_bytes": total}
 
+    def footprint(self, plan: Plan) -> Footprint:
+        """A replica, plus DDP's reducer buckets (a copy of the gradients, unless they are the .grad
+        tensors) and PowerSGD's error-feedback copy of them."""
+        grads = whole("comm_buffers", plan.trainable)
+        copies = (not self.gradient_as_bucket_view) + (self.comm_hook == "powersgd")
+        return replicated(plan, whole("gradients", plan.trainable), *[grads] * copies)
+
     def held(self) -> dict[str, int]:
         """DDP's reducer keeps the gradients in buckets of its own, unless they are the .grad tensors."""
-        return {} if self.gradient_as_bucket_view else {"gradients": sum(self._sizes)}
+        return {} if self.gradient_as_bucket_view else {"comm_buffers": sum(self._sizes)}

@@ -16,6 +16,8 @@ from typing import Literal
 import torch
 from torch import nn
 
+from trainer.footprint import Held
+
 Collective = Literal[
     "all_reduce", "rs_ag"
 ]  # sync.collective (manual, bucketed): all_reduce = reduce_scatter + all_gather
@@ -27,6 +29,11 @@ def names_of(model: nn.Module, params: Sequence[nn.Parameter]) -> list[str]:
     for name, param in model.named_parameters():
         names.setdefault(id(param), name)
     return [names.get(id(p), "?") for p in params]
+
+
+def padded(numel: int, world_size: int) -> int:
+    """numel rounded up to a multiple of the world size: a buffer reduce_scatter splits evenly."""
+    return -(-numel // world_size) * world_size
 
 
 def group_by_size(params: Iterable[nn.Parameter], cap_bytes: int) -> Iterator[list[nn.Parameter]]:
@@ -77,21 +84,32 @@ class Bucket:
 class FlatGrads:
     """A bucket per group of parameters, in order, each parameter's .grad bound to its bucket's view."""
 
-    def __init__(self, groups: Sequence[list[nn.Parameter]], world_size: int) -> None:
-        self.buckets = [self._allocate(group, world_size) for group in groups]
+    def __init__(self, groups: Sequence[list[nn.Parameter]], world_size: int, shards: bool = True) -> None:
+        """`shards`: each bucket gets a shard of its own (reduce_scatter + all_gather); without, an empty one."""
+        self.buckets = [self._allocate(group, world_size, shards) for group in groups]
         self.bind()
 
     @staticmethod
-    def _allocate(params: list[nn.Parameter], world_size: int) -> Bucket:
+    def _allocate(params: list[nn.Parameter], world_size: int, shards: bool) -> Bucket:
         numel = sum(p.numel() for p in params)
-        padded = -(-numel // world_size) * world_size
-        buffer = torch.zeros(padded, dtype=params[0].dtype, device=params[0].device)
+        buffer = torch.zeros(padded(numel, world_size), dtype=params[0].dtype, device=params[0].device)
         views, offset = [], 0
         for param in params:
             views.append(buffer[offset : offset + param.numel()].view_as(param))
             offset += param.numel()
-        shard = torch.empty(padded // world_size, dtype=buffer.dtype, device=buffer.device)
+        shard = torch.empty(buffer.numel() // world_size if shards else 0, dtype=buffer.dtype, device=buffer.device)
         return Bucket(params, views, buffer, numel, shard)
+
+    @staticmethod
+    def footprint(groups: Sequence[list[nn.Parameter]], world_size: int, shards: bool = True) -> tuple[Held, Held]:
+        """What buckets of these groups keep (for the memory predictor): each gradient buffer, padded,
+        and each one's shard (if it has them)."""
+        sizes = [padded(sum(p.numel() for p in g), world_size) * g[0].element_size() for g in groups]
+        return Held("gradients", tuple(sizes)), Held("comm_buffers", tuple(n // world_size * shards for n in sizes))
+
+    def held(self) -> dict[str, int]:
+        """The shards, for the memory probe: the buffers hold the parameters' .grad, which it sees."""
+        return {"comm_buffers": sum(b.shard.numel() * b.shard.element_size() for b in self.buckets)}
 
     def bind(self) -> None:
         """Make every parameter's .grad its view again, keeping any gradient it already holds."""

@@ -19,6 +19,7 @@ sent, named, timed and carried by an emulated link like every strategy's.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -40,10 +41,11 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from trainer.errors import ConfigError
+from trainer.footprint import Footprint, Held, Plan, replicated
 from trainer.sync.base import OptimizerFactory, SyncStrategy
 from trainer.sync.comm import Comm
 from trainer.sync.fsdp_state import by_index, by_name
-from trainer.sync.fsdp_units import MixedPrecision, Wrap, choose_units, resolve
+from trainer.sync.fsdp_units import MixedPrecision, Wrap, choose_units, resolve, unit_parameters
 from trainer.sync.fsdp_usage import FirstForwardCheck, expected_usage
 from trainer.sync.sharded_state import Read
 
@@ -75,9 +77,13 @@ class CommReduceScatter(ReduceScatter):
 
     def __init__(self, comm: Comm, unit: str) -> None:
         self.comm, self.unit = comm, f"fsdp unit {unit}"
+        # held(): the flat gradients reduced, alive while FSDP2 holds them (an output becomes the sharded
+        # .grad, which the probe sees), and the unit's full gradients, alive in FSDP2's hands until it returns
+        self.inputs: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
+        self.reducing: torch.Tensor | None = None
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
+        return torch.empty(*size, dtype=dtype, device=device)  # the unit's gradients, flattened to be reduced
 
     def __call__(
         self,
@@ -87,7 +93,12 @@ class CommReduceScatter(ReduceScatter):
         op: Any,
         async_op: bool = False,
     ) -> dist.Work | None:
-        work = self.comm.reduce_scatter(output_tensor, input_tensor, self.unit, op=op, group=group)
+        self.inputs.add(input_tensor)
+        self.reducing = input_tensor
+        try:
+            work = self.comm.reduce_scatter(output_tensor, input_tensor, self.unit, op=op, group=group)
+        finally:
+            self.reducing = None
         if async_op:
             return work
         work.wait()
@@ -99,6 +110,12 @@ def padded_numel(shape: torch.Size, world_size: int) -> int:
     shard, and so every collective's slice, has the same size (_get_dim0_padded_size)."""
     dims = list(shape) or [1]
     return math.ceil(dims[0] / world_size) * world_size * math.prod(dims[1:])
+
+
+def unit_bytes(units: Sequence[Sequence[nn.Parameter]], world_size: int, dtype: torch.dtype | None) -> list[int]:
+    """Each unit's parameters gathered whole: dim 0 padded (padded_numel), in `dtype` (bf16: 2 bytes
+    each) or their own."""
+    return [sum(padded_numel(p.shape, world_size) * (dtype or p.dtype).itemsize for p in unit) for unit in units]
 
 
 class FSDPSync(SyncStrategy):
@@ -127,6 +144,8 @@ class FSDPSync(SyncStrategy):
         self.reshard_after_forward = reshard_after_forward
         self.mixed_precision = mixed_precision
         self._unit_bytes: list[int] = []  # each unit's padded parameters, gathered in full
+        self._fsdp_units: list[Any] = []  # the FSDPModules, the root last
+        self._reduce_scatters: list[CommReduceScatter] = []
         self._sharded_bytes = 0  # what one rank stores of them
         self._world_size = 1
         self._param_names: list[str] = []  # the optimizer's parameters, in its own order
@@ -154,9 +173,7 @@ class FSDPSync(SyncStrategy):
         recurse = self._wrapped == "block"
         owners = {id(p): (m, n) for m in model.modules() for n, p in m.named_parameters(recurse=False)}
         units = [list(m.parameters(recurse=recurse)) for m in layers] + [rest]
-        gathered = dtypes[0].itemsize if dtypes else None  # bf16: gathered in 2 bytes
-        sizes = [[(padded_numel(p.shape, self._world_size), gathered or p.element_size()) for p in u] for u in units]
-        self._unit_bytes = [b for b in (sum(n * size for n, size in unit) for unit in sizes) if b]
+        self._unit_bytes = [b for b in unit_bytes(units, self._world_size, dtypes[0] if dtypes else None) if b]
         self._sharded_bytes = sum(padded_numel(p.shape, self._world_size) * p.element_size() for u in units for p in u)
         self._sharded_bytes //= self._world_size
         usage = expected_usage(model, layers, owners, recurse)  # names, while the parameters are the plain ones
@@ -167,11 +184,13 @@ class FSDPSync(SyncStrategy):
         # parameters gathered after forward (backward needs them at once); false is false.
         root_reshard = None if self.reshard_after_forward else False
         fully_shard(model, mesh=mesh, reshard_after_forward=root_reshard, mp_policy=policy)
-        for unit in [*layers, model]:  # every unit's collectives through self.comm
+        self._fsdp_units = [*layers, model]
+        for unit in self._fsdp_units:  # every unit's collectives through self.comm
             assert isinstance(unit, FSDPModule)
             label = names[id(unit)] or "root"
             unit.set_custom_all_gather(CommAllGather(self.comm, label))
-            unit.set_custom_reduce_scatter(CommReduceScatter(self.comm, label))
+            self._reduce_scatters.append(CommReduceScatter(self.comm, label))
+            unit.set_custom_reduce_scatter(self._reduce_scatters[-1])
         # Runs before FSDP's own pre-forward hook on the root (prepend), so it sees every unit
         # as the forward finds it.
         model.register_forward_pre_hook(self._before_forward, prepend=True)
@@ -256,6 +275,59 @@ class FSDPSync(SyncStrategy):
             return {}
         units = {"num_units": len(self._unit_bytes), "unit_bytes": self._unit_bytes}  # each gathered in full (padded)
         return {"wrap_in_use": self._wrapped, **units, "sharded_bytes_per_rank": self._sharded_bytes}
+
+    def footprint(self, plan: Plan) -> Footprint:
+        """Each parameter's and gradient's dim-0 shard; in forward the root and the unit computing
+        gathered, in backward the root and two units (the one computing, or its gradients flattened
+        to be reduce-scattered, and the next, prefetched; every unit with reshard_after_forward=false);
+        a unit's unsharded gradients until reduced (every unit's while micro-batches accumulate), the
+        root's last. One rank: a replica (FSDP2 uses its one shard in place: nothing gathered or reduced)."""
+        n = plan.world_size
+        if n == 1:
+            return replicated(plan)
+        compute, reduce = MIXED_PRECISION[self.mixed_precision] or (None, None)
+        units = unit_parameters(plan.model, self.wrap_policy)
+        trained = [[p for p in unit if p.requires_grad] for unit in units]
+        *gathered, root = unit_bytes(units, n, compute)
+        *reduced, root_reduced = unit_bytes(trained, n, reduce)
+        *grads, root_grads = [sum(p.numel() * (compute or p.dtype).itemsize for p in unit) for unit in trained]
+        shard = lambda params: tuple(padded_numel(p.shape, n) // n * p.element_size() for p in params)  # noqa: E731
+        window = 1 if self.reshard_after_forward else 0
+        held = [
+            Held("parameters", shard(plan.model.parameters())),
+            Held("gradients", shard(plan.trainable)),
+            Held("gradients", (root_grads,), 0, ("after",)),  # complete once backward is (an embedding's)
+            Held("gradients", tuple(grads), 0 if plan.accumulating else 1, ("backward",)),
+            Held("comm_buffers", (root,), 0, ("forward", "backward")),
+            Held("comm_buffers", tuple(gathered), window, ("forward",)),
+            Held("comm_buffers", tuple(map(max, gathered, reduced)), 2 * window, ("backward",)),
+            Held("comm_buffers", (root_reduced,), 0, ("after",)),
+        ]
+        return Footprint(tuple(held), tuple(padded_numel(p.shape, n) // n for p in plan.trainable))
+
+    def held(self) -> dict[str, int]:
+        """FSDP2's unsharded parameters of the units gathered now (and their all-gather buffers), the
+        flat gradients being reduce-scattered, and the full gradients until then: outside the
+        model's registered DTensors."""
+        buffers = {
+            t.untyped_storage()._cdata: t.untyped_storage().nbytes() for rs in self._reduce_scatters for t in rs.inputs
+        }
+        # the full gradients of the unit being reduced: FSDP2 took them off .grad, but holds them until
+        # its copy into the flat input returns (counted at that input's size)
+        grads = {
+            id(rs): rs.reducing.untyped_storage().nbytes() for rs in self._reduce_scatters if rs.reducing is not None
+        }
+        for unit in self._fsdp_units:
+            group = unit._get_fsdp_state()._fsdp_param_group  # torch 2.14's FSDP2 layout
+            for param in group.fsdp_params if group is not None else ():
+                unsharded = getattr(param, "_unsharded_param", None)
+                for tensor in [*param.all_gather_outputs, *([unsharded] if unsharded is not None else [])]:
+                    storage = tensor.untyped_storage()
+                    buffers[storage._cdata] = storage.nbytes()
+                if unsharded is not None and unsharded.grad is not None:
+                    storage = unsharded.grad.untyped_storage()
+                    grads[storage._cdata] = storage.nbytes()
+        return {"comm_buffers": sum(buffers.values()), "gradients": sum(grads.values())}
 
 
 def local_of(tensor: torch.Tensor) -> torch.Tensor:

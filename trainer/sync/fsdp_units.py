@@ -70,3 +70,10 @@ def choose_units(model: nn.Module, wrap: str) -> tuple[list[nn.Module], list[nn.
     units = [m for name, m in candidates if all(holders[id(p)] == {name} for p in m.parameters(recurse=block))]
     kept = {id(p) for m in units for p in m.parameters(recurse=block)}
     return units, [p for p in model.parameters() if id(p) not in kept]
+
+
+def unit_parameters(model: nn.Module, wrap: str) -> list[list[nn.Parameter]]:
+    """Each unit's parameters, the root's (the rest) last: what each unit gathers whole in its turn."""
+    layers, rest = choose_units(model, wrap)
+    recurse = resolve(model, wrap) == "block"  # a block holds its submodules' parameters
+    return [*(list(m.parameters(recurse=recurse)) for m in layers), rest]

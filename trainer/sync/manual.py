@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from trainer.footprint import Footprint, Plan, replicated, whole
 from trainer.sync.base import SyncStrategy
 from trainer.sync.flat import Collective, FlatGrads, group_by_size, names_of
 from trainer.sync.unused import Arrivals
@@ -47,6 +48,7 @@ class ManualSync(SyncStrategy):
         super().__init__()
         self.coalesce_mb = float(coalesce_mb)
         self.collective = collective
+        self._shards = collective == "rs_ag"  # each flat buffer gets a shard to reduce into
         self.find_unused_parameters = find_unused_parameters
         self._flat: FlatGrads | None = None  # groups of gradients, one flat buffer each
         self._in_place: list[nn.Parameter] = []  # gradients all-reduced alone, where autograd put them
@@ -55,13 +57,17 @@ class ManualSync(SyncStrategy):
     def wrap(self, model: nn.Module) -> nn.Module:
         self.comm.broadcast_parameters(model)
         params = [p for p in model.parameters() if p.requires_grad]
-        groups = list(group_by_size(params, int(self.coalesce_mb * 2**20)))
-        in_place = self.collective == "all_reduce"
-        self._in_place = [group[0] for group in groups if in_place and len(group) == 1]
-        self._flat = FlatGrads([group for group in groups if not in_place or len(group) > 1], dist.get_world_size())
+        flat, self._in_place = self._split(params)
+        self._flat = FlatGrads(flat, dist.get_world_size(), self._shards)
         names = names_of(model, params)
         self._arrivals = Arrivals(params, names, self.comm, "manual", self.find_unused_parameters)
         return model
+
+    def _split(self, params: list[nn.Parameter]) -> tuple[list[list[nn.Parameter]], list[nn.Parameter]]:
+        """The groups of up to coalesce_mb that share a flat buffer, and the gradients all-reduced alone."""
+        groups = list(group_by_size(params, int(self.coalesce_mb * 2**20)))
+        alone = self.collective == "all_reduce"
+        return [g for g in groups if not alone or len(g) > 1], [g[0] for g in groups if alone and len(g) == 1]
 
     def after_backward(self, model: nn.Module) -> None:
         assert self._flat is not None and self._arrivals is not None, "wrap() first"
@@ -92,6 +98,14 @@ class ManualSync(SyncStrategy):
         self._flat.zero()
         for param in self._in_place:  # autograd then hands the next gradient over without a copy
             param.grad = None
+
+    def footprint(self, plan: Plan) -> Footprint:
+        """Its flat buffers (padded) and their shards, and the gradients all-reduced alone."""
+        flat, alone = self._split(plan.trainable)
+        return replicated(plan, *FlatGrads.footprint(flat, plan.world_size, self._shards), whole("gradients", alone))
+
+    def held(self) -> dict[str, int]:
+        return self._flat.held() if self._flat is not None else {}
 
     def facts(self) -> dict[str, Any]:
         if self._flat is None:

@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from trainer.footprint import Footprint, Held, Plan, nbytes, whole
 from trainer.sync import zero_checkpoint
 from trainer.sync.base import DecayGroups, OptimizerFactory, SyncStrategy
 from trainer.sync.buckets import InOrder
@@ -135,10 +136,7 @@ class ZeroSync(SyncStrategy):
     def _lay_out(self, model: nn.Module, groups: list[tuple[list[nn.Parameter], bool]]) -> None:
         """The flat buffer, bucket after bucket, each group's buckets together (so this rank's shard
         holds each group's elements side by side: one optimizer piece each), and a hook per parameter."""
-        trainable = [[p for p in group if p.requires_grad] for group, _ in groups]
-        cap = int(self.bucket_cap_mb * 2**20)
-        # Reverse registration order: the last layers' gradients are ready first in backward.
-        per_group = [list(group_by_size(reversed(params), cap)) for params in trainable]
+        per_group = self._buckets(groups)
         buckets = [bucket for group in per_group for bucket in group]
         self.layout = layout = Layout.of(model, buckets, dist.get_world_size())
         params = [p for p in model.parameters() if p.requires_grad]  # in layout order
@@ -161,6 +159,12 @@ class ZeroSync(SyncStrategy):
         for index, bucket in enumerate(buckets):  # autograd calls each once the gradient is accumulated
             for j, param in enumerate(bucket):
                 param.register_post_accumulate_grad_hook(partial(self._gradient_ready, index, j, at[id(param)]))
+
+    def _buckets(self, groups: list[tuple[list[nn.Parameter], bool]]) -> list[list[list[nn.Parameter]]]:
+        """Each group's buckets of about bucket_cap_mb, in reverse registration order: the last layers'
+        gradients are ready first in backward."""
+        cap = int(self.bucket_cap_mb * 2**20)
+        return [list(group_by_size(reversed([p for p in group if p.requires_grad]), cap)) for group, _ in groups]
 
     def _gradient_ready(self, index: int, j: int, position: int, param: nn.Parameter) -> None:
         """Autograd's hook: `param`'s gradient is in. Into its bucket; maybe start buckets."""
@@ -294,8 +298,23 @@ class ZeroSync(SyncStrategy):
         self.comm.agree(finite, dist.ReduceOp.MIN)  # every rank must reach this
         return bool(finite.item())
 
+    def footprint(self, plan: Plan) -> Footprint:
+        """The full parameter buffer and this rank's shard of it; stage 1 the full gradient buckets and
+        a shard, stage 2 a shard (and the full .grad while micro-batches accumulate), with the full
+        buckets staged until after backward; the optimizer steps a piece of the shard per group."""
+        per_group = self._buckets(plan.groups)
+        layout = Layout.of(plan.model, [bucket for group in per_group for bucket in group], plan.world_size)
+        size = plan.trainable[0].element_size()  # one dtype for every trainable parameter (check_one_kind)
+        full, shard = layout.padded_numel * size, layout.shard_numel * size
+        grads = [Held("gradients", (full, shard))]
+        if self.stage == 2:
+            grads = [Held("gradients", (shard,)), Held("comm_buffers", (full,))]
+            grads += [whole("gradients", plan.trainable)] if plan.accumulating else []
+        held = (Held("parameters", (full, shard, *nbytes(plan.frozen))), *grads)
+        return Footprint(held, tuple(hi - lo for lo, hi in layout.group_spans([len(g) for g in per_group])))
+
     def held(self) -> dict[str, int]:
-        return {"gradients": self._grads.staged_bytes()} if self._grads is not None else {}
+        return {"comm_buffers": self._grads.staged_bytes()} if self._grads is not None else {}
 
     def state_dicts(self, model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
         """The model's state is full on every rank already; the optimizer's is gathered (a collective)."""

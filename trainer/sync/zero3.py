@@ -59,11 +59,12 @@ from torch.optim import Optimizer
 
 from trainer.core import TrainSettings
 from trainer.errors import ConfigError
+from trainer.footprint import Footprint, Held, Plan, nbytes
 from trainer.sync import zero_checkpoint
 from trainer.sync.base import DecayGroups, OptimizerFactory, SyncStrategy
 from trainer.sync.buckets import InOrder
 from trainer.sync.flat import names_of
-from trainer.sync.fsdp_units import Wrap, choose_units, resolve
+from trainer.sync.fsdp_units import Wrap, choose_units, resolve, unit_parameters
 from trainer.sync.sharded_state import Read
 from trainer.sync.unused import Arrivals
 from trainer.sync.zero_state import (
@@ -85,6 +86,7 @@ class Zero3Sync(SyncStrategy):
 
     keeps_replicas_equal = False  # between steps ranks hold shards; state_dicts() gathers the full model
     grads_sharded = True
+    gathers_parameters = True  # each unit's parameters: gathered in full for its turn, freed after
 
     def __init__(
         self,
@@ -119,6 +121,7 @@ class Zero3Sync(SyncStrategy):
         self._order: InOrder | None = None  # which units may reduce now
         self._arrived: list[int] = []
         self._reducing: list[tuple[int, torch.Tensor, dist.Work]] = []  # (bucket, its gradients, the reduction)
+        self._filled: list[tuple[int, torch.Tensor]] = []  # the unit's buckets filled, launched or about to be
         self._arrivals: Arrivals | None = None
         self._unused: list[tuple[int, int]] = []
         self._unused_names: list[str] = []
@@ -174,17 +177,7 @@ class Zero3Sync(SyncStrategy):
     def _shard(self, model: nn.Module, groups: list[tuple[list[nn.Parameter], bool]]) -> None:
         """The buckets, group-major (every unit's decaying parameters, then every unit's others), so a
         rank's shard holds each group's elements side by side; this rank's shard; the hooks."""
-        root = len(self._units) - 1
-        buckets: list[list[nn.Parameter]] = []
-        self._buckets, per_group = [[] for _ in self._units], []
-        for group, _ in groups:
-            per_group.append(0)
-            for u in range(len(self._units)):
-                params = [p for p in group if p.requires_grad and self._owner.get(id(p), root) == u]
-                if params:
-                    self._buckets[u].append(len(buckets))
-                    buckets.append(params)
-                    per_group[-1] += 1
+        buckets, self._buckets, per_group = unit_buckets(self._owner, len(self._units), groups)
         self.layout = layout = Layout.of(model, buckets, dist.get_world_size())
         self.spans = layout.group_spans(per_group)
         position = {id(p): i for i, p in enumerate(model.parameters())}
@@ -351,12 +344,8 @@ class Zero3Sync(SyncStrategy):
         one unit's reductions in flight at a time, so gradient memory stays about two units'."""
         assert self.layout is not None and self._grads is not None
         self._settle()
-        for b in self._buckets[u]:
-            bucket = self._grads.new_zeros(self.layout.buckets[b][1])  # a gradient that never came counts as zero
-            for param, at in self._views[b]:
-                if param.grad is not None:
-                    bucket[at : at + param.numel()].copy_(param.grad.view(-1))
-                    param.grad = None
+        self._filled = [(b, self._fill(b)) for b in self._buckets[u]]  # alive until settled (held())
+        for b, bucket in self._filled:
             _, shard_at, size = self.layout.pieces(self._rank)[b]
             if self._native:  # each rank receives only its 1/N slice of the sum
                 work = self.comm.reduce_scatter(self._grads[shard_at : shard_at + size], bucket, self._labels[u])
@@ -364,6 +353,16 @@ class Zero3Sync(SyncStrategy):
                 work = self.comm.all_reduce(bucket, self._labels[u])
             self._reducing.append((b, bucket, work))
         self._done(u)
+
+    def _fill(self, b: int) -> torch.Tensor:
+        """Bucket b's full gradients in a padded buffer of their own; their .grad dropped."""
+        assert self.layout is not None and self._grads is not None
+        bucket = self._grads.new_zeros(self.layout.buckets[b][1])  # a gradient that never came counts as zero
+        for param, at in self._views[b]:
+            if param.grad is not None:
+                bucket[at : at + param.numel()].copy_(param.grad.view(-1))
+                param.grad = None
+        return bucket
 
     def _settle(self) -> None:
         """Wait for the reductions in flight; this rank's slice of each sum, divided by N, in its shard."""
@@ -376,7 +375,7 @@ class Zero3Sync(SyncStrategy):
                 shard.div_(dist.get_world_size())
             else:
                 torch.div(bucket[self._rank * size : (self._rank + 1) * size], dist.get_world_size(), out=shard)
-        self._reducing = []
+        self._reducing, self._filled = [], []
 
     def _done(self, u: int) -> None:
         self._in_backward.discard(u)
@@ -424,9 +423,38 @@ class Zero3Sync(SyncStrategy):
         self.comm.agree(finite, dist.ReduceOp.MIN)  # every rank must reach this
         return bool(finite.item())
 
+    def footprint(self, plan: Plan) -> Footprint:
+        """Its shard of parameters and gradient; in forward and backward the root gathered, and each
+        unit with the next `prefetch` (or every unit, kept from forward for backward), and the bucket
+        being reduced; every unit's full gradients at backward's end (step 1 reduces after it); after
+        it, the root's gradients and each bucket in turn."""
+        units = unit_parameters(plan.model, self.wrap_policy)
+        owner = {id(p): u for u, params in enumerate(units[:-1]) for p in params}
+        buckets, per_unit, per_group = unit_buckets(owner, len(units), plan.groups)
+        layout = Layout.of(plan.model, buckets, plan.world_size)
+        size = plan.trainable[0].element_size()  # one dtype for every trainable parameter (check_one_kind)
+        *gathered, root = [sum(layout.buckets[b][1] for b in unit) * size for unit in per_unit]
+        *grads, root_grads = [sum(nbytes(p for b in unit for p in buckets[b])) for unit in per_unit]
+        window = 1 + self.prefetch if self.reshard_after_forward else 0
+        waiting = plan.accumulating or self.find_unused_parameters  # every unit reduced after backward
+        held = [
+            Held("parameters", (layout.shard_numel * size, *nbytes(plan.frozen))),
+            Held("gradients", (layout.shard_numel * size,)),
+            Held("gradients", (root_grads,), 0, ("after",)),  # complete once backward is (an embedding's)
+            # Step 1 reduces after backward whatever the settings (_after_backward_only): every unit's
+            # full gradients are alive at its end, the run's gradient peak.
+            Held("gradients", tuple(grads), 0, ("backward", "after")),
+            Held("comm_buffers", (root,)),
+            Held("comm_buffers", tuple(gathered), window, ("forward", "backward")),
+            Held("comm_buffers", (*gathered, root), 1, ("after",)),  # buckets reduced after backward
+            *([] if waiting else [Held("comm_buffers", tuple(gathered), 1, ("backward",))]),
+        ]
+        return Footprint(tuple(held), tuple(hi - lo for lo, hi in layout.group_spans(per_group)))
+
     def held(self) -> dict[str, int]:
-        """The padded gradient buckets being reduced (the full gradients and the shards are .grad tensors)."""
-        return {"gradients": sum(bucket.numel() * bucket.element_size() for _, bucket, _ in self._reducing)}
+        """The padded gradient buckets filled and being reduced (the full gradients and the shards are
+        .grad tensors)."""
+        return {"comm_buffers": sum(bucket.numel() * bucket.element_size() for _, bucket in self._filled)}
 
     # Checkpoints: the full model in the usual terms, or this rank's shard.
 
@@ -488,6 +516,26 @@ class Zero3Sync(SyncStrategy):
             unit_bytes = [sum(self._full[b].numel() * self._full[b].element_size() for b in u) for u in self._buckets]
             info |= {"num_units": len(self._units), "unit_bytes": unit_bytes, "shard_numel": self.layout.shard_numel}
         return info
+
+
+def unit_buckets(
+    owner: dict[int, int], num_units: int, groups: list[tuple[list[nn.Parameter], bool]]
+) -> tuple[list[list[nn.Parameter]], list[list[int]], list[int]]:
+    """The buckets, one per unit and group, group-major (every unit's decaying parameters, then every
+    unit's others: a rank's shard holds each group's elements side by side); each unit's buckets;
+    each group's count. A parameter no unit owns is the root's (the last unit)."""
+    buckets: list[list[nn.Parameter]] = []
+    per_unit: list[list[int]] = [[] for _ in range(num_units)]
+    per_group: list[int] = []
+    for group, _ in groups:
+        per_group.append(0)
+        for u in range(num_units):
+            params = [p for p in group if p.requires_grad and owner.get(id(p), num_units - 1) == u]
+            if params:
+                per_unit[u].append(len(buckets))
+                buckets.append(params)
+                per_group[-1] += 1
+    return buckets, per_unit, per_group
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:

@@ -101,6 +101,21 @@ def notes(rows: Sequence[JobRow], points: Sequence[Point]) -> list[str]:
     return ([warning] if warning else []) + (spread_sentences(points) if len(points) > 1 else [])
 
 
+def predict_memory(rows: Sequence[JobRow], jobs: Sequence[Job]) -> list[str]:
+    """Each job's predicted total per rank, from its own overrides at its number of ranks (the memory
+    predictor composes train.py's config: imported here only); a line for each job it refused."""
+    from trainer.errors import ConfigError
+    from trainer.tools.memory import predicted_total_mb
+
+    refused = []
+    for row, job in zip(rows, jobs, strict=True):
+        try:
+            row.predicted_memory_mb = predicted_total_mb(job.overrides, max(1, len(row.ranks)))
+        except ConfigError as err:
+            refused.append(f"note: job {job.name}: no memory prediction: {' '.join(str(err).split())}")
+    return refused
+
+
 def say(text: str) -> None:
     """Print a sentence in the terminal's width, continued lines indented (report.md keeps it on one line)."""
     lines = textwrap.wrap(text, SCREEN_WIDTH, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)
@@ -116,6 +131,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--wandb-mode", choices=MODES, default="offline", help="offline runs land in <out>/wandb (default: offline)"
     )
     parser.add_argument(
+        "--memory", action="store_true", help="predicted MB/rank beside mem MB/rank (python -m trainer.tools.memory)"
+    )
+    parser.add_argument(
         "--timelines", action="store_true", help="also timelines.png: every job's timeline (trainer.profile=true)"
     )
     args = parser.parse_args(argv)
@@ -127,6 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     out = args.out or args.dir
     out.mkdir(parents=True, exist_ok=True)
+    unpredicted = predict_memory(rows, jobs) if args.memory else []
     if args.timelines:
         try:
             shared = set.intersection(*(set(j.overrides) for j in jobs))  # said once, not per job
@@ -162,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         say(line)
     if repeated:
         print(f"\nPoints (median over repeats, spread = min-max of the jobs' medians):\n{screen_points(points)}")
-    for line in said:
+    for line in [*said, *unpredicted]:
         say(line)
     if any(0 < min((r.timed_steps for r in row.ranks), default=0) < 5 for row in rows):
         say("note: some ranks have fewer than 5 logged rows: their medians rest on few samples")

@@ -30,7 +30,7 @@ LEGEND = """\
 - MB/step: `comm/bytes_per_step` in MB (10^6 bytes): per rank the median over its rows, then the
   median over ranks. What the strategy sends per optimizer step; `-` when it sends nothing (none).
 - exposed ms: `time/comm_exposed_s`, the communication not hidden under backward, per step: per rank
-  the median over the rows that carry it (one step in `trainer.time_comm_every_n_steps` is timed), then
+  the median over the rows that carry it (one step in `trainer.sample_every_n_steps` is measured), then
   the median over ranks; `-` when no row has it.
 - buckets: the gradient buckets the strategy really built (summary.json's `sync.bucket_sizes_bytes`;
   DDP's as rebuilt after its first iteration; zero's one flat buffer): their number, then their
@@ -53,6 +53,13 @@ LEGEND = """\
   every row of every rank (the CUDA column only when some job ran on CUDA).
 - opt state MB: the maximum of `memory/optimizer_state_mb` (MiB of optimizer state a rank holds;
   ~1/N of ddp's under zero and fsdp) over every row of every rank; `-` when no row has it.
+- mem MB/rank: the maximum of `memory/peak_mb` over every row of every rank: the sampled step's
+  total (parameters, gradients, optimizer state, communication buffers and activations at their
+  peaks, added up on CPU; the allocator's peak on CUDA: docs/metrics.md#memory); `-` when no row
+  has it (runs logged before it existed).
+- predicted MB/rank (report --memory only): the memory predictor's total per rank for the job's own
+  overrides at its number of ranks (`python -m trainer.tools.memory`, docs/memory.md), beside what
+  the run measured.
 - train loss: mean over ranks of each rank's last training row's `train/loss`.
 - eval acc: the last eval row's `eval/accuracy` (identical on all ranks; rank 0's is taken).
 - slowest / fastest: the ranks with the highest / lowest median step time.
@@ -86,6 +93,7 @@ class RankStats:
     peak_cuda_mb: float | None = None
     opt_state_mb: float | None = None
     comm_ms: float | None = None
+    step_memory_mb: float | None = None
 
 
 @dataclass
@@ -111,6 +119,8 @@ class JobRow:
     peak_cuda_mb: float | None = None
     opt_state_mb: float | None = None
     comm_ms: float | None = None
+    step_memory_mb: float | None = None  # the largest memory/peak_mb of any rank's rows
+    predicted_memory_mb: float | None = None  # report --memory: the memory predictor's total per rank
     bucket_sizes: tuple[int, ...] | None = None  # what the strategy built, in bytes; None: no buckets
     units: Units | None = None  # no buckets, but manual's flat buffers or fsdp's units
     cap_in_use_mb: float | None = None  # the cap bucket_cap_mb=auto chose (this run's own); None for a fixed cap
@@ -168,6 +178,7 @@ def rank_stats(rank: int, rows: Sequence[dict[str, Any]]) -> RankStats:
         peak_cuda_mb=_max(_column(rows, "memory/cuda_max_allocated_mb")),
         opt_state_mb=_max(_column(rows, "memory/optimizer_state_mb")),
         comm_ms=_median(_column(train, "time/comm_s"), 1000.0),
+        step_memory_mb=_max(_column(rows, "memory/peak_mb")),
     )
 
 
@@ -220,6 +231,7 @@ def job_row(job: Job, overrides: Sequence[str]) -> JobRow:
         peak_rss_mb=_max([r.peak_rss_mb for r in ranks]),
         peak_cuda_mb=_max([r.peak_cuda_mb for r in ranks]),
         opt_state_mb=_max([r.opt_state_mb for r in ranks]),
+        step_memory_mb=_max([r.step_memory_mb for r in ranks]),
         comm_ms=_median([r.comm_ms for r in ranks]),
         bucket_sizes=bucket_layout(job.summary),
         units=other_units(job.summary),

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from trainer.tools.report_layout import short_layout
 from trainer.tools.report_points import POINT_HEADERS, Point, point_cells
 from trainer.tools.report_rows import REPEAT_KEY, JobRow, override_key, value_of
-from trainer.tools.report_table import CUDA_HEADER, job_lines
+from trainer.tools.report_table import CUDA_HEADER, PREDICTED_HEADER, job_lines
 
 
 def aligned(cells: Sequence[Sequence[str]]) -> str:
@@ -26,7 +26,16 @@ BLANK = ("", "-")  # a column of nothing but these tells the reader nothing on s
 SCREEN_NAMES = {"samples/s (median row)": "samples/s"}  # report.md's legend says which row
 # The printed tables drop these columns, first first, until they fit: what a reader compares (the
 # swept values, step time and its spread, throughput, exposed communication) stays.
-JOB_DROP_ORDER: tuple[str, ...] = ("fastest", "slowest", CUDA_HEADER, "peak RSS MB", "opt state MB", "eval acc")
+JOB_DROP_ORDER: tuple[str, ...] = (
+    "fastest",
+    "slowest",
+    CUDA_HEADER,
+    "peak RSS MB",
+    "opt state MB",
+    "eval acc",
+    PREDICTED_HEADER,
+    "mem MB/rank",
+)
 JOB_DROP_ORDER += ("sync", "sync %", "train loss", "bucket_mb", "MB/step", "same as", "buckets")
 POINT_DROP_ORDER = ("hidden ms", "compute ms", "bucket_mb", "buckets", "jobs")
 

@@ -37,19 +37,23 @@ HEADERS = (
     "exposed ms",
     "peak RSS MB",
     "opt state MB",
+    "mem MB/rank",
     "train loss",
     "eval acc",
     "slowest",
     "fastest",
 )
 CUDA_HEADER = "peak CUDA MB"  # after peak RSS MB (before opt state MB), only when some job ran on CUDA
+PREDICTED_HEADER = "predicted MB/rank"  # after mem MB/rank, only with report --memory
 
 
 def headers(rows: Sequence[JobRow]) -> list[str]:
-    if not any(row.peak_cuda_mb is not None for row in rows):
-        return list(HEADERS)
-    at = HEADERS.index("peak RSS MB") + 1
-    return [*HEADERS[:at], CUDA_HEADER, *HEADERS[at:]]
+    names = list(HEADERS)
+    if any(row.predicted_memory_mb is not None for row in rows):
+        names.insert(names.index("mem MB/rank") + 1, PREDICTED_HEADER)
+    if any(row.peak_cuda_mb is not None for row in rows):
+        names.insert(names.index("peak RSS MB") + 1, CUDA_HEADER)
+    return names
 
 
 DAGGER_NOTE = "† ddp communicates inside backward (time/backward_s), not in the sync phase: its sync % is ~0"
@@ -65,7 +69,7 @@ def _dagger(row: JobRow) -> str:
     return "†" if row.sync == "ddp" and row.sync_share_pct is not None else ""
 
 
-def table_cells(row: JobRow, cuda: bool = False) -> list[str]:
+def table_cells(row: JobRow, cuda: bool = False, predicted: bool = False) -> list[str]:
     """Display strings; an incomplete job's numbers are wrapped in parentheses.
 
     `-` marks communication a job did not do (sync=none) or did not time, or a metric its rows do not
@@ -81,6 +85,8 @@ def table_cells(row: JobRow, cuda: bool = False) -> list[str]:
         shown(row.comm_exposed_ms, ".2f") or "-",
         *memory,
         shown(row.opt_state_mb, ".1f") or "-",
+        shown(row.step_memory_mb, ".1f") or "-",
+        *([shown(row.predicted_memory_mb, ".1f") or "-"] if predicted else []),
         shown(row.train_loss, ".4f"),
         shown(row.eval_accuracy, ".3f"),
         _rank(row.slowest),
@@ -96,7 +102,7 @@ def table_cells(row: JobRow, cuda: bool = False) -> list[str]:
 def job_lines(rows: Sequence[JobRow]) -> list[list[str]]:
     """The header, then one line of cells per job."""
     names = headers(rows)
-    return [names, *(table_cells(row, CUDA_HEADER in names) for row in rows)]
+    return [names, *(table_cells(row, CUDA_HEADER in names, PREDICTED_HEADER in names) for row in rows)]
 
 
 def _markdown_table(names: Sequence[str], cells: Sequence[Sequence[str]]) -> list[str]:
@@ -149,6 +155,8 @@ def csv_records(rows: Sequence[JobRow]) -> list[dict[str, Any]]:
             "peak_rss_mb": row.peak_rss_mb,
             "peak_cuda_mb": row.peak_cuda_mb,
             "opt_state_mb": row.opt_state_mb,
+            "step_memory_mb": row.step_memory_mb,
+            "predicted_memory_mb": row.predicted_memory_mb,
             "train_loss": row.train_loss,
             "eval_accuracy": row.eval_accuracy,
             "slowest_rank": row.slowest and row.slowest.rank,

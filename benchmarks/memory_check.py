@@ -1,0 +1,166 @@
+"""The memory predictor checked: each rank's memory predicted beside what the same run measured, per kind.
+
+    python benchmarks/memory_check.py            # every case (~2 min on 2 CPU cores)
+    python benchmarks/memory_check.py --quick    # a smoke run: the mlp, 1 and 2 ranks, three strategies
+
+For each world size (1, 2, then 4 for the strategies that shard), gloo ranks are spawned once and
+train each case for 3 steps as train.py builds it (a row every step, so every step is sampled);
+rank 0's `memory/<kind>_peak_mb` (the most over the rows) is the measured side (docs/metrics.md,
+Memory). The predicted side is `python -m trainer.tools.memory` with the same overrides and
+`--ranks N` (docs/memory.md). The models: the default mlp, and a small gpt (experiment=gpt_tiny's
+shape, char-level text) with and without activation checkpointing, all with AdamW.
+
+The table gives each kind as predicted / measured MiB and the relative error (predicted - measured)
+/ measured; a kind both sides put at 0 reads "0". The last line: the largest error over every
+kind and total, and the cases where a kind's error passes 10 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from trainer.core import DistContext  # noqa: E402
+from trainer.measures import MEMORY_KINDS  # noqa: E402
+from trainer.setup.build import build_parts, build_trainer, prepare_data  # noqa: E402
+from trainer.setup.config import compose_config  # noqa: E402
+from trainer.tools import memory as predictor  # noqa: E402
+
+MIB = 2**20
+STEPS = 3
+BOUND = 0.10  # the issue's bound on each kind's relative error
+RUN = [
+    "logger=none",
+    "trainer.progress_bar=false",
+    f"trainer.max_steps={STEPS}",
+    "trainer.log_every_n_steps=1",  # every step a row, so every step sampled
+    "trainer.eval_every_n_steps=0",
+    "trainer.checkpoint_every_n_steps=0",
+    "optim=adamw",
+]
+GPT = ["experiment=gpt_tiny", "data.batch_size=4", "schedule.warmup_steps=0"]  # no warm-up longer than the run
+MODELS = {
+    "mlp": ["data.num_samples=512"],
+    "gpt": GPT,
+    "gpt, checkpointed": [
+        "experiment=gpt_tiny",
+        "data.batch_size=4",
+        "schedule.warmup_steps=0",
+        "model.activation_checkpointing=true",
+    ],
+}
+STRATEGIES = {  # name -> (overrides, whether it shards: checked at 4 ranks too)
+    "none": (["sync=none"], False),
+    "manual": (["sync=manual"], False),
+    "bucketed": (["sync=bucketed"], False),
+    "ddp": (["sync=ddp"], False),
+    "zero stage=1": (["sync=zero", "sync.stage=1"], True),
+    "zero": (["sync=zero"], True),
+    "zero stage=3": (["sync=zero", "sync.stage=3"], True),
+    "fsdp": (["sync=fsdp"], True),
+}
+QUICK = {"models": ["mlp"], "strategies": ["ddp", "zero", "fsdp"], "world_sizes": [1, 2]}
+
+
+def cases(world_size: int, models: list[str], strategies: list[str]) -> dict[str, list[str]]:
+    """The cases run at this world size: `none` alone at 1 rank (more ranks of it are more copies),
+    the sharding strategies at 4."""
+    chosen = {}
+    for model in models:
+        for name in strategies:
+            overrides, shards = STRATEGIES[name]
+            if (name == "none" and world_size > 1) or (world_size > 2 and not shards):
+                continue
+            chosen[f"{model} | {name}"] = [*RUN, *MODELS[model], *overrides]
+    return chosen
+
+
+def measured(rank: int, world_size: int, overrides: list[str], run_dir: Path) -> dict[str, float]:
+    """Rank `rank`'s peak MiB per kind (and memory/peak_mb: the total) over a run of STEPS steps."""
+    cfg = compose_config(overrides)
+    parts = build_parts(cfg, world_size)
+    ctx = DistContext(rank, rank, world_size, torch.device("cpu"), "gloo")
+    prepare_data(parts.data, ctx)
+    trainer = build_trainer(parts, ctx, [], run_dir, {})
+    trainer.train(STEPS)
+    rows = [row for row in trainer._rows.rows if "memory/peak_mb" in row]
+    keys = [f"memory/{kind}_peak_mb" for kind in MEMORY_KINDS] + ["memory/peak_mb"]
+    return {key: max(row[key] for row in rows) for key in keys}
+
+
+def rank_main(rank: int, world_size: int, store_path: str, out: str, chosen: dict[str, list[str]]) -> None:
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=dt.timedelta(seconds=300))
+    results = {name: measured(rank, world_size, overrides, Path(out) / name) for name, overrides in chosen.items()}
+    if rank == 0:
+        (Path(out) / "measured.json").write_text(json.dumps(results))
+    dist.barrier()  # no rank closes its connections while a peer's last bytes are in flight
+    gc.collect()  # what still holds the group (a DDP reducer, FSDP's state) goes before the group does
+    dist.destroy_process_group()
+
+
+def predicted(overrides: list[str], world_size: int) -> dict[str, float]:
+    """The predictor's MiB per kind, and the total under memory/peak_mb: what the measured side names it."""
+    report = predictor.run(predictor.parse_args([*overrides, "--ranks", str(world_size)]))
+    (prediction, _), *_ = report.rows
+    kinds = {f"memory/{kind}_peak_mb": nbytes / MIB for kind, nbytes in prediction.kinds.items()}
+    return kinds | {"memory/peak_mb": prediction.total / MIB}
+
+
+def error(pred: float, meas: float) -> float:
+    return 0.0 if pred == meas else (pred - meas) / meas if meas else float("inf")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the mlp at 1 and 2 ranks, three strategies")
+    parser.add_argument("--ranks", help="only these world sizes, comma-separated (default 1,2,4)")
+    parser.add_argument("--json", type=Path, help="also write every case's predicted and measured MiB here")
+    args = parser.parse_args()
+    models = QUICK["models"] if args.quick else list(MODELS)
+    strategies = QUICK["strategies"] if args.quick else list(STRATEGIES)
+    world_sizes = QUICK["world_sizes"] if args.quick else [1, 2, 4]
+    world_sizes = [int(n) for n in args.ranks.split(",")] if args.ranks else world_sizes
+    keys = [f"memory/{kind}_peak_mb" for kind in MEMORY_KINDS] + ["memory/peak_mb"]
+    names = [kind.replace("_", " ") for kind in MEMORY_KINDS] + ["total"]
+    print("Predicted / measured MiB on rank 0 (relative error); 3 steps of AdamW on gloo, every step sampled")
+    print(f"| model | strategy | ranks | {' | '.join(names)} |")
+    print("|---|---|---|" + "---|" * len(names))
+    everything, worst, over = [], 0.0, []
+    for world_size in world_sizes:
+        chosen = cases(world_size, models, strategies)
+        with tempfile.TemporaryDirectory() as tmp:
+            mp.spawn(rank_main, args=(world_size, str(Path(tmp) / "store"), tmp, chosen), nprocs=world_size)
+            results = json.loads((Path(tmp) / "measured.json").read_text())
+        for name, overrides in chosen.items():
+            pred, meas = predicted(overrides, world_size), results[name]
+            errors = [error(pred[k], meas[k]) for k in keys]
+            worst = max(worst, *(abs(e) for e in errors))
+            over += [
+                f"{name} x{world_size}: {n} {e:+.1%}" for n, e in zip(names, errors, strict=True) if abs(e) > BOUND
+            ]
+            cells = [
+                "0" if pred[k] == meas[k] == 0 else f"{pred[k]:.3f} / {meas[k]:.3f} ({e:+.1%})"
+                for k, e in zip(keys, errors, strict=True)
+            ]
+            print(f"| {name.replace(' | ', ' | ', 1)} | {world_size} | {' | '.join(cells)} |")
+            everything.append({"case": name, "ranks": world_size, "predicted": pred, "measured": meas})
+    print(f"largest error: {worst:.1%}; over {BOUND:.0%}: {', '.join(over) if over else 'none'}")
+    if args.json:
+        args.json.write_text(json.dumps(everything, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

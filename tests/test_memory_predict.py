@@ -1,0 +1,422 @@
+"""The memory predictor (trainer/scaling/memory.py, python -m trainer.tools.memory): the ZeRO paper's
+arithmetic, each strategy's footprint on a small mlp at 1, 2 and 4 ranks against values worked out
+by hand, the activations counted on fake tensors against a real forward, and the command line."""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from models.gpt import GPT
+from models.mlp import MLP
+from tests.compose import REPO
+from trainer.footprint import Footprint, Held, Plan
+from trainer.measures import MEMORY_KINDS
+from trainer.scaling.memory import (
+    Activations,
+    OptimizerState,
+    Sample,
+    count_activations,
+    held_peaks,
+    largest_batch,
+    optimizer_state,
+    predict,
+    saved_bytes,
+    window,
+    zero_model_states,
+)
+from trainer.sync.base import DecayGroups, SyncStrategy
+from trainer.sync.bucketed import BucketedSync
+from trainer.sync.ddp import DDPSync
+from trainer.sync.flat import FlatGrads
+from trainer.sync.fsdp import FSDPSync
+from trainer.sync.manual import ManualSync
+from trainer.sync.none import NoSync
+from trainer.sync.zero import zero_sync
+from trainer.tools import memory as tool
+
+GPT2_SMALL = [
+    "model=gpt",
+    "data=text",
+    "data.tokenizer=bpe",
+    "data.vocab_size=50257",
+    "model.n_layer=12",
+    "model.n_head=12",
+    "model.n_embd=768",
+    "model.block_size=1024",
+    "optim=adamw",
+]
+
+
+# The ZeRO paper's model states (mixed-precision Adam: 2 + 2 + 12 bytes per parameter).
+
+
+@pytest.mark.parametrize("n", [1, 2, 8, 64])
+def test_zero_paper_model_states(n: int) -> None:
+    psi = 7_500_000_000  # the paper's worked example: 7.5 B parameters
+    assert zero_model_states(psi, n, 0) == 16 * psi
+    assert zero_model_states(psi, n, 1) == pytest.approx(4 * psi + 12 * psi / n)
+    assert zero_model_states(psi, n, 2) == pytest.approx(2 * psi + 14 * psi / n)
+    assert zero_model_states(psi, n, 3) == pytest.approx(16 * psi / n)
+
+
+def test_zero_paper_figure_1() -> None:
+    """The figure's numbers: 7.5 B parameters on 64 GPUs: 120, 31.4, 16.6 and 1.88 GB."""
+    gb = [zero_model_states(7_500_000_000, 64, stage) / 1e9 for stage in range(4)]
+    assert [round(x, 2) for x in gb] == [120.0, 31.41, 16.64, 1.88]
+    with pytest.raises(ValueError, match="stages are 0, 1, 2 and 3"):
+        zero_model_states(1, 1, 4)
+
+
+# The arithmetic over a footprint.
+
+
+def test_window_is_the_most_of_consecutive_pieces() -> None:
+    assert window([1, 5, 2, 7], 0) == 15
+    assert window([1, 5, 2, 7], 1) == 7
+    assert window([1, 5, 2, 7], 2) == 9
+    assert window([1, 5, 2, 7], 9) == 15
+    assert window([], 2) == 0
+
+
+def test_a_kind_peaks_at_its_fullest_moment() -> None:
+    footprint = Footprint(
+        (
+            Held("parameters", (10,)),
+            Held("comm_buffers", (4,)),  # the whole step
+            Held("comm_buffers", (3, 3, 3), 2, ("forward",)),
+            Held("comm_buffers", (5,), 0, ("after",)),
+            Held("gradients", (1, 2), 1, ("backward",)),
+        ),
+        (),
+    )
+    assert held_peaks(footprint) == {"parameters": 10, "gradients": 2, "comm_buffers": 10}
+
+
+# Each strategy's footprint on an mlp whose sizes pad: 3 -> 5 -> 3, 38 parameters (w1 15, b1 5, w2 15, b2 3).
+
+SGD_MOMENTUM = OptimizerState("SGD", per_element=4, per_tensor=0, entries=("momentum_buffer",))
+NO_ACTIVATIONS = Activations(0, 0, "none")
+
+
+def small_mlp() -> nn.Module:
+    with torch.device("meta"):
+        return MLP([5], (3,), 3)
+
+
+def kinds(strategy: SyncStrategy, n: int, accumulating: bool = False) -> dict[str, int]:
+    model = small_mlp()
+    plan = Plan(model, n, DecayGroups(torch.optim.SGD).groups(model.parameters()), accumulating)
+    prediction = predict("x", strategy.footprint(plan), SGD_MOMENTUM, NO_ACTIVATIONS, n, 1)
+    return {k: v for k, v in prediction.kinds.items() if k != "activations"}
+
+
+def table(params: int, grads: int, state: int, comm: int) -> dict[str, int]:
+    return {"parameters": params, "gradients": grads, "optimizer_state": state, "comm_buffers": comm}
+
+
+REPLICA = table(152, 152, 152, 0)  # 38 float32 each
+# (strategy, {world size: parameters, gradients, optimizer state, comm buffers}), in bytes.
+BY_HAND = {
+    "none": (NoSync, {n: REPLICA for n in (1, 2, 4)}),
+    "ddp": (DDPSync, {n: REPLICA | {"comm_buffers": 152} for n in (1, 2, 4)}),  # the reducer's buckets
+    "ddp gradient_as_bucket_view": (
+        functools.partial(DDPSync, gradient_as_bucket_view=True),
+        {n: REPLICA for n in (1, 2, 4)},
+    ),
+    "ddp powersgd": (  # the reducer's buckets and the error feedback
+        functools.partial(DDPSync, comm_hook="powersgd"),
+        {n: REPLICA | {"comm_buffers": 304} for n in (1, 2, 4)},
+    ),
+    # One flat buffer of 38 elements, padded to a multiple of N (40 at 4); with collective=rs_ag its
+    # shard too (all_reduce needs none).
+    "manual": (ManualSync, {1: table(152, 152, 152, 0), 2: table(152, 152, 152, 0), 4: table(152, 160, 152, 0)}),
+    "manual rs_ag": (
+        functools.partial(ManualSync, collective="rs_ag"),
+        {1: table(152, 152, 152, 152), 2: table(152, 152, 152, 76), 4: table(152, 160, 152, 40)},
+    ),
+    "bucketed": (BucketedSync, {1: table(152, 152, 152, 0), 2: table(152, 152, 152, 0), 4: table(152, 160, 152, 0)}),
+    "bucketed rs_ag": (
+        functools.partial(BucketedSync, collective="rs_ag"),
+        {1: table(152, 152, 152, 152), 2: table(152, 152, 152, 76), 4: table(152, 160, 152, 40)},
+    ),
+    # The flat parameter buffer (padded) and the shard; stage 1: the gradient the same way.
+    "zero stage 1": (
+        functools.partial(zero_sync, 1, 25.0, False, "auto", 1, True),
+        {1: table(304, 304, 152, 0), 2: table(228, 228, 76, 0), 4: table(200, 200, 40, 0)},
+    ),
+    # Stage 2: the gradient's shard, and the full buckets staged until after backward.
+    "zero stage 2": (
+        functools.partial(zero_sync, 2, 25.0, False, "auto", 1, True),
+        {1: table(304, 152, 152, 152), 2: table(228, 76, 76, 152), 4: table(200, 40, 40, 160)},
+    ),
+    # Stage 3: units net.1 (20 elements) and net.3 (18; padded to 20 at 4), the root empty. Gradients:
+    # the shard and every unit's full ones (step 1 reduces after backward); comm: two units gathered
+    # (prefetch 1) and one's bucket.
+    "zero stage 3": (
+        functools.partial(zero_sync, 3, 25.0, False, "auto", 1, True),
+        {1: table(152, 304, 152, 232), 2: table(76, 228, 76, 232), 4: table(40, 192, 40, 240)},
+    ),
+    # FSDP2 pads dim 0 per parameter: at 2, w1 (5,3) -> 18, b1 6, w2 (3,5) -> 20, b2 4 (48); at 4:
+    # 24, 8, 20, 4 (56). Gradients: the shards and one unit's unsharded; comm: two units in backward.
+    # One rank: a replica (FSDP2 gathers and reduces nothing).
+    "fsdp": (FSDPSync, {1: REPLICA, 2: table(96, 176, 96, 192), 4: table(56, 136, 56, 224)}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BY_HAND))
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_each_strategy_keeps_what_was_worked_out_by_hand(name: str, n: int) -> None:
+    build, expected = BY_HAND[name]
+    assert kinds(build(), n) == expected[n]
+
+
+def test_zero3_without_resharding_keeps_every_unit() -> None:
+    """reshard_after_forward=false: both units stay gathered from forward to backward (+ one bucket)."""
+    assert kinds(zero_sync(3, 25.0, False, "auto", 1, False), 4)["comm_buffers"] == 80 + 80 + 80
+
+
+def test_accumulating_keeps_the_full_gradients() -> None:
+    """Under no_sync the full .grad accumulate: zero stage 2 holds them beside its shard, fsdp every unit's."""
+    assert kinds(zero_sync(2, 25.0, False, "auto", 1, True), 4, accumulating=True)["gradients"] == 40 + 152
+    assert kinds(FSDPSync(), 4, accumulating=True)["gradients"] == 56 + 152
+
+
+def test_flat_buffers_footprint_is_what_they_allocate() -> None:
+    """FlatGrads.footprint against the buffers FlatGrads really allocates (padded, and a shard each)."""
+    model = MLP([5], (3,), 3)
+    groups = [list(model.parameters())[:2], list(model.parameters())[2:]]
+    for n in (1, 2, 4):
+        grads, shards = FlatGrads.footprint(groups, n)
+        flat = FlatGrads(groups, n)
+        assert grads.sizes == tuple(b.buffer.untyped_storage().nbytes() for b in flat.buckets)
+        assert shards.sizes == tuple(b.shard.untyped_storage().nbytes() for b in flat.buckets)
+        assert flat.held() == {"comm_buffers": sum(shards.sizes)}
+        _, none = FlatGrads.footprint(groups, n, shards=False)
+        assert none.sizes == (0, 0) and FlatGrads(groups, n, shards=False).held() == {"comm_buffers": 0}
+
+
+def test_gpt2_small_sharded_terms() -> None:
+    """GPT-2 small (124,439,808 parameters) at 64 ranks: zero stage 3 and fsdp keep 1/64 of the
+    parameters (padding aside), zero stage 1 and 2 the full buffer and a 1/64 shard."""
+    with torch.device("meta"):
+        model = GPT(12, 12, 768, 1024, (1024,), 50257)
+    plan = Plan(model, 64, DecayGroups(torch.optim.AdamW).groups(model.parameters()), False)
+    psi = sum(p.numel() for p in model.parameters())
+    assert psi == 124_439_808
+    for strategy in (zero_sync(3, 25.0, False, "auto", 1, True), FSDPSync()):
+        parameters = held_peaks(strategy.footprint(plan))["parameters"]
+        assert 4 * psi / 64 <= parameters <= 1.001 * 4 * psi / 64
+    parameters = held_peaks(zero_sync(2, 25.0, False, "auto", 1, True).footprint(plan))["parameters"]
+    assert parameters == pytest.approx(4 * psi * (1 + 1 / 64), rel=1e-4)
+
+
+# The optimizer's state and the activations.
+
+
+def test_optimizer_state_is_read_off_the_optimizer() -> None:
+    adamw = optimizer_state(functools.partial(torch.optim.AdamW, lr=1e-3), torch.float32)
+    assert (adamw.per_element, adamw.per_tensor) == (8, 4)  # exp_avg, exp_avg_sq; a 0-d float32 step
+    assert adamw.nbytes([10, 20]) == 30 * 8 + 2 * 4
+    momentum = optimizer_state(functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9), torch.float32)
+    assert (momentum.per_element, momentum.per_tensor) == (4, 0)
+    plain = optimizer_state(functools.partial(torch.optim.SGD, lr=0.1), torch.float32)
+    assert (plain.per_element, plain.per_tensor) == (0, 0)
+
+
+def mlp_sample() -> Sample:
+    return Sample((3,), torch.float32, tokens=False)
+
+
+def test_mlp_activations_by_hand() -> None:
+    """Per sample: the input (12 bytes), ReLU's output that the next Linear reads too (20), the
+    log-softmax (12) and the target (8); fixed: cross-entropy's 0-d total weight (4)."""
+    activations = count_activations(lambda: MLP([5], (3,), 3), mlp_sample(), "fp32")
+    assert (activations.fixed, activations.per_sample) == (4, 52)
+    assert "fake tensors" in activations.source
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_fake_forward_counts_what_a_real_one_saves(checkpointing: bool, precision: str) -> None:
+    """Scaled from micro-batch 1 and 2 on fake tensors: a real CPU forward at batch 3 saves exactly that
+    (attention's fused kernel, autocast's casts and activation checkpointing included)."""
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return GPT(2, 2, 32, 16, (16,), 50, activation_checkpointing=checkpointing)
+
+    sample = Sample((16,), torch.int64, tokens=True)
+    activations = count_activations(build, sample, precision)
+    assert activations.at(3) == saved_bytes(build().train(), sample, 3, precision)
+
+
+def test_a_model_fake_tensors_cannot_run_is_measured_on_the_cpu() -> None:
+    class NeedsData(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(3, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.sum().item() > 1e9:  # a value read on the host: fake tensors have none
+                return x
+            return self.linear(x)
+
+    activations = count_activations(NeedsData, mlp_sample(), "fp32")
+    assert "real forward on the CPU" in activations.source
+    assert activations.per_sample == 12 + 8 + 8  # the input, the log-softmax (2 classes), the target
+
+
+def test_largest_batch_fills_the_device() -> None:
+    prediction = predict("x", Footprint((Held("parameters", (1000,)),), ()), SGD_MOMENTUM, Activations(10, 7, ""), 1, 1)
+    assert prediction.total == 1017
+    assert largest_batch(prediction, Activations(10, 7, ""), 1010 + 7 * 5 + 6) == 5
+    assert largest_batch(prediction, Activations(10, 7, ""), 1005) == 0
+
+
+# The command line.
+
+
+def run_tool(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = tool.main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_the_chosen_strategy(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_tool(["--ranks", "2", "sync=zero", "sync.stage=3"], capsys)
+    assert code == 0, err
+    rows = [line.split() for line in out.splitlines() if line.startswith("zero")]
+    assert [row[:2] for row in rows] == [["zero", "stage=3"]]
+    assert "micro-batch 64 per rank" in out and "params" in out
+
+
+def test_all_lists_the_memory_relevant_variants(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_tool(["--ranks", "2", "--all"], capsys)
+    assert code == 0, err
+    labels = {line.rsplit(maxsplit=6)[0] for line in out.splitlines()[5:] if len(line.split()) >= 7}
+    for label in (
+        "none",
+        "manual",
+        "bucketed",
+        "ddp",
+        "ddp gradient_as_bucket_view=true",
+        "zero",
+        "zero stage=1",
+        "zero stage=3",
+        "zero stage=3 reshard_after_forward=false",
+        "fsdp",
+        "fsdp reshard_after_forward=false",
+    ):
+        assert label in labels, (label, sorted(labels))
+    assert not any("static_graph" in label or "broadcast_buffers" in label for label in labels)  # change nothing
+
+
+def test_json_gives_each_kind_in_bytes(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_tool(["--ranks", "4", "--all", "--json", "trainer.grad_accum_steps=2"], capsys)
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["ranks"] == 4 and report["grad_accum_steps"] == 2 and report["batch"] == 64
+    assert {row["strategy"] for row in report["strategies"]} >= {"ddp", "zero", "fsdp", "zero stage=3"}
+    for row in report["strategies"]:
+        assert list(row["bytes"]) == list(MEMORY_KINDS)
+        assert row["total_bytes"] == sum(row["bytes"].values())
+        assert row["fits"] is None and row["largest_batch"] is None
+    activations = report["activations"]
+    ddp = next(row for row in report["strategies"] if row["strategy"] == "ddp")
+    assert ddp["bytes"]["activations"] == activations["fixed_bytes"] + 64 * activations["per_sample_bytes"]
+    assert ddp["sync"]["_target_"] == "trainer.sync.ddp.DDPSync"
+
+
+def test_device_gb_says_what_fits_and_the_largest_batch(capsys: pytest.CaptureFixture[str]) -> None:
+    device_gb = 1.2 / 1024  # 1.2 MiB: the default mlp's ddp needs about 1.3 at batch 64, none about 1.0
+    code, out, err = run_tool(["--ranks", "2", "--all", "--json", f"--device-gb={device_gb}"], capsys)
+    assert code == 0, err
+    report = json.loads(out)
+    device = report["device_bytes"]
+    per_sample, fixed = report["activations"]["per_sample_bytes"], report["activations"]["fixed_bytes"]
+    rows = {row["strategy"]: row for row in report["strategies"]}
+    assert rows["ddp"]["fits"] is False and rows["none"]["fits"] is True
+    for row in rows.values():
+        rest = row["total_bytes"] - row["bytes"]["activations"]
+        assert row["largest_batch"] == max(0, (device - rest - fixed) // per_sample)
+        assert row["fits"] == (row["total_bytes"] <= device)
+    code, out, _ = run_tool(["--ranks", "2", f"--device-gb={device_gb}"], capsys)
+    assert code == 0 and "max batch" in out and "fits: in" in out
+
+
+@pytest.mark.parametrize(
+    "argv,named",
+    [
+        (["--ranks", "0"], ["--ranks=0", "accepted: an integer >= 1"]),
+        (["--ranks", "-3"], ["--ranks=-3", "accepted"]),
+        (["--ranks", "2", "--device-gb", "-1"], ["--device-gb=-1", "accepted"]),
+        (["--ranks", "2", "sync=zer0"], ["sync=zer0", "did you mean sync=zero", "accepted: bucketed, ddp, fsdp"]),
+        (["--ranks", "2", "sync=zero", "sync.stage=7"], ["sync.stage=7", "accepted: 1, 2, 3"]),
+        (["--ranks", "2", "trainer.grad_accum_steps=0"], ["trainer.grad_accum_steps=0", "accepted"]),
+        (["--ranks", "4", "trainer.global_batch_size=10"], ["trainer.global_batch_size=10", "a multiple of 4"]),
+        (
+            ["--ranks", "2", "sync=zero", "sync.stage=3", "trainer.compile=true"],
+            ["trainer.compile=true", "accepted"],
+        ),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(
+    argv: list[str], named: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run_tool(argv, capsys)
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1, err
+    for words in named:
+        assert words in err, err
+
+
+def test_argparse_refusals_are_one_line_too(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["--ranks", "two"], []):
+        with pytest.raises(SystemExit) as done:
+            tool.main(argv)
+        err = capsys.readouterr().err
+        assert done.value.code == 2 and len(err.strip().splitlines()) == 1 and "--ranks" in err, err
+
+
+def test_gpt2_small_at_64_ranks_for_every_strategy_in_seconds(capsys: pytest.CaptureFixture[str]) -> None:
+    start = time.perf_counter()
+    code, out, err = run_tool([*GPT2_SMALL, "--ranks", "64", "--all", "--json"], capsys)
+    seconds = time.perf_counter() - start
+    assert code == 0, err
+    assert seconds < 60, seconds
+    report = json.loads(out)
+    assert report["model"]["parameters"] == 124_439_808
+    rows = {row["strategy"]: row["bytes"] for row in report["strategies"]}
+    psi4 = 4 * 124_439_808
+    assert rows["none"]["parameters"] == psi4 and rows["none"]["optimizer_state"] == 2 * psi4 + 4 * 148
+    assert rows["zero stage=3"]["parameters"] == pytest.approx(psi4 / 64, rel=1e-3)
+    assert rows["fsdp"]["optimizer_state"] == pytest.approx(2 * psi4 / 64, rel=1e-2)
+    per_sample = report["activations"]["per_sample_bytes"]
+    assert 500 * 2**20 < per_sample < 1000 * 2**20  # fp32, 1024 tokens, flash attention: no T x T scores
+
+
+def test_gpt2_small_uses_no_memory_to_speak_of() -> None:
+    """The child's peak resident set with GPT-2 small (475 MiB of parameters, 779 MiB of activations a
+    sample, were any of it real) is within 150 MiB of the default mlp's."""
+
+    def peak_mib(argv: list[str]) -> float:
+        code = (
+            "import resource, sys; from trainer.tools.memory import main; code = main(sys.argv[1:]); "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, file=sys.stderr); sys.exit(code)"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", code, *argv], cwd=REPO, capture_output=True, text=True, timeout=240
+        )
+        assert proc.returncode == 0, proc.stderr
+        return float(proc.stderr.strip().splitlines()[-1])
+
+    gpt2, mlp = peak_mib([*GPT2_SMALL, "--ranks", "64", "--all"]), peak_mib(["--ranks", "64", "--all"])
+    assert gpt2 - mlp < 150, (gpt2, mlp)
