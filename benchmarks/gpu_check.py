@@ -11,6 +11,8 @@ Each check is a subprocess with a timeout, on every visible GPU:
   collectives  torchrun -m trainer.tools.collectives --device cuda, 4 KiB to 16 MiB on nccl
   overhead     benchmarks/overhead.py step --device cuda: mlp-tiny, mlp-25M, cnn, one variant per strategy, 1 rank
   pieces       benchmarks/overhead.py pieces --device cuda: the framework's host µs per step, piece by piece
+  memory       benchmarks/memory_check.py --device cuda --ranks 1: the predicted total per rank against
+               the CUDA allocator's peak, every strategy on the mlp and the gpt (docs/memory.md)
 Then one table: each check, pass or FAIL, seconds, key numbers (also in <out>/summary.txt). About
 7 minutes on one H200. Exit code: 0 when every check passed, 1 when any failed, 2 without CUDA.
 """
@@ -36,6 +38,7 @@ from benchmarks.gpu_check_numbers import (  # noqa: E402
     collectives_numbers,
     demo_numbers,
     fallback_numbers,
+    memory_numbers,
     overhead_numbers,
     pieces_numbers,
     tests_numbers,
@@ -46,6 +49,7 @@ TORCHRUN = str(Path(sys.executable).parent / "torchrun")  # the venv's, next to 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
 CHECKS = ("tests", "demo", "fallback", "collectives", "overhead", "pieces")
 OVERHEAD = str(REPO / "benchmarks" / "overhead.py")  # its first argument names the section
+MEMORY_CHECK = str(REPO / "benchmarks" / "memory_check.py")
 
 
 @dataclass
@@ -143,6 +147,12 @@ def plan(out: Path, gpus: int) -> list[Check]:
             [sys.executable, OVERHEAD, "pieces", "--device", "cuda", "--number", "5000"],
             120,
             pieces_numbers,
+        ),
+        Check(
+            "memory",
+            [sys.executable, MEMORY_CHECK, "--device", "cuda", "--ranks", "1", "--json", str(out / "memory.json")],
+            240,
+            lambda _: memory_numbers(out / "memory.json"),
         ),
     ]
     return [check for check in checks if check.name != "fallback" or gpus == 1]

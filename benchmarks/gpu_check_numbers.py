@@ -73,3 +73,17 @@ def pieces_numbers(log: Path) -> str:
     cells = [line.strip("| ").replace("*", "").split(" | ") for line in log.read_text().splitlines()]
     pieces = [f"{name} {us}" for name, us in (c for c in cells if len(c) == 2) if us.replace(".", "").isdigit()]
     return "host us per step: " + ", ".join(pieces)
+
+
+def memory_numbers(path: Path) -> str:
+    """benchmarks/memory_check.py's JSON, one line: the largest error of the predicted total against
+    the measured one (on CUDA the allocator's peak), and its case."""
+    import json
+
+    cases = json.loads(path.read_text())
+    errors = []
+    for case in cases:
+        predicted, measured = case["predicted"]["memory/peak_mb"], case["measured"]["memory/peak_mb"]
+        errors.append(((predicted - measured) / measured, f"{case['case']} x{case['ranks']}"))
+    worst, where = max(errors, key=lambda e: abs(e[0]))
+    return f"{len(cases)} cases; total predicted vs measured: worst {worst:+.1%} ({where})"

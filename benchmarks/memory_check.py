@@ -2,6 +2,7 @@
 
     python benchmarks/memory_check.py            # every case (~2 min on 2 CPU cores)
     python benchmarks/memory_check.py --quick    # a smoke run: the mlp, 1 and 2 ranks, three strategies
+    python benchmarks/memory_check.py --device cuda --ranks 1    # make gpu-check's: against the allocator
 
 For each world size (1, 2, then 4 for the strategies that shard), gloo ranks are spawned once and
 train each case for 3 steps as train.py builds it (a row every step, so every step is sampled);
@@ -12,7 +13,10 @@ shape, char-level text) with and without activation checkpointing, all with Adam
 
 The table gives each kind as predicted / measured MiB and the relative error (predicted - measured)
 / measured; a kind both sides put at 0 reads "0". The last line: the largest error over every
-kind and total, and the cases where a kind's error passes 10 %.
+kind and total, and the cases where a kind's error passes 10 %. With `--device cuda` (nccl, a GPU
+per rank) the measured total is the CUDA allocator's peak over the sampled step
+(`max_memory_allocated`), which the predicted total (the kinds' peaks added up) bounds from above
+where the allocator rounds little and the kinds do not peak together.
 """
 
 from __future__ import annotations
@@ -85,11 +89,12 @@ def cases(world_size: int, models: list[str], strategies: list[str]) -> dict[str
     return chosen
 
 
-def measured(rank: int, world_size: int, overrides: list[str], run_dir: Path) -> dict[str, float]:
+def measured(rank: int, world_size: int, overrides: list[str], run_dir: Path, device: str) -> dict[str, float]:
     """Rank `rank`'s peak MiB per kind (and memory/peak_mb: the total) over a run of STEPS steps."""
-    cfg = compose_config(overrides)
+    cfg = compose_config([*overrides, f"trainer.device={device}"])
     parts = build_parts(cfg, world_size)
-    ctx = DistContext(rank, rank, world_size, torch.device("cpu"), "gloo")
+    where = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
+    ctx = DistContext(rank, rank, world_size, where, "nccl" if device == "cuda" else "gloo")
     prepare_data(parts.data, ctx)
     trainer = build_trainer(parts, ctx, [], run_dir, {})
     trainer.train(STEPS)
@@ -98,11 +103,15 @@ def measured(rank: int, world_size: int, overrides: list[str], run_dir: Path) ->
     return {key: max(row[key] for row in rows) for key in keys}
 
 
-def rank_main(rank: int, world_size: int, store_path: str, out: str, chosen: dict[str, list[str]]) -> None:
+def rank_main(rank: int, world_size: int, store_path: str, out: str, chosen: dict[str, list[str]], device: str) -> None:
     torch.set_num_threads(1)
+    backend = "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        backend = "nccl"
     store = dist.FileStore(store_path, world_size)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=dt.timedelta(seconds=300))
-    results = {name: measured(rank, world_size, overrides, Path(out) / name) for name, overrides in chosen.items()}
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=dt.timedelta(seconds=300))
+    results = {name: measured(rank, world_size, o, Path(out) / name, device) for name, o in chosen.items()}
     if rank == 0:
         (Path(out) / "measured.json").write_text(json.dumps(results))
     dist.barrier()  # no rank closes its connections while a peer's last bytes are in flight
@@ -125,6 +134,7 @@ def error(pred: float, meas: float) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the mlp at 1 and 2 ranks, three strategies")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: nccl, a GPU per rank")
     parser.add_argument("--ranks", help="only these world sizes, comma-separated (default 1,2,4)")
     parser.add_argument("--json", type=Path, help="also write every case's predicted and measured MiB here")
     args = parser.parse_args()
@@ -134,14 +144,16 @@ def main() -> int:
     world_sizes = [int(n) for n in args.ranks.split(",")] if args.ranks else world_sizes
     keys = [f"memory/{kind}_peak_mb" for kind in MEMORY_KINDS] + ["memory/peak_mb"]
     names = [kind.replace("_", " ") for kind in MEMORY_KINDS] + ["total"]
-    print("Predicted / measured MiB on rank 0 (relative error); 3 steps of AdamW on gloo, every step sampled")
+    on = "nccl, total: the CUDA allocator's peak" if args.device == "cuda" else "gloo"
+    print(f"Predicted / measured MiB on rank 0 (relative error); 3 steps of AdamW on {on}, every step sampled")
     print(f"| model | strategy | ranks | {' | '.join(names)} |")
     print("|---|---|---|" + "---|" * len(names))
     everything, worst, over = [], 0.0, []
     for world_size in world_sizes:
         chosen = cases(world_size, models, strategies)
         with tempfile.TemporaryDirectory() as tmp:
-            mp.spawn(rank_main, args=(world_size, str(Path(tmp) / "store"), tmp, chosen), nprocs=world_size)
+            spawned = (world_size, str(Path(tmp) / "store"), tmp, chosen, args.device)
+            mp.spawn(rank_main, args=spawned, nprocs=world_size)
             results = json.loads((Path(tmp) / "measured.json").read_text())
         for name, overrides in chosen.items():
             pred, meas = predicted(overrides, world_size), results[name]

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.gpu_check import OVERHEAD, plan
-from benchmarks.gpu_check_numbers import overhead_numbers, pieces_numbers
+from benchmarks.gpu_check_numbers import memory_numbers, overhead_numbers, pieces_numbers
 from benchmarks.overhead import SECTIONS
 from tests import forks
 from tests.cli import TORCHRUN, env, run_torchrun
@@ -365,3 +365,5 @@ def test_memory_check_quick_run(tmp_path: Path) -> None:
             assert measured > 0 or kind == "comm_buffers", case
             assert predicted == pytest.approx(measured, rel=0.10), (case["case"], case["ranks"], kind)
     assert "largest error:" in proc.stdout
+    # make gpu-check's reader of the same JSON (there the measured total is the CUDA allocator's)
+    assert memory_numbers(out).startswith("6 cases; total predicted vs measured: worst "), memory_numbers(out)

@@ -165,9 +165,13 @@ BY_HAND = {
         {1: table(152, 304, 152, 232), 2: table(76, 228, 76, 232), 4: table(40, 192, 40, 240)},
     ),
     # FSDP2 pads dim 0 per parameter: at 2, w1 (5,3) -> 18, b1 6, w2 (3,5) -> 20, b2 4 (48); at 4:
-    # 24, 8, 20, 4 (56). Gradients: the shards and one unit's unsharded; comm: two units in backward.
-    # One rank: a replica (FSDP2 gathers and reduces nothing).
-    "fsdp": (FSDPSync, {1: REPLICA, 2: table(96, 176, 96, 192), 4: table(56, 136, 56, 224)}),
+    # 24, 8, 20, 4 (56). Gradients: backward reduces net.3 first, then net.1 (its flattened gradients,
+    # 24 elements at 2, 32 at 4) beside net.3's shard (12 elements, 6); comm: two units in backward.
+    # One rank: the units still copied whole in their turn, nothing reduced (the gradient is the shard).
+    "fsdp": (
+        FSDPSync,
+        {1: REPLICA | {"comm_buffers": 152}, 2: table(96, 144, 96, 192), 4: table(56, 152, 56, 224)},
+    ),
 }
 
 

@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from trainer.errors import ConfigError
-from trainer.footprint import Footprint, Held, Plan, replicated
+from trainer.footprint import Footprint, Held, Plan
 from trainer.sync.base import OptimizerFactory, SyncStrategy
 from trainer.sync.comm import Comm
 from trainer.sync.fsdp_state import by_index, by_name
@@ -280,11 +280,10 @@ class FSDPSync(SyncStrategy):
         """Each parameter's and gradient's dim-0 shard; in forward the root and the unit computing
         gathered, in backward the root and two units (the one computing, or its gradients flattened
         to be reduce-scattered, and the next, prefetched; every unit with reshard_after_forward=false);
-        a unit's unsharded gradients until reduced (every unit's while micro-batches accumulate), the
-        root's last. One rank: a replica (FSDP2 uses its one shard in place: nothing gathered or reduced)."""
+        a unit's unsharded gradients until reduced, beside the shards of those reduced before it (every
+        unit's while micro-batches accumulate), the root's last. One rank: FSDP2 still copies each
+        unit whole for its turn, but reduces nothing (the gradient it computes is the shard's)."""
         n = plan.world_size
-        if n == 1:
-            return replicated(plan)
         compute, reduce = MIXED_PRECISION[self.mixed_precision] or (None, None)
         units = unit_parameters(plan.model, self.wrap_policy)
         trained = [[p for p in unit if p.requires_grad] for unit in units]
@@ -293,11 +292,22 @@ class FSDPSync(SyncStrategy):
         *grads, root_grads = [sum(p.numel() * (compute or p.dtype).itemsize for p in unit) for unit in trained]
         shard = lambda params: tuple(padded_numel(p.shape, n) // n * p.element_size() for p in params)  # noqa: E731
         window = 1 if self.reshard_after_forward else 0
+        shards = [sum(shard(unit)) for unit in trained]
+        # Backward reduces the last unit first, the root (an embedding's gradients complete last) after
+        # every block: a unit's full gradients, flattened for its reduce-scatter, beside the shards of
+        # the units reduced before it (zero_grad(set_to_none) left none from the last step).
+        reducing = [sum(shards[u + 1 : -1]) + reduced[u] for u in range(len(reduced))]
+        grads_held = [
+            Held("gradients", (max(reducing, default=0),), 0, ("backward",)),
+            Held("gradients", (sum(shards[:-1]) + root_reduced,), 0, ("after",)),
+        ]
+        if plan.accumulating:  # every unit's unsharded gradients, kept from micro-batch to micro-batch
+            grads_held = [Held("gradients", shard(plan.trainable)), Held("gradients", (*grads, root_grads))]
+        if n == 1:
+            grads_held, reduced, root_reduced = [Held("gradients", shard(plan.trainable))], [0] * len(reduced), 0
         held = [
             Held("parameters", shard(plan.model.parameters())),
-            Held("gradients", shard(plan.trainable)),
-            Held("gradients", (root_grads,), 0, ("after",)),  # complete once backward is (an embedding's)
-            Held("gradients", tuple(grads), 0 if plan.accumulating else 1, ("backward",)),
+            *grads_held,
             Held("comm_buffers", (root,), 0, ("forward", "backward")),
             Held("comm_buffers", tuple(gathered), window, ("forward",)),
             Held("comm_buffers", tuple(map(max, gathered, reduced)), 2 * window, ("backward",)),
