@@ -7,13 +7,17 @@ How long a refusal takes is measured side by side in `benchmarks/overhead.py com
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.cli import CPU, launch, output
+from tests.cli import CPU, TRAIN, env, launch, output, train_rows
 from tests.compose import REPO
+from tests.test_reliability import BASE
 
 pytestmark = pytest.mark.slow
 
@@ -69,3 +73,67 @@ def test_a_global_batch_the_ranks_cannot_share_is_refused_before_any_worker(tmp_
         "trainer.grad_accum_steps=1: accepted: a multiple of 3"
     ], text
     assert not (tmp_path / "outputs").exists()  # no worker started: Hydra's app never ran
+
+
+def _launch_until_rows(args: list[str], run: Path, rows: int) -> subprocess.Popen[str]:
+    """The launcher in its own process group, as a shell runs a foreground job, once rank 0 logged `rows` rows."""
+    cmd = [sys.executable, "-m", "trainer.tools.launch", "--standalone", "--nproc_per_node=2", TRAIN, *args]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=run.parent,
+        env={**env(), "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    metrics, deadline = run / "metrics" / "rank0.jsonl", time.monotonic() + 120
+    while not (metrics.exists() and len(train_rows(metrics)) >= rows) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[0]
+        time.sleep(0.1)
+    return proc
+
+
+def _assert_stopped_quietly(text: str, line: str) -> None:
+    """The lab's lines only: no traceback (torchrun's SignalException), no rank reporting a failure."""
+    for noise in ("Traceback", "SignalException", "training failed", "Connection closed", "death signal"):
+        assert noise not in text, text
+    assert [ours for ours in text.splitlines() if ours.startswith("launch:")] == [line], text
+    assert text.splitlines()[-1] == line, text
+
+
+STOP_ARGS = [*BASE, CPU, "trainer.max_steps=100000", "trainer.checkpoint_every_n_steps=2"]
+
+
+def test_ctrl_c_through_the_launcher_is_one_line_and_exit_130_keeping_what_was_written(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = _launch_until_rows([*STOP_ARGS, f"hydra.run.dir={run}"], run, rows=3)
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: the signal to the whole foreground group
+    text = proc.communicate(timeout=90)[0]
+    assert proc.returncode == 130, text
+    line = (
+        "launch: interrupted by Ctrl-C (SIGINT): the ranks stopped after their current step; "
+        "checkpoints and logs written so far are kept"
+    )
+    _assert_stopped_quietly(text, line)
+    assert "[rank0] interrupted at step " in text, text
+    # What the line promises: every rank's log and metrics, and the checkpoints written before the signal.
+    for rank in (0, 1):
+        assert "interrupted at step" in (run / f"train_rank{rank}.log").read_text()
+        assert train_rows(run / "metrics" / f"rank{rank}.jsonl")
+    assert (run / "checkpoints" / "last.pt").is_file()
+
+
+def test_sigterm_to_the_launcher_is_one_line_and_exit_143(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = _launch_until_rows([*STOP_ARGS, f"hydra.run.dir={run}"], run, rows=3)
+    proc.send_signal(signal.SIGTERM)  # the launcher alone, as `kill` or a scheduler sends it: torchrun passes it on
+    text = proc.communicate(timeout=90)[0]
+    assert proc.returncode == 143, text
+    line = (
+        "launch: stopped by SIGTERM: the ranks stopped after their current step; "
+        "checkpoints and logs written so far are kept"
+    )
+    _assert_stopped_quietly(text, line)
+    for rank in (0, 1):  # each rank says where it stopped (a launcher may have stopped only some)
+        assert f"[rank{rank}] terminated by signal (exit code 143) at step " in text, text

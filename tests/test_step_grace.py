@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from tests.compose import compose_config
-from tests.dist_helpers import run_on_ranks
+from tests.dist_helpers import run_on_ranks, stop_collectives
 from tests.test_reliability import BASE
 from trainer.core import DistContext
 from trainer.reliability.exits import Terminated, exit_cleanly
@@ -92,17 +92,18 @@ def test_a_step_that_ends_in_time_stops_at_the_boundary_and_takes_its_timer_with
 
 
 def test_a_step_that_raises_after_the_signal_takes_its_timer_with_it() -> None:
-    """A SIGTERM inside a step, then the step fails (a peer gone, a collective error): the failure
-    goes on its way, and the grace timer does not outlive the step to fire into the loggers' flush."""
+    """A SIGTERM inside a step, then the step fails (a peer gone, a collective error): the rank stops
+    as the signal said, and the grace timer does not outlive the step to fire into the loggers' flush."""
     from trainer.reliability.exits import StepBoundary
 
     boundary = StepBoundary(grace_s=5.0)
     previous = {stop: signal.signal(stop, signal.getsignal(stop)) for stop in (signal.SIGTERM, signal.SIGINT)}
     try:
         with exit_cleanly([]):
-            with pytest.raises(RuntimeError, match="the step failed"), boundary:
+            with pytest.raises(Terminated) as stopped, boundary:
                 signal.raise_signal(signal.SIGTERM)  # inside the step: it waits for the step's end
                 raise RuntimeError("the step failed")
+            assert stopped.value.code == 128 + signal.SIGTERM
             left = signal.getitimer(signal.ITIMER_REAL)[0]
     except SystemExit:
         pass
@@ -111,3 +112,38 @@ def test_a_step_that_raises_after_the_signal_takes_its_timer_with_it() -> None:
         for stop, handler in previous.items():
             signal.signal(stop, handler)
     assert left == 0.0, f"the grace timer still runs after its step raised: {left:.2f} s left"
+
+
+def _stopped_a_step_apart(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Rank 0 is told to stop in step 3, rank 1 in step 4, as ranks told at once can be a step apart."""
+    overrides = [
+        *BASE,
+        "sync=ddp",
+        "trainer.max_steps=8",
+        "trainer.fault.kind=sigterm",
+        f"trainer.fault.rank={rank}",
+        f"trainer.fault.at_step={SIGNALLED_AT + rank}",
+    ]
+    cfg = compose_config(overrides)
+    parts = build_parts(cfg, world_size)
+    ctx = DistContext(rank, rank, world_size, torch.device("cpu"), "gloo")
+    prepare_data(parts.data, ctx)
+    trainer = build_trainer(parts, ctx, [], Path(root) / "run", plain_config(cfg))
+    try:
+        with exit_cleanly([]):
+            trainer.fit()
+        code: int | str | None = 0
+    except SystemExit as stop:  # Terminated, or exit_cleanly's exit 1 for a failure
+        code = stop.code
+    # Rank 1 is inside step 4's all_reduce, which rank 0 never joins: no final barrier; rank 0's
+    # group closing ends rank 1's wait ("Connection closed by peer").
+    stop_collectives("the ranks stopped a step apart")
+    return {"code": code, "stopped_at": trainer.step}
+
+
+def test_a_rank_whose_peer_stopped_a_step_earlier_stops_as_told_not_as_a_failure(tmp_path: Path) -> None:
+    """Rank 1's step 4 fails because rank 0, told to stop in step 3, has gone: that is the stop, not a
+    failure (no "training failed", no exit 1): both ranks exit 143 at the last step they finished."""
+    results = run_on_ranks(_stopped_a_step_apart, 2, tmp_path / "ranks", str(tmp_path), timeout_s=180)
+    assert [r["code"] for r in results] == [128 + signal.SIGTERM] * 2, results
+    assert [r["stopped_at"] for r in results] == [SIGNALLED_AT] * 2, results

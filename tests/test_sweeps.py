@@ -18,6 +18,7 @@ from tests.cli import CPU, TORCHRUN, TRAIN, env, output, run_torchrun, torchrun,
 from tests.compose import REPO
 from tests.report_helpers import printed_columns
 from trainer.logger.wandb_files import find_runs
+from trainer.setup.sweep_lines import ONE_PROCESS_LINE
 
 pytestmark = pytest.mark.slow
 
@@ -71,8 +72,17 @@ def test_route1_multirun_inside_torchrun(tmp_path: Path) -> None:
     assert first["sync"]["bucket_cap_mb"] == 1.0 and second["sync"]["bucket_cap_mb"] == 5.0
     assert groups(sweep / "0") == {f"{sweep.name}-0"} and groups(sweep / "1") == {f"{sweep.name}-1"}
     assert proc.stdout.count("Launching 2 jobs") == 1  # Hydra's own messages from rank 0 only
+    # A job is two lines: Hydra's naming it and its overrides, then its result; its whole report is in its log.
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 6 and ONE_PROCESS_LINE not in proc.stdout, proc.stdout
+    for num, at in ((0, 1), (1, 3)):
+        log = sweep / str(num) / "train_rank0.log"
+        assert f"#{num} : {CPU} sync=ddp sync.bucket_cap_mb={(1, 5)[num]} trainer." in lines[at], proc.stdout
+        assert lines[at + 1].startswith(f"#{num} done: 6 steps, train/loss "), proc.stdout
+        assert lines[at + 1].endswith(f"; full report: {tmp_path / log}"), proc.stdout
+        assert "done: 6 steps" in log.read_text() and "sync: strategy=ddp" in log.read_text()
     # The sweep ends on one line: its jobs, its dir and the report command, from rank 0 only.
-    assert proc.stdout.strip().splitlines()[-1] == (
+    assert lines[-1] == (
         f"sweep: 2 jobs in multirun/{sweep.name}; report: python -m trainer.tools.report multirun/{sweep.name}"
     ), proc.stdout
     report = subprocess.run(
@@ -157,6 +167,19 @@ def test_route2_torchrun_launcher_runs_each_job_as_its_own_group(tmp_path: Path)
     assert_job_complete(sweep / "1", wandb=True)
     assert groups(sweep / "0") == {f"{sweep.name}-0"} and groups(sweep / "1") == {f"{sweep.name}-1"}
     assert proc.stdout.strip().splitlines()[-1].startswith(f"sweep: 2 jobs in multirun/{sweep.name}; report: ")
+    assert ONE_PROCESS_LINE not in proc.stdout and proc.stdout.count(" done: 6 steps, ") == 2, proc.stdout
+
+
+def test_a_sweep_without_a_launcher_says_once_that_each_job_runs_on_one_process(tmp_path: Path) -> None:
+    proc = python_train(["-m", CPU, "logger=none", "sync.bucket_cap_mb=1,5", *QUICK], cwd=tmp_path)
+    assert proc.returncode == 0, output(proc)
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0] == ONE_PROCESS_LINE and proc.stdout.count(ONE_PROCESS_LINE) == 1, proc.stdout
+    assert "python -m trainer.tools.launch --nproc_per_node=N train.py -m" in ONE_PROCESS_LINE
+    assert "hydra/launcher=torchrun hydra.launcher.nproc_per_node=N" in ONE_PROCESS_LINE
+    sweep = sweep_dir(tmp_path)
+    for job in ("0", "1"):  # what the line says: world size 1
+        assert json.loads((sweep / job / "summary.json").read_text())["world_size"] == 1
 
 
 def test_route2_isolates_a_failing_job_and_exits_nonzero(tmp_path: Path) -> None:

@@ -66,6 +66,9 @@ class StepBoundary:
     still ends: the collective fails (peer gone) or times out (trainer.collective_timeout_s).
     A step that does not end within grace_s seconds of the signal is left: the rank stops anyway,
     with the time its launcher leaves before SIGKILL (torchrun: 30 s) to flush its logs.
+    A step that fails while a signal waits stops the rank as that signal, not as a failure: ranks
+    told at once can be a step apart, and the one ahead loses its peer inside the next step's
+    collective ("Connection closed by peer") because that peer stopped, as it was told to.
     A class, not a generator context manager: it is entered every step, and a class's __enter__ and
     __exit__ are plain calls, where a generator context manager builds a generator each time.
     """
@@ -77,7 +80,7 @@ class StepBoundary:
         global _step_grace_s
         _step_grace_s = self.grace_s
 
-    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, *_: object) -> None:
         global _step_grace_s, _pending
         _step_grace_s = None
         if _pending is None:
@@ -88,6 +91,10 @@ class StepBoundary:
         signum, _pending = _pending, None
         if kind is None:
             raise Terminated(128 + signum)
+        if isinstance(error, Exception):  # the shutdown's doing, kept in the log file only
+            why = f"the step failed after {signal.Signals(signum).name} (a peer had stopped)"
+            _to_log_files(logging.INFO, f"{why}: {type(error).__name__}: {error}")
+            raise Terminated(128 + signum) from None
 
 
 def _to_log_files(level: int, message: str) -> None:

@@ -35,12 +35,19 @@ def _rank() -> int:
     return read_launch_env().rank
 
 
+def _job_console_level() -> str:
+    """A job's console: rank 0's INFO, except in a sweep, whose own lines say each job's result."""
+    sweep = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    return "INFO" if _rank() == 0 and not sweep else "WARNING"
+
+
 # Registered on import, and evaluated lazily in whichever process resolves them: a submitit task
 # resolves the run dir and its log file name itself, from its own environment.
 OmegaConf.register_new_resolver("ddplab.run_stamp", _run_stamp, replace=True)
 OmegaConf.register_new_resolver("ddplab.rank", _rank, replace=True)
 # Every rank logs to its own file; only rank 0 talks on the console unless something is wrong.
 OmegaConf.register_new_resolver("ddplab.console_level", lambda: "INFO" if _rank() == 0 else "WARNING", replace=True)
+OmegaConf.register_new_resolver("ddplab.job_console_level", _job_console_level, replace=True)
 # Only global rank 0 writes Hydra's .hydra/ files; the others would race it for the same paths.
 OmegaConf.register_new_resolver("ddplab.hydra_subdir", lambda: ".hydra" if _rank() == 0 else None, replace=True)
 

@@ -11,6 +11,9 @@ this process (torch.distributed.run.run), as `accelerate launch` does, so multi-
 - When a worker fails anyway (a data root that is missing, a crash in training), torchrun's
   ChildFailedError block becomes one line naming the first rank that failed, and the launcher exits
   with that rank's code (2 bad input, 1 a failure in training, 130 Ctrl-C, 143 SIGTERM), not 1.
+- Ctrl-C or a SIGTERM sent to the launcher (torchrun passes it on to every worker, which stops after
+  its current step and flushes its logs) ends with one line and 128 + the signal (130, 143), not
+  torchrun's SignalException traceback and exit 1.
 
 Plain `torchrun train.py ...` keeps working as before; `make train` uses this.
 """
@@ -62,17 +65,28 @@ def _meaning(code: int) -> str:
     return "see the lines above"
 
 
+def _stopped(signum: int) -> str:
+    """The launcher's line when a signal stopped the job: what stopped it, and what is left."""
+    what = "interrupted by Ctrl-C (SIGINT)" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+    return f"launch: {what}: the ranks stopped after their current step; checkpoints and logs written so far are kept"
+
+
 def _quiet_torchrun() -> None:
     """torchrun's warnings after a failure ("Sending process ... closing signal SIGTERM") and its
-    "failed (exitcode: ...)" line say what the one line below says; its other errors still print."""
+    "failed (exitcode: ...)" line say what the one line below says; its other errors still print.
+    So does its "Received 2 death signal, shutting down workers" (a logger with a level of its own)."""
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(
         lambda record: not record.getMessage().startswith("failed (exitcode")
+    )
+    logging.getLogger("torch.distributed.elastic.agent.server.api").addFilter(
+        lambda record: "death signal" not in record.getMessage()
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     parser = torchrun.get_args_parser()
@@ -83,13 +97,13 @@ def main(argv: list[str] | None = None) -> int:
         "Same arguments as torchrun, e.g. --standalone --nproc_per_node=2 train.py sync=manual."
     )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    if _is_train_py(args.training_script, args.module):
-        _check(list(args.training_script_args), _world_size(str(args.nnodes), str(args.nproc_per_node)))
     # torchrun sets this to 1 itself for more than one rank, with a 4-line warning: set it quietly.
     if "OMP_NUM_THREADS" not in os.environ and str(args.nproc_per_node) not in ("1", "auto", "cpu", "gpu", "xpu"):
         os.environ["OMP_NUM_THREADS"] = "1"
     _quiet_torchrun()
     try:
+        if _is_train_py(args.training_script, args.module):
+            _check(list(args.training_script_args), _world_size(str(args.nnodes), str(args.nproc_per_node)))
         torchrun.run(args)
     except ChildFailedError as failed:
         rank, failure = failed.get_first_failure()
@@ -99,7 +113,13 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         return _exit_code(failure.exitcode)
-    except KeyboardInterrupt:
+    except SignalException as stop:
+        # torchrun's own handler (SIGINT, SIGTERM, SIGHUP, SIGQUIT) raises this once the workers have
+        # been sent the same signal and have exited (SIGKILL after its 30 s grace).
+        print(_stopped(stop.sigval), file=sys.stderr, flush=True)
+        return 128 + stop.sigval
+    except KeyboardInterrupt:  # before torchrun's handler is installed: no worker has started
+        print("launch: interrupted by Ctrl-C (SIGINT) before any worker started", file=sys.stderr, flush=True)
         return 128 + signal.SIGINT
     return 0
 
