@@ -4,32 +4,33 @@ VENV := .venv
 BIN := $(VENV)/bin
 NPROC ?= 2
 ARGS ?=
-# TORCH=cpu: PyTorch's CPU-only wheels from its own index, for a machine without an NVIDIA GPU: pip's
-# default torch on Linux is the CUDA build, which brings about 3 GB of nvidia-* libraries along.
+# TORCH=cpu: PyTorch's CPU-only wheels from its own index (TORCH_CPU_INDEX: a mirror of it, or a folder
+# holding the torch and torchvision wheels), for a machine without an NVIDIA GPU: pip's default torch on
+# Linux is the CUDA build, which brings about 3 GB of nvidia-* libraries along.
 TORCH ?=
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+# The torch the venv holds, as its stamp records it: cpu, cuda or rocm (none for a stamp from before).
+VENV_TORCH := $(shell sed -n '1s/^torch=\([a-z]*\).*/\1/p' $(VENV)/.installed 2>/dev/null)
 
-.PHONY: train test test-fast lint format gpu-check setup clean
+.PHONY: train test test-fast lint format gpu-check setup clean FORCE
 
 setup: $(VENV)/.installed
 
-# Re-installs when pyproject.toml changes. torch comes from whatever index/constraints pip is
-# configured with (on the project's build machines, wheels on local disk). trainer/tools/install.py is
-# pip install -e '.[dev]' with two pips unpacking the wheels at once, since one pip keeps to one core.
-# pip's install log goes to a file: one line on screen, its last lines and the path if it fails.
-$(VENV)/.installed: pyproject.toml
+# Re-installs when pyproject.toml changes, and when TORCH=cpu asks for a torch the stamp does not record:
+# then the installer finds the CPU build already there (and records it), or refuses before pip runs with
+# the command that rebuilds .venv (pip does not swap a CUDA torch for the CPU one in place). An existing
+# venv is kept (a `python -m venv` over it could change its Python). Without TORCH, torch comes from
+# whatever index/constraints pip is configured with (on the project's build machines, wheels on local
+# disk). trainer/tools/install.py says each step and its estimate on screen, pip's output in pip.log.
+$(VENV)/.installed: pyproject.toml $(if $(filter-out $(VENV_TORCH),$(TORCH)),FORCE)
 	@case "$(TORCH)" in ""|cpu) ;; *) echo "TORCH=$(TORCH) is not a choice: accepted: cpu, or unset (pip's default torch)"; exit 2;; esac
-	@if [ -z "$(TORCH)" ] && ! command -v nvidia-smi > /dev/null; then \
-		echo "no NVIDIA GPU here: 'make $(firstword $(MAKECMDGOALS)) TORCH=cpu' would install the CPU-only torch (a .venv of about 1.2 GB, not 5.8)"; fi
-	@echo "setting up $(VENV): pip install -e '.[dev]'$(if $(TORCH), with torch from $(TORCH_CPU_INDEX),) (log: $(VENV)/pip.log)"
-	@$(PYTHON) -m venv $(VENV)
-	@$(BIN)/pip install --quiet --upgrade pip > $(VENV)/pip.log 2>&1 || \
-		{ tail -n 20 $(VENV)/pip.log; echo "pip upgrade failed: the whole log is $(VENV)/pip.log"; exit 1; }
-	$(if $(filter cpu,$(TORCH)),@$(BIN)/pip install torch torchvision --index-url $(TORCH_CPU_INDEX) >> $(VENV)/pip.log 2>&1 || \
-		{ tail -n 20 $(VENV)/pip.log; echo "pip install of the CPU-only torch failed: the whole log is $(VENV)/pip.log"; exit 1; })
-	@$(BIN)/python -m trainer.tools.install >> $(VENV)/pip.log 2>&1 || \
-		{ tail -n 20 $(VENV)/pip.log; echo "pip install failed: the whole log is $(VENV)/pip.log"; exit 1; }
-	@touch $@
+	@if [ -z "$(TORCH)" ] && [ ! -x $(BIN)/python ] && ! command -v nvidia-smi > /dev/null; then \
+		echo "no NVIDIA GPU here: 'make $(or $(firstword $(MAKECMDGOALS)),setup) TORCH=cpu' would install the CPU-only torch (a .venv of about 1.2 GB, not 5.8)"; fi
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@$(BIN)/python -m trainer.tools.install --log $(VENV)/pip.log --stamp $@ \
+		$(if $(TORCH),--torch-index '$(TORCH_CPU_INDEX)' --command 'make $(or $(firstword $(MAKECMDGOALS)),setup) TORCH=$(TORCH)')
+
+FORCE:
 
 # One thread per rank: NPROC ranks share the machine's cores. The launcher is torchrun that checks
 # train.py's command line once before any worker starts (bad input: one line, exit 2; docs/running.md).
@@ -63,5 +64,10 @@ test-fast: setup
 gpu-check: setup
 	$(BIN)/python benchmarks/gpu_check.py
 
+# What the lab's commands write in the repo root: run and sweep dirs, the W&B files of tools run there,
+# the benchmarks' result dirs (collectives, gpu-check, network-check, scaling-check), data=text's token
+# cache, the test and lint caches. Never .venv, conf/local/ or a data set under datasets/ (MNIST,
+# CIFAR-10 fetched or put there by hand): datasets/ goes only when the token cache was all it held.
 clean:
-	rm -rf outputs multirun .pytest_cache
+	rm -rf outputs multirun wandb collectives gpu-check network-check scaling-check datasets/tokens .pytest_cache .ruff_cache .mypy_cache
+	@rmdir datasets 2> /dev/null || true

@@ -3,6 +3,11 @@ dealt to the pips. The install itself runs in every `make test` on a new clone (
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -53,3 +58,257 @@ def test_jobs_below_one_is_refused_naming_the_value(capsys: pytest.CaptureFixtur
         install.main(["--jobs", "0"])
     assert exit_info.value.code == 2
     assert "--jobs=0 is invalid: accepted: an integer >= 1" in capsys.readouterr().err
+
+
+# The set-up's steps, run by main() against a fake pip: a script that records its arguments, answers
+# --dry-run with the report the test gives (or fails with the message it gives), and takes a moment to
+# "install". Nothing is installed anywhere.
+FAKE_PIP = """
+import json, os, sys, time
+args, here = sys.argv[1:], os.environ["FAKE_PIP"]
+with open(os.path.join(here, "calls.jsonl"), "a") as calls:
+    calls.write(json.dumps(args) + "\\n")
+if "--dry-run" in args:
+    with open(os.path.join(here, ("torch" if "torch" in args else "project") + ".json")) as answer_file:
+        answer = json.load(answer_file)
+    if isinstance(answer, str):
+        sys.stderr.write(answer)
+        sys.exit(1)
+    print(json.dumps(answer))
+else:
+    print("fake pip:", *args)  # pip's own output: for the log, not the screen
+    if "--requirement" in args:  # unpacking wheels
+        time.sleep(float(os.environ.get("FAKE_PIP_S", "0")))
+"""
+NO_TORCH = (
+    "ERROR: Could not find a version that satisfies the requirement torch (from versions: none)\n"
+    "ERROR: No matching distribution found for torch\n"
+)
+CUDA_REQUIRES = ['nvidia-cudnn-cu13==9.24.0.43; platform_system == "Linux"', "filelock"]
+
+
+def zipped_wheel(tmp_path: Path, name: str, nbytes: int) -> str:
+    """A wheel of `nbytes` once unpacked, small on disk (zeros, deflated)."""
+    path = tmp_path / name
+    with (
+        zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as archive,
+        archive.open("payload", "w") as out,
+    ):
+        for start in range(0, nbytes, 2**20):
+            out.write(bytes(min(2**20, nbytes - start)))
+    return str(path)
+
+
+def item(wheel: str, name: str, version: str, requires: list[str] | None = None) -> dict:
+    url = wheel if wheel.startswith("https://") else f"file://{wheel}"
+    meta = {"name": name, "version": version, "requires_dist": requires or []}
+    return {"download_info": {"url": url, "archive_info": {}}, "metadata": meta}
+
+
+class FakePip:
+    def __init__(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.dir, self.tmp_path = tmp_path / "fake-pip", tmp_path
+        self.dir.mkdir()
+        script = self.dir / "pip.py"
+        script.write_text(FAKE_PIP)
+        monkeypatch.setenv("FAKE_PIP", str(self.dir))
+        monkeypatch.setattr(install, "pip", lambda *args: [sys.executable, str(script), *args])
+        monkeypatch.setattr(install, "site_packages", lambda: self.dir)  # what the progress lines measure
+        self.monkeypatch = monkeypatch
+
+    def answer(self, step: str, answer: dict | str) -> None:
+        (self.dir / f"{step}.json").write_text(json.dumps(answer))
+
+    def torch(self, before: tuple[str, str] | None, after: tuple[str, str] | None) -> None:
+        """What installed_torch() says at the start of main() and at its end."""
+        answers = iter([before, after])
+        self.monkeypatch.setattr(install, "installed_torch", lambda: next(answers))
+
+    def calls(self) -> list[list[str]]:
+        path = self.dir / "calls.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def main(self, *args: str) -> int:
+        log, stamp = self.tmp_path / "pip.log", self.tmp_path / ".installed"
+        return install.main(["--log", str(log), "--stamp", str(stamp), *args])
+
+
+@pytest.fixture
+def fake_pip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakePip:
+    return FakePip(tmp_path, monkeypatch)
+
+
+@pytest.mark.parametrize(
+    ("version", "requires", "platform", "build"),
+    [
+        ("2.14.1", CUDA_REQUIRES, "linux", "cuda"),  # PyPI's Linux torch
+        ("2.14.1", ["filelock"], "linux", "cpu"),
+        ("2.14.1", CUDA_REQUIRES, "darwin", "cpu"),  # the same requirements, for Linux only
+        ("2.13.0+cpu", [], "linux", "cpu"),
+        ("2.9.0+cu128", CUDA_REQUIRES, "linux", "cuda"),
+        ("2.9.0+rocm6.4", [], "linux", "rocm"),
+    ],
+)
+def test_torch_build_is_read_from_its_version_label_or_its_cuda_requirements(
+    version: str, requires: list[str], platform: str, build: str
+) -> None:
+    assert install.torch_build(version, requires, platform) == build
+
+
+def test_a_folder_is_read_alone_and_an_index_with_its_requirements(tmp_path: Path) -> None:
+    assert install.cpu_torch(str(tmp_path)) == [
+        *("torch", "torchvision", "--no-deps", "--no-index", "--find-links", str(tmp_path))
+    ]
+    assert install.cpu_torch(install.CPU_INDEX) == ["torch", "torchvision", "--index-url", install.CPU_INDEX]
+
+
+def test_the_default_set_up_says_each_step_with_its_estimate_and_stamps_the_torch_it_installed(
+    fake_pip: FakePip, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch = zipped_wheel(tmp_path, "torch-2.14.1-cp311-cp311-manylinux_2_28_x86_64.whl", 400_000_000)
+    small = zipped_wheel(tmp_path, "tqdm-4.67.1-py3-none-any.whl", 1000)
+    download = "https://files.pythonhosted.org/packages/2a/07/wandb-0.31.0-py3-none-any.whl"
+    fake_pip.answer(
+        "project",
+        {
+            "install": [
+                item(torch, "torch", "2.14.1", CUDA_REQUIRES),
+                item(small, "tqdm", "4"),
+                item(download, "wandb", "0.31.0"),
+            ]
+        },
+    )
+    fake_pip.torch(None, ("2.14.1", "cuda"))
+    monkeypatch.setattr(install, "TICK_S", 0.2)
+    monkeypatch.setenv("FAKE_PIP_S", "0.7")  # each "install" takes a moment: the unpacking step ticks
+    assert fake_pip.main() == 0
+    lines = capsys.readouterr().out.splitlines()
+    steps = [line for line in lines if line.startswith("[")]
+    assert [line.split("]")[0] + "]" for line in steps] == ["[1/4]", "[2/4]", "[3/4]", "[4/4]"]
+    assert steps[0].startswith("[1/4] pip, upgraded (5-10 s on the project's 2-core machine) ... ")
+    assert steps[2].startswith("[3/4] 3 wheels, 0.4 GB to write (largest: torch, tqdm), by 2 pip(s) at once")
+    assert "1 more to download" in steps[2] and "(5-15 s on the project's 2-core machine)" in steps[2]
+    assert any(re.fullmatch(r" +\d+ s: 0\.\d GB written", line) for line in lines), lines  # progress
+    assert lines[-1].startswith("set up in ") and lines[-1].endswith("with torch 2.14.1 (cuda)")
+    assert not any("fake pip" in line for line in lines)  # pip's output went to the log
+    assert "fake pip: install --upgrade pip" in (tmp_path / "pip.log").read_text()
+    assert (tmp_path / ".installed").read_text() == "torch=cuda 2.14.1\n"
+
+
+def test_torch_cpu_installs_torch_from_the_cpu_index_before_the_project(
+    fake_pip: FakePip, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    torch = zipped_wheel(tmp_path, "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl", 1000)
+    fake_pip.answer("torch", {"install": [item(torch, "torch", "2.13.0+cpu")]})
+    fake_pip.answer("project", {"install": []})
+    fake_pip.torch(None, ("2.13.0+cpu", "cpu"))
+    assert fake_pip.main("--torch-index", install.CPU_INDEX) == 0
+    calls = fake_pip.calls()
+    assert calls[1][:6] == ["install", "--dry-run", "--quiet", "--report", "-", "torch"]
+    assert calls[1][-2:] == ["--index-url", install.CPU_INDEX]
+    assert calls[2][:2] == ["install", "--no-deps"] and calls[3][-2:] == ["-e", ".[dev]"]  # torch, then the project
+    out = capsys.readouterr().out
+    assert "[2/6] torch and torchvision, CPU-only: resolved" in out and "[6/6]" in out
+    assert (tmp_path / ".installed").read_text() == "torch=cpu 2.13.0+cpu\n"
+
+
+def test_torch_cpu_that_pip_cannot_find_says_where_the_cpu_wheels_live_and_how_to_point_pip_elsewhere(
+    fake_pip: FakePip, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake_pip.answer("torch", NO_TORCH)
+    fake_pip.torch(None, None)
+    assert fake_pip.main("--torch-index", install.CPU_INDEX) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert "ERROR: No matching distribution found for torch" in lines  # the log's last lines
+    assert lines[-1] == install.NO_CPU_WHEELS
+    assert install.CPU_INDEX in lines[-1] and "TORCH_CPU_INDEX" in lines[-1]
+    assert len(fake_pip.calls()) == 2 and not (tmp_path / ".installed").exists()  # pip's upgrade and the plan
+
+
+def test_torch_cpu_refuses_a_cuda_build_that_pip_would_take_from_another_source(
+    fake_pip: FakePip, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    torch = zipped_wheel(tmp_path, "torch-2.14.1-cp311-cp311-manylinux_2_28_x86_64.whl", 1000)
+    fake_pip.answer("torch", {"install": [item(torch, "torch", "2.14.1", CUDA_REQUIRES)]})
+    fake_pip.torch(None, None)
+    assert fake_pip.main("--torch-index", install.CPU_INDEX) == 1
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith(f"TORCH=cpu: pip would take torch 2.14.1, a CUDA build, from file://{torch}")
+    assert last.endswith(install.NO_CPU_WHEELS) and len(fake_pip.calls()) == 2  # nothing installed
+
+
+def test_torch_cpu_on_a_venv_holding_the_cuda_build_is_refused_in_one_line_before_pip_runs(
+    fake_pip: FakePip, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake_pip.torch(("2.14.1", "cuda"), None)
+    assert fake_pip.main("--torch-index", install.CPU_INDEX, "--command", "make train TORCH=cpu") == 2
+    out = capsys.readouterr().out
+    venv = os.path.relpath(sys.prefix)
+    assert out == (
+        f"{venv} holds torch 2.14.1, the CUDA build, which pip does not swap for the CPU-only one in place: "
+        f"`rm -rf {venv} && make train TORCH=cpu` deletes {venv}, with anything you installed into it, and sets "
+        "it up again with the CPU-only torch\n"
+    )
+    assert fake_pip.calls() == [] and not (tmp_path / "pip.log").exists()
+
+
+def test_torch_cpu_on_a_venv_holding_the_cpu_build_keeps_it_and_records_it(
+    fake_pip: FakePip, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake_pip.answer("project", {"install": []})
+    fake_pip.torch(("2.13.0+cpu", "cpu"), ("2.13.0+cpu", "cpu"))
+    assert fake_pip.main("--torch-index", install.CPU_INDEX) == 0
+    assert not any("torch" in call for call in fake_pip.calls())  # no CPU step: the project's only
+    assert "[4/4]" in capsys.readouterr().out
+    assert (tmp_path / ".installed").read_text() == "torch=cpu 2.13.0+cpu\n"
+
+
+def dist_wheel(folder: Path, name: str, version: str, requires: list[str]) -> None:
+    """A wheel with only its metadata: what pip's resolver and installer read."""
+    info = f"{name}-{version}.dist-info"
+    files = {
+        f"{info}/METADATA": "".join(
+            [f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n", *(f"Requires-Dist: {r}\n" for r in requires)]
+        ),
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    files[f"{info}/RECORD"] = "".join(f"{path},,\n" for path in [*files, f"{info}/RECORD"])
+    with zipfile.ZipFile(folder / f"{name}-{version}-py3-none-any.whl", "w") as archive:
+        for path, text in files.items():
+            archive.writestr(path, text)
+
+
+@pytest.mark.parametrize("torch", [None, ("9.0+cpu", []), ("9.0", CUDA_REQUIRES)], ids=["none", "cpu", "cuda"])
+def test_a_folder_of_wheels_through_the_real_pip(
+    torch: tuple[str, list[str]] | None,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """pip's own answers to the CPU step: its report's torch and the failure when a folder holds none.
+    pip installs into a --target folder, where this venv's own torch is not seen."""
+    folder, target = tmp_path / "wheels", tmp_path / "target"
+    folder.mkdir()
+    if torch is not None:
+        dist_wheel(folder, "torch", torch[0], torch[1])
+        dist_wheel(folder, "torchvision", "9.1", [])
+    for variable in ("PIP_FIND_LINKS", "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_CONSTRAINT"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)  # the folder alone, whatever this machine's pip config says
+    monkeypatch.setattr(install, "pip", lambda *args: [sys.executable, "-m", "pip", *args, "--target", str(target)])
+    with (tmp_path / "pip.log").open("w") as log:
+        setup = install.Setup(tmp_path / "pip.log", log, install.Screen(2), jobs=2)
+        done = install.install_cpu_torch(setup, str(folder))
+    last = capsys.readouterr().out.splitlines()[-1]
+    if torch is None:
+        assert not done and last == install.NO_CPU_WHEELS
+        assert "No matching distribution found for torch" in (tmp_path / "pip.log").read_text()
+    elif torch[0] == "9.0":
+        assert not done and last.startswith("TORCH=cpu: pip would take torch 9.0, a CUDA build, from file://")
+        assert not target.exists()
+    else:
+        assert done, last
+        assert sorted(p.name for p in target.iterdir() if p.name.endswith(".dist-info")) == [
+            "torch-9.0+cpu.dist-info",
+            "torchvision-9.1.dist-info",
+        ]
