@@ -38,7 +38,8 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         launch = dist.read_launch_env()  # read here, not at import: submitit tasks unpickle main()
         parts = build_parts(cfg, launch.world_size)  # validated, then every constructor, before any collective
         settings = parts.settings
-        check_output_dir(conf.run_dir(), bytes_needed(parts.model, settings.keep_checkpoints))  # full disk: fail now
+        kept = settings.keep_checkpoints if settings.checkpoint else None  # None: the run writes no checkpoint
+        check_output_dir(conf.run_dir(), bytes_needed(parts.model, kept))  # full disk: fail now
         device = dist.resolve_device(settings.device, launch)
         check_device(parts, device)  # e.g. SyncBatchNorm needs CUDA: refused before any logger starts
         prefix = dist.group_key_prefix(launch, conf.job_num())  # a fresh prefix per multirun job
@@ -48,8 +49,9 @@ def main(cfg: DictConfig) -> dict[str, Any]:
             prepare_data(parts.data, ctx)
             run_dir = conf.run_dir()
             add_loggers(loggers, cfg, config, ctx, run_dir, group=conf.job_name(cfg.run_name))
-            summary = build_trainer(parts, ctx, loggers, run_dir, config).fit()
-            if ctx.is_main_process:
+            trainer = build_trainer(parts, ctx, loggers, run_dir, config)
+            summary = trainer.fit()  # a finished run re-run trains nothing: one line says so, no report
+            if ctx.is_main_process and not trainer.finished_before:
                 log_final_report(summary)
             return summary
         finally:

@@ -47,7 +47,7 @@ def test_resume_drops_the_rows_after_the_checkpoint_and_appends_after_the_kept_o
 
 
 def test_a_finished_run_resumed_again_logs_its_final_eval_once(tmp_path: Path) -> None:
-    """Resumed at its final step, fit() evaluates again at that step: the file already has that row."""
+    """Resumed at its final step, a row of a kind the file already holds there is not written twice."""
     path = write(tmp_path / "rank0.jsonl", [row(2), row(4), eval_row(4, 0.5)])
     before = path.read_bytes()
     logger = JsonlLogger(path)

@@ -32,7 +32,7 @@ SLOW_BASE = [*BASE, "trainer.max_steps=30", "trainer.checkpoint_every_n_steps=10
 def crash(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """An uninterrupted run; the same run with rank 1 crashing at step 15 under --max-restarts=1, which
     torchrun restarts and which resumes from step 10 and finishes; then the same command once more
-    (the finished run resumed at its last step, which evaluates again). Both tests below read them."""
+    (the finished run resumed at its last step, which trains and writes nothing). Both tests below read them."""
     root = tmp_path_factory.mktemp("crash")
     straight = torchrun([*SLOW_BASE, CPU, f"hydra.run.dir={root / 'straight'}"], cwd=root)
     assert straight.returncode == 0, output(straight)

@@ -98,6 +98,9 @@ class TrainSettings:
     ]
     progress_bar: bool
     profile: Annotated[bool, Field(description="a torch.profiler trace of steps 3-5 per rank")]
+    checkpoint: Annotated[
+        bool, Field(description="false: no checkpoint at all, not at the end either; a restart starts over")
+    ]
     checkpoint_every_n_steps: Annotated[int, Field(ge=0, description="0: only at the end")]
     keep_checkpoints: Annotated[int, Field(ge=1, description="step checkpoints kept")]
     checkpoint_format: Annotated[Literal["full", "sharded"], Field(description="sharded: a part per rank (DCP)")]

@@ -94,7 +94,7 @@ class JsonlLogger:
     def resumed_at(self, step: int) -> None:
         """Drop the rows after `step` (the interrupted attempt's); skip re-logging a kind held at `step`.
 
-        A finished run resumed again evaluates again at its final step: that eval row is already here.
+        A row of a kind the file already holds at that step (its eval row, say) is not written twice.
         """
         self._file.close()  # the rewrite replaces the file: reopen the new one, not the old inode
         try:

@@ -109,7 +109,8 @@ def format_report(summary: dict[str, Any]) -> str:
         " (all ranks, whole-run mean)",
         *_language_model_lines(summary),
         *_link_lines(summary),
-        f"  run dir  {summary['run_dir']}   (summary.json, checkpoints/, metrics/rank*.jsonl, train_rank*.log)",
+        f"  run dir  {summary['run_dir']}   "
+        f"(summary.json, {_checkpoints(summary)}metrics/rank*.jsonl, train_rank*.log)",
     ]
     if (Path(summary["run_dir"]) / "profiler").is_dir():  # trainer.profile=true
         lines.append(
@@ -121,6 +122,11 @@ def format_report(summary: dict[str, Any]) -> str:
     if offline:
         lines.append(f"  upload with: wandb sync {summary['run_dir']}/wandb/offline-run-*")
     return "\n".join(lines)
+
+
+def _checkpoints(summary: dict[str, Any]) -> str:
+    """The run dir's checkpoints/, where the run wrote one (trainer.checkpoint=false writes none)."""
+    return "checkpoints/, " if (Path(summary["run_dir"]) / "checkpoints").is_dir() else ""
 
 
 def _tokens(summary: dict[str, Any]) -> str:

@@ -44,6 +44,7 @@ NOT_TRAINING = (
     "trainer.step_grace_s",
     "trainer.fault",
     "trainer.resume",
+    "trainer.checkpoint",
     "trainer.checkpoint_every_n_steps",
     "trainer.keep_checkpoints",
     "trainer.checkpoint_format",  # how the state is written, not what it is: either format resumes the other

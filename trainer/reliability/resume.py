@@ -165,6 +165,39 @@ def _poll(condition: Callable[[], Any], timeout_s: float) -> Any:
         time.sleep(0.02)
 
 
+def resume_choice(resume: str, checkpoint: bool) -> str:
+    """trainer.resume as this run reads it. With trainer.checkpoint=false the run keeps no checkpoint of
+    its own, so `auto` finds none: a re-run or a torchrun restart starts over at step 0, and checkpoints an
+    earlier run left in the run dir are not continued by a run that would not keep their state up to
+    date. A path still resumes from that file."""
+    return "never" if resume == "auto" and not checkpoint else resume
+
+
+def start_over_line(attempt: int, checkpoint: bool, run_dir: Path) -> str | None:
+    """What a run that starts at step 0 says when that may surprise: a torchrun restart that had no
+    checkpoint to resume from, or trainer.checkpoint=false beside an earlier run's checkpoints."""
+    if attempt > 0:
+        why = "trainer.checkpoint=false keeps none" if not checkpoint else "none was written before the failure"
+        return f"restart {attempt} of this job finds no checkpoint ({why}): training starts over at step 0"
+    if not checkpoint and (run_dir / "checkpoints").is_dir():
+        return (
+            f"trainer.checkpoint=false: training starts at step 0; {run_dir / 'checkpoints'} holds an earlier "
+            "run's checkpoints, not resumed from and left as they are"
+        )
+    return None
+
+
+def finished_line(step: int, max_steps: int | None, num_epochs: int | None) -> str:
+    """What a re-run of a finished run says instead of a summary of no steps (it trains and measures nothing)."""
+    ends = {key: value for key, value in (("max_steps", max_steps), ("num_epochs", num_epochs)) if value is not None}
+    limits = ", ".join(f"trainer.{key}={value}" for key, value in ends.items())
+    return (
+        f"this run had already finished (step {step} of {limits}): nothing trained or measured, its summary.json "
+        f"stands; to train more, raise {' or '.join(f'trainer.{key}' for key in ends)} (it continues from step "
+        f"{step}); to start over, add trainer.resume=never or choose another run_name"
+    )
+
+
 def resume_if_any(ctx: DistContext, run_dir: Path, resume: str, state: TrainState, config: dict[str, Any]) -> bool:
     """trainer.resume: rank 0 picks the checkpoint; every rank loads that same file into state, or stops."""
     choice: list[Any] = [None]

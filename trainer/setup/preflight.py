@@ -21,8 +21,11 @@ def checkpoint_bytes(model: nn.Module) -> int:
     return 3 * params + buffers
 
 
-def bytes_needed(model: nn.Module, keep_checkpoints: int) -> int:
-    """Room for the kept checkpoints plus the one being written, and the logs."""
+def bytes_needed(model: nn.Module, keep_checkpoints: int | None) -> int:
+    """Room for the kept checkpoints plus the one being written, and the logs; None: the run writes no
+    checkpoint (trainer.checkpoint=false), only the logs."""
+    if keep_checkpoints is None:
+        return LOG_ALLOWANCE_BYTES
     return (keep_checkpoints + 1) * checkpoint_bytes(model) + LOG_ALLOWANCE_BYTES
 
 

@@ -262,6 +262,13 @@ def check_rules(cfg: DictConfig) -> None:
         raise ConfigError("trainer.max_steps and trainer.num_epochs are both null: set at least one")
     if warmup is not None and max_steps is not None:
         check(warmup <= max_steps, "schedule.warmup_steps", warmup, f"must not exceed trainer.max_steps={max_steps}")
+    if get("trainer.checkpoint") is False:  # no key may ask for what it turns off (the sweeps' experiments set it)
+        for key in ("checkpoint_every_n_steps", "checkpoint_on_sigterm", "checkpoint_async"):
+            if value := get(f"trainer.{key}"):
+                raise ConfigError(
+                    f"trainer.{key}={str(value).lower()} is invalid: it asks for checkpoints, but "
+                    "trainer.checkpoint=false writes none: add trainer.checkpoint=true"
+                )
     if get("trainer.checkpoint_async"):
         check(
             get("trainer.checkpoint_format") == "sharded",

@@ -27,7 +27,7 @@ import torch
 from trainer.reliability import sharded
 from trainer.reliability.checkpoint import CheckpointError, load_checkpoint
 from trainer.reliability.sharded import LAST
-from trainer.tools.jobs import job_dirs
+from trainer.tools.jobs import job_dirs, wrote_no_checkpoint
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -77,10 +77,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     runs = job_dirs(args.path, "checkpoints")
     if not runs:
-        print(
-            f"error: no checkpoints/ under {args.path} or its jobs: train with it as hydra.run.dir first",
-            file=sys.stderr,
-        )
+        none = wrote_no_checkpoint(args.path)  # trainer.checkpoint=false: a run that kept no model
+        why = none or f"no checkpoints/ under {args.path} or its jobs: train with it as hydra.run.dir first"
+        print(f"error: {why}", file=sys.stderr)
         return 1
     sweep = runs != [args.path]
     if sweep and args.out.suffix:

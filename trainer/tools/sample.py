@@ -24,7 +24,7 @@ from models.generate import generate
 from models.gpt import GPT
 from trainer.reliability.checkpoint import CheckpointError
 from trainer.tools.export import checkpoint_of, read
-from trainer.tools.jobs import job_dirs
+from trainer.tools.jobs import job_dirs, wrote_no_checkpoint
 
 GPT_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "dropout", "bias")
 
@@ -67,7 +67,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--tokens={args.tokens} is invalid: must be >= 0")
     if args.top_k < 0:
         parser.error(f"--top-k={args.top_k} is invalid: must be >= 0 (0: no cut)")
-    jobs = job_dirs(args.run_dir, "checkpoints") or [args.run_dir]  # none: load_run says why
+    jobs = job_dirs(args.run_dir, "checkpoints")
+    none = wrote_no_checkpoint(args.run_dir) if not jobs else None
+    if none is not None:  # trainer.checkpoint=false: nothing to sample from
+        print(f"error: {none}", file=sys.stderr)
+        return 1
+    jobs = jobs or [args.run_dir]  # none: load_run says why
     for job in jobs:
         model, vocab = load_run(job)
         try:
