@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -66,6 +67,49 @@ def test_a_cap_that_changes_the_layout_is_not_warned_about(tmp_path: Path) -> No
     rows = build_rows(find_jobs(root))
     assert [r.same_buckets_as for r in rows] == ["", "cap 1", ""]
     assert axis_warning(rows) is None
+
+
+def _drawn(ax: Any) -> list[tuple[float, float, float, float]]:
+    """The step panel's series as drawn: each point's cap, value and error bar's ends."""
+    (bars,) = [c for c in ax.containers if hasattr(c, "lines")]
+    line, _, (whiskers,) = bars.lines
+    ends = [(float(s[0][1]), float(s[1][1])) for s in whiskers.get_segments()]
+    return [(float(x), float(y), *e) for x, y, e in zip(line.get_xdata(), line.get_ydata(), ends, strict=True)]
+
+
+def test_caps_that_built_the_same_buckets_are_drawn_as_one(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Caps 1, 5 and 25 built one layout and cap 25's job happened to be the fastest: the plot crowns
+    none of them. They are drawn as one value at each of their caps (the median of their three jobs,
+    the spread of all three), named `same buckets`, and the sentence the terminal prints is under the
+    panels; cap 100, another layout, is its own point."""
+    root = tmp_path / "sweep"
+    for num, (cap, ms, sizes) in enumerate([(1, 0.18, THREE), (5, 0.31, THREE), (25, 0.12, THREE), (100, 0.2, [7])]):
+        ddp_job(root, num, cap, ms, sizes)
+    fig = plot(build_rows(find_jobs(root)), "title")
+    step_ax = fig.axes[0]
+    assert _drawn(step_ax) == [
+        pytest.approx((1.0, 180.0, 120.0, 310.0)),
+        pytest.approx((5.0, 180.0, 120.0, 310.0)),
+        pytest.approx((25.0, 180.0, 120.0, 310.0)),
+        pytest.approx((100.0, 200.0, 200.0, 200.0)),
+    ]
+    assert [t.get_text() for t in step_ax.texts] == ["same buckets"]
+    sentence = (
+        "note: bucket_cap_mb 1, 5 and 25 give the same buckets (3: 37.88 37.76 0.41 MB): one configuration, "
+        "so any difference between these jobs is noise"
+    )
+    assert [t.get_text() for t in fig.texts] == ["title", sentence]  # the suptitle, then the lines under the panels
+    assert main([str(root)]) == 0
+    assert unwrapped(capsys.readouterr().out).splitlines().count(sentence) == 1
+    assert f"- {sentence}" in (root / "report.md").read_text().splitlines()
+    # Every cap the same buckets: the terminal's warning, under the panels too, and one flat line.
+    every = tmp_path / "every"
+    for num, (cap, ms) in enumerate([(1, 0.18), (5, 0.31), (25, 0.12)]):
+        ddp_job(every, num, cap, ms, THREE)
+    rows = build_rows(find_jobs(every))
+    fig = plot(rows, "title")
+    assert [t.get_text() for t in fig.texts] == ["title", axis_warning(rows)]
+    assert [y for _, y, _, _ in _drawn(fig.axes[0])] == pytest.approx([180.0] * 3)
 
 
 def test_layouts_of_other_strategies_are_not_compared(tmp_path: Path) -> None:

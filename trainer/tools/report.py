@@ -25,10 +25,10 @@ from typing import Any
 import yaml
 
 from trainer.logger.timeline_trace import TimelineError
-from trainer.tools.report_layout import axis_warning
+from trainer.tools.report_layout import tie_sentences
 from trainer.tools.report_plot import plot
 from trainer.tools.report_points import Point, gather_points, spread_sentences
-from trainer.tools.report_rows import Job, JobRow, build_rows
+from trainer.tools.report_rows import Job, JobRow, build_rows, job_names, profiled_sentences, rate_sentence
 from trainer.tools.report_screen import SCREEN_WIDTH, screen_points, screen_table
 from trainer.tools.report_table import format_markdown, notes_under_table, write_csv
 from trainer.tools.report_timelines import plot_timelines
@@ -96,9 +96,27 @@ def _job_dir(root: Path, job: Job) -> Path:
 
 
 def notes(rows: Sequence[JobRow], points: Sequence[Point]) -> list[str]:
-    """The warning when the swept cap changed nothing, then what the repeats allow one to say."""
-    warning = axis_warning(rows)
-    return ([warning] if warning else []) + (spread_sentences(points) if len(points) > 1 else [])
+    """The caps that built the same buckets, what the repeats allow one to say, then why a number is not
+    what a reader would work out or see elsewhere: profiled rows left out, samples/s against step ms."""
+    rate = rate_sentence(rows)
+    spread = spread_sentences(points) if len(points) > 1 else []
+    return [*tie_sentences(rows), *spread, *profiled_sentences(rows), *([rate] if rate else [])]
+
+
+def link_sentences(rows: Sequence[JobRow]) -> tuple[str, list[str]]:
+    """The emulated link the numbers are for (network=<preset>): for the title when every job ran on the
+    same one, else a line per link naming its jobs; ("", []) when no job emulated a link."""
+    links: dict[str, list[str]] = {}
+    for row in rows:
+        links.setdefault(row.link, []).append(row.job)
+    if set(links) == {""}:
+        return "", []
+    if len(links) == 1:
+        return f", emulated link {next(iter(links))}", []
+    return "", [
+        f"{job_names(jobs)}: " + (f"emulated link {link}" if link else "no emulated link")
+        for link, jobs in links.items()
+    ]
 
 
 def predict_memory(rows: Sequence[JobRow], jobs: Sequence[Job]) -> list[str]:
@@ -147,6 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     unpredicted = predict_memory(rows, jobs) if args.memory else []
     if args.timelines:
+        table_ms = [r.step_ms if r.profiled_rows else None for r in rows]  # the table's, profiled rows left out
         try:
             shared = set.intersection(*(set(j.overrides) for j in jobs))  # said once, not per job
             label = "job {}: {}".format
@@ -154,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 (label(j.name, " ".join(o for o in j.overrides if o not in shared)), _job_dir(args.dir, j))
                 for j in jobs
             ]
-            for line in plot_timelines(dirs, out):
+            for line in plot_timelines(dirs, out, table_ms):
                 say(line)
         except TimelineError as err:
             print(f"error: {err}", file=sys.stderr)
@@ -171,13 +190,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         kind = "Strategy sweep:"
     else:
         kind = "Job" if len(rows) == 1 else "Sweep"
-    title = f"{kind} {args.dir.resolve().name}, {max(len(r.ranks) for r in rows)} ranks"
+    link, links = link_sentences(rows)
+    title = f"{kind} {args.dir.resolve().name}, {max(len(r.ranks) for r in rows)} ranks{link}"
     points = gather_points(rows)
     repeated = [p for p in points if len(p.jobs) > 1]
     said = notes(rows, points)
     table = screen_table(rows)
-    print(f"{title}\n{table}")
-    for line in notes_under_table(table):
+    say(title)
+    print(table)
+    for line in [*notes_under_table(table), *links]:
         say(line)
     if repeated:
         print(f"\nPoints (median over repeats, spread = min-max of the jobs' medians):\n{screen_points(points)}")
@@ -185,10 +206,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         say(line)
     if any(0 < min((r.timed_steps for r in row.ranks), default=0) < 5 for row in rows):
         say("note: some ranks have fewer than 5 logged rows: their medians rest on few samples")
-    markdown = format_markdown(rows, title, "report.png", points if repeated else (), said)
+    markdown = format_markdown(rows, title, "report.png", points if repeated else (), [*links, *said])
     (out / "report.md").write_text(markdown, encoding="utf-8")
     write_csv(rows, out / "report.csv")
-    plot(rows, title, points).savefig(out / "report.png", dpi=110)
+    plot(rows, "\n".join([title, *links]), points).savefig(out / "report.png", dpi=110)
     if args.wandb:
         sweep = args.dir.resolve().name
         where = log_report(

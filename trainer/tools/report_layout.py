@@ -158,18 +158,48 @@ def mark_same_layouts(rows: Sequence[HasLayout]) -> None:
         row.same_buckets_as = "" if setting == row.bucket_setting else cap_label(setting)
 
 
-def axis_warning(rows: Sequence[HasLayout]) -> str | None:
-    """One line when the swept cap gave every job of a comparable set the same buckets, else None."""
+def _comparable(rows: Sequence[HasLayout]) -> list[list[HasLayout]]:
+    """Finished jobs with buckets and a cap, grouped by all they differ in but the cap and the repeat."""
     groups: dict[tuple[str, str, str], list[HasLayout]] = {}
     for row in rows:
         if row.status == "ok" and row.bucket_sizes is not None and row.bucket_setting:
             groups.setdefault((row.sync, row.model, row.context), []).append(row)
-    for members in groups.values():
-        settings = list(dict.fromkeys(r.bucket_setting for r in members))
-        if len(settings) > 1 and len({r.bucket_sizes for r in members}) == 1:
-            caps = ", ".join(settings[:-1]) + f" and {settings[-1]}"
-            return (
-                f"warning: bucket_cap_mb {caps} all give the same buckets ({format_layout(members[0].bucket_sizes)}): "
-                f"the swept axis changed nothing {members[0].sync} does, so any difference between these jobs is noise"
-            )
-    return None
+    return list(groups.values())
+
+
+def _caps(settings: Sequence[str]) -> str:
+    return ", ".join(settings[:-1]) + f" and {settings[-1]}"
+
+
+def tie_sentences(rows: Sequence[HasLayout]) -> list[str]:
+    """The caps that built one layout, for jobs that differ in nothing else: the warning when every cap
+    of such a set did (the swept axis changed nothing), else a note per layout two or more caps built.
+    The terminal, report.md and the plot all say these same sentences."""
+    lines = []
+    for members in _comparable(rows):
+        by_layout: dict[tuple[int, ...] | None, list[str]] = {}
+        for r in members:
+            caps = by_layout.setdefault(r.bucket_sizes, [])
+            if r.bucket_setting not in caps:
+                caps.append(r.bucket_setting)
+        if len(by_layout) == 1:
+            ((layout, settings),) = by_layout.items()
+            if len(settings) > 1:
+                lines.append(
+                    f"warning: bucket_cap_mb {_caps(settings)} all give the same buckets ({format_layout(layout)}): "
+                    f"the swept axis changed nothing {members[0].sync} does, so any difference between these jobs "
+                    "is noise"
+                )
+            continue
+        lines += [
+            f"note: bucket_cap_mb {_caps(settings)} give the same buckets ({format_layout(layout)}): one "
+            "configuration, so any difference between these jobs is noise"
+            for layout, settings in by_layout.items()
+            if len(settings) > 1
+        ]
+    return lines
+
+
+def axis_warning(rows: Sequence[HasLayout]) -> str | None:
+    """One line when the swept cap gave every job of a comparable set the same buckets, else None."""
+    return next((line for line in tie_sentences(rows) if line.startswith("warning:")), None)

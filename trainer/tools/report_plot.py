@@ -14,12 +14,13 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import NullFormatter
 
-from trainer.tools.report_layout import bucket_count, cap_cell
+from trainer.tools.report_layout import bucket_count, cap_cell, tie_sentences
 from trainer.tools.report_plot_time import draw_time_split
 from trainer.tools.report_points import Point, gather_points
 from trainer.tools.report_rows import CAP_KEY, REPEAT_KEY, JobRow, override_key
 
 FIELDS = ("step_ms", "samples_per_s")
+LINE = 0.035  # a line of text under the panels, in figure heights
 YLABELS = ("median step time (ms)", "global throughput (samples/s)")
 
 
@@ -73,8 +74,34 @@ def _error_bars(ax: Axes, xs: Sequence[float], points: Sequence[Point], field: s
     ax.errorbar(xs, [p.median(field) for p in points], yerr=[lows, highs], capsize=4, **style)  # type: ignore[arg-type]
 
 
+def _layout(point: Point) -> tuple[int, ...] | None:
+    """The buckets every job of the point built; None when they differ (auto) or are unknown."""
+    layouts = {j.bucket_sizes for j in point.jobs}
+    return layouts.pop() if len(layouts) == 1 else None
+
+
+def as_drawn(members: Sequence[Point]) -> list[Point]:
+    """Each point of a series (in cap order) as drawn: neighbouring caps that built the same buckets are
+    one configuration, so they are drawn as one value, the median over all their jobs with the spread
+    of all of them, at each of their caps (a flat line: no cap of theirs beats another); any other
+    point as it is."""
+    runs: list[list[Point]] = []
+    for p in members:
+        layout = _layout(p)
+        if runs and layout is not None and _layout(runs[-1][0]) == layout:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    drawn: list[Point] = []
+    for run in runs:
+        one = run[0] if len(run) == 1 else Point(" = ".join(p.label for p in run), [j for p in run for j in p.jobs])
+        drawn += [one] * len(run)
+    return drawn
+
+
 def _against_cap(ax: Axes, marks: Axes, field: str, points: Sequence[Point], done: Sequence[JobRow]) -> None:
-    """Points on a log cap axis, one line per series, error bars = spread over repeats."""
+    """Points on a log cap axis, one line per series, error bars = spread over repeats (and over the caps
+    that built the same buckets, drawn as one value: as_drawn)."""
     vary = [f for f in ("sync", "model") if len({getattr(r, f) for r in done}) > 1]
     series: dict[str, list[Point]] = {}
     capped = sorted((p for p in points if p.first.bucket_cap_mb is not None), key=lambda p: p.first.bucket_cap_mb or 0)
@@ -84,7 +111,21 @@ def _against_cap(ax: Axes, marks: Axes, field: str, points: Sequence[Point], don
     colors = [f"C{i % 10}" for i in range(len(points) + 1)]
     for color, (label, members) in zip(colors, series.items(), strict=False):
         xs = [p.first.bucket_cap_mb or 0.0 for p in members]
-        _error_bars(ax, xs, members, field, fmt="o-", mfc="none", color=color, label=label)
+        drawn = as_drawn(members)
+        _error_bars(ax, xs, drawn, field, fmt="o-", mfc="none", color=color, label=label)
+        for i, one in enumerate(drawn):  # a set of caps drawn as one value: said once, over its span
+            if one is not members[i] and (i == 0 or drawn[i - 1] is not one):
+                at = [x for x, p in zip(xs, drawn, strict=True) if p is one]
+                middle = (at[0] * at[-1]) ** 0.5  # the middle of the span on the log axis
+                ax.annotate(
+                    "same buckets",
+                    (middle, _median(one, field)),
+                    xytext=(0, 6),
+                    textcoords="offset points",
+                    ha="center",
+                    fontsize=7,
+                    color=color,
+                )
         ranks = [(x, v) for x, p in zip(xs, members, strict=True) for j in p.jobs for v in _values(j, field)]
         marks.plot(*zip(*ranks, strict=True), "x", color=color)
     others = [p for p in points if p.first.bucket_cap_mb is None]
@@ -154,8 +195,12 @@ def plot(rows: Sequence[JobRow], title: str, points: Sequence[Point] | None = No
         ax.legend(fontsize=8)
     draw_time_split(axes[2], done)
     fig.suptitle(title)
+    # Under the panels, the terminal's own sentences on caps that built the same buckets.
+    below = tie_sentences(rows)
     skipped = [r.job for r in rows if all(r is not d for d in done)]
     if skipped:
-        fig.text(0.5, 0.01, f"not drawn (incomplete or no timings): job {', '.join(skipped)}", ha="center", fontsize=9)
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
+        below.append(f"not drawn (incomplete or no timings): job {', '.join(skipped)}")
+    for i, line in enumerate(reversed(below)):
+        fig.text(0.5, 0.01 + LINE * i, line, ha="center", fontsize=9)
+    fig.tight_layout(rect=(0, 0.01 + LINE * max(1, len(below)), 1, 1))
     return fig

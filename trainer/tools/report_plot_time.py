@@ -45,7 +45,8 @@ def split(row: JobRow) -> Split | None:
 
 def _label(row: JobRow) -> str:
     words = [o.replace("sync.bucket_cap_mb=", "cap ") for o in row.overrides.split() if override_key(o) != REPEAT_KEY]
-    return f"{row.job}: " + " ".join(words) + (f" (repeat {row.repeat})" if row.repeat else "")
+    same = f" (= {row.same_buckets_as})" if row.same_buckets_as else ""  # the same buckets as that cap's job
+    return f"{row.job}: " + " ".join(words) + same + (f" (repeat {row.repeat})" if row.repeat else "")
 
 
 def draw_time_split(ax: Axes, done: Sequence[JobRow]) -> None:

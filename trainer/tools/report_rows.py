@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from trainer.errors import ConfigError
 from trainer.tools.report_layout import Units, bucket_layout, cap_in_use, mark_same_layouts, other_units
 
 LEGEND = """\
@@ -19,11 +20,20 @@ LEGEND = """\
   Each run chooses for itself: a point whose repeats chose differently shows each choice, `auto (5|1)`,
   and each layout they built, `2: 8.44 4.33 MB | 4: 4.24 4.20 4.20 0.14 MB`, in job order.
 - step ms: per rank the median of `time/step_s` over its training rows; the job's value is the
-  median over ranks. A row's `time/step_s` is the mean over the steps since the previous row.
+  median over ranks. A row's `time/step_s` is its sampled step's (one step in
+  `trainer.sample_every_n_steps`, the one before the row: docs/metrics.md), not a mean.
 - samples/s (median row): sum over ranks of the median of each rank's `throughput/samples_per_s`
-  (ranks work concurrently). It is window wall-clock, so it includes time between steps that step
-  ms omits. The end-of-run line's throughput is another figure, the whole-run mean (all samples
-  over the training time, evaluations and the first slow steps included): the two can differ.
+  (ranks work concurrently), over the same rows as step ms. It is window wall-clock, every step
+  since the previous row and the time between steps included, so it need not equal global batch /
+  step ms (the rate of the sampled steps alone): the report says so in a note when the two differ
+  by more than a fifth. The end-of-run line's throughput is another figure, the whole-run mean (all
+  samples over the training time, evaluations and the first slow steps included): the two can differ.
+- profiled rows (trainer.profile=true): a row carrying `trainer/profiled_steps` held steps the
+  profiler recorded, and its window the profiler's start and the trace's writing. Step ms,
+  samples/s, sync %, MB/step, exposed ms and hidden ms leave such rows out, so a profiled job's
+  numbers describe its unprofiled steps; `report --timelines` draws the profiled steps only, and
+  prints their median step beside the table's. A rank whose every row was profiled keeps them (a
+  note names the job: its numbers include the profiler's cost).
 - sync %: per rank sum(time/sync_s) / sum(time/step_s), then the mean over ranks. It is the time in
   the strategy's after_backward hook: DDP all-reduces inside backward, so for ddp it is ~0 and
   its communication is counted in time/backward_s (marked with a dagger).
@@ -68,6 +78,8 @@ LEGEND = """\
 HIDDEN_OVERRIDES = ("run_name", "hydra.")  # naming, not an experimental variable
 REPEAT_KEY = "repeat"  # `+repeat=1,2,3`: the same point again, interleaved with the others
 CAP_KEY = "sync.bucket_cap_mb"
+PROFILED_KEY = "trainer/profiled_steps"  # the row's window held steps the profiler recorded
+RATE_TOLERANCE = 0.2  # samples/s this far from global batch / step ms is said in a note
 
 
 @dataclass
@@ -94,6 +106,8 @@ class RankStats:
     opt_state_mb: float | None = None
     comm_ms: float | None = None
     step_memory_mb: float | None = None
+    profiled_rows: int = 0  # rows left out of the timings: their window held profiled steps
+    profiled_only: bool = False  # every training row was profiled: the timings are theirs
 
 
 @dataclass
@@ -127,6 +141,25 @@ class JobRow:
     same_buckets_as: str = ""  # "cap 5": an earlier cap of the sweep built the same buckets
     repeat: str = ""  # the `repeat` override's value, "" when the sweep has none
     context: str = ""  # the differing overrides besides the cap and the repeat
+    global_batch: int | None = None  # samples per optimizer step, all ranks (summary.json)
+    link: str = ""  # the emulated link (network=<preset>), "" for none
+
+    @property
+    def profiled_rows(self) -> int:
+        """Rows of all ranks left out of the timings because the profiler recorded in their window."""
+        return sum(r.profiled_rows for r in self.ranks)
+
+    @property
+    def profiled_only(self) -> bool:
+        """Some rank had no unprofiled row: its timings include the profiler's cost."""
+        return any(r.profiled_only for r in self.ranks)
+
+    @property
+    def step_rate(self) -> float | None:
+        """Global batch / step ms: the samples per second of the sampled steps alone."""
+        if self.global_batch is None or not self.step_ms:
+            return None
+        return self.global_batch / (self.step_ms / 1000.0)
 
     @property
     def hidden_comm_ms(self) -> float | None:
@@ -161,7 +194,10 @@ def _column(rows: Sequence[dict[str, Any]], key: str) -> list[float | None]:
 
 
 def rank_stats(rank: int, rows: Sequence[dict[str, Any]]) -> RankStats:
-    train = [row for row in rows if "train/loss" in row]
+    """A rank's medians over its training rows, the profiled ones left out (the profiler slows their
+    steps and their window) unless every row was profiled; its peaks over every row."""
+    trained = [row for row in rows if "train/loss" in row]
+    train = [row for row in trained if PROFILED_KEY not in row] or trained
     step = [row["time/step_s"] for row in train if "time/step_s" in row]
     timed = [row for row in train if "time/step_s" in row and "time/sync_s" in row]
     step_total = sum(row["time/step_s"] for row in timed)
@@ -170,7 +206,7 @@ def rank_stats(rank: int, rows: Sequence[dict[str, Any]]) -> RankStats:
         step_ms=_median(step, 1000.0),
         samples_per_s=_median(_column(train, "throughput/samples_per_s")),
         sync_share=sum(row["time/sync_s"] for row in timed) / step_total if step_total > 0 else None,
-        train_loss=train[-1]["train/loss"] if train else None,
+        train_loss=trained[-1]["train/loss"] if trained else None,
         timed_steps=len(step),
         bytes_per_step=_median(_column(train, "comm/bytes_per_step")),
         comm_exposed_ms=_median(_column(train, "time/comm_exposed_s"), 1000.0),
@@ -179,6 +215,8 @@ def rank_stats(rank: int, rows: Sequence[dict[str, Any]]) -> RankStats:
         opt_state_mb=_max(_column(rows, "memory/optimizer_state_mb")),
         comm_ms=_median(_column(train, "time/comm_s"), 1000.0),
         step_memory_mb=_max(_column(rows, "memory/peak_mb")),
+        profiled_rows=len(trained) - len(train),
+        profiled_only=bool(trained) and all(PROFILED_KEY in row for row in trained),
     )
 
 
@@ -199,6 +237,24 @@ def _bucket(setting: Any) -> tuple[float | None, str]:
 def value_of(overrides: Sequence[str], key: str) -> str:
     """The value the overrides give `key` (`+repeat=2` -> "2" for `repeat`); "" when none sets it."""
     return next((o.split("=", 1)[1] for o in overrides if "=" in o and override_key(o) == key), "")
+
+
+def emulated_link(config: dict[str, Any], world_size: int) -> str:
+    """The job's emulated link as its sync line names it, with its time_scale (`100gbe (alpha 15 us,
+    beta 10 GB/s), time_scale 25`); "" for network=none or a config without the key."""
+    network = config.get("network") or {}
+    if network.get("preset", "none") == "none":
+        return ""
+    from trainer.sync.network import Network  # imports torch: only for a job on an emulated link
+
+    keys = {f.name for f in fields(Network)}
+    chosen = Network(**{k: v for k, v in network.items() if k in keys})
+    try:
+        link = replace(chosen, time_scale=1.0).link(max(1, world_size))
+    except (ConfigError, KeyError):  # a preset or combination this code no longer knows: its name alone
+        link = None
+    scale = f", time_scale {chosen.time_scale:g}" if chosen.time_scale != 1 else ""
+    return (chosen.preset if link is None else link.describe()) + scale
 
 
 def job_row(job: Job, overrides: Sequence[str]) -> JobRow:
@@ -238,6 +294,8 @@ def job_row(job: Job, overrides: Sequence[str]) -> JobRow:
         cap_in_use_mb=cap_in_use(job.summary),
         repeat=value_of(job.overrides, REPEAT_KEY),
         context=" ".join(o for o in overrides if override_key(o) not in (REPEAT_KEY, CAP_KEY)),
+        global_batch=(job.summary or {}).get("global_batch_size"),
+        link=emulated_link(job.config, len(job.rows)),
     )
 
 
@@ -260,6 +318,56 @@ def differing_overrides(per_job: Sequence[Sequence[str]]) -> list[list[str]]:
     values = [{override_key(o): o for o in job} for job in shown]
     keys = {k for v in values for k in v if len({job.get(k) for job in values}) > 1}
     return [[o for o in job if override_key(o) in keys] for job in shown]
+
+
+def job_names(jobs: Sequence[str]) -> str:
+    """`job 0`, `jobs 0 and 1`, `jobs 0, 1 and 2`."""
+    if len(jobs) == 1:
+        return f"job {jobs[0]}"
+    return f"jobs {', '.join(jobs[:-1])} and {jobs[-1]}"
+
+
+def profiled_sentences(rows: Sequence[JobRow]) -> list[str]:
+    """Why a profiled job's table and its timeline differ: the rows the timings leave out, or that
+    a rank had none other to keep."""
+    lines = []
+    left_out = [r.job for r in rows if r.profiled_rows]
+    if left_out:
+        lines.append(
+            f"note: {job_names(left_out)} ran under the profiler (trainer.profile=true): step ms and samples/s "
+            "leave out the rows that held profiled steps, which the profiler slows; a timeline draws "
+            "only those steps, so its step times are not the table's"
+        )
+    only = [r.job for r in rows if r.profiled_only]
+    if only:
+        lines.append(
+            f"note: {job_names(only)}: every row held profiled steps, so step ms and samples/s include the "
+            "profiler's cost (for rows without them: a smaller trainer.log_every_n_steps or more steps)"
+        )
+    return lines
+
+
+def rate_sentence(rows: Sequence[JobRow]) -> str | None:
+    """One line when samples/s does not follow from step ms (global batch / step ms) for some job: the
+    two measure different time, and the reader is told which."""
+    off = [
+        r
+        for r in rows
+        if r.status == "ok"
+        and r.step_rate is not None
+        and r.samples_per_s is not None
+        and abs(r.samples_per_s / r.step_rate - 1) > RATE_TOLERANCE
+    ]
+    if not off:
+        return None
+    each = [
+        f"job {r.job} ({r.samples_per_s:.0f}; {r.global_batch} samples / {r.step_ms:.2f} ms: {r.step_rate:.0f})"
+        for r in off
+    ]
+    return (
+        f"note: samples/s does not follow from step ms for {', '.join(each)}: samples/s is wall-clock over "
+        "every step since the previous row, the time between steps included; step ms is one sampled step per row"
+    )
 
 
 def build_rows(jobs: Sequence[Job]) -> list[JobRow]:
