@@ -274,6 +274,19 @@ MORE = {
         ["strategy=ddp_fp16"],
         ["strategy=ddp_fp16 cannot override strategy", "add one instead: +strategy=ddp_fp16"],
     ),
+    # The suggestion must compose: + where the defaults list has no such group, none where it has one.
+    "misspelt-added-option": (
+        ["+strategy=ddp_fp61"],
+        ["+strategy=ddp_fp61 is not an option of strategy (did you mean +strategy=ddp_fp16?)", "ddp_powersgd"],
+    ),
+    "misspelt-option-of-a-group-without-a-default": (
+        ["strategy=ddp_fp61"],
+        ["strategy=ddp_fp61 cannot override strategy", "(did you mean +strategy=ddp_fp16?)", "ddp_powersgd"],
+    ),
+    "misspelt-option-added-to-a-default-group": (
+        ["+sync=ddpp"],
+        ["sync=ddpp is not an option of sync (did you mean sync=ddp?)"],
+    ),
     "misspelt-key": (["trainer.max_step=5"], ["'trainer.max_step' is not a config key", "Did you mean"]),
     "added-key": (["+model.depth=3"], ["model.depth is not a key of model", "hidden_sizes"]),
     "run-name": (["run_name=[1,2]"], ["run_name=", "accepted"]),

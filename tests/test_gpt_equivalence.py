@@ -39,7 +39,13 @@ CASES = {
     "bucketed-rs_ag": ["sync=bucketed", "sync.bucket_cap_mb=0.002", "sync.collective=rs_ag"],
     "ddp": ["sync=ddp", "sync.bucket_cap_mb=0.002"],
     "ddp-hook": ["sync=ddp", "sync.time_buckets=true"],  # a Python comm hook's all-reduce
-    "ddp-auto": ["sync=ddp", "sync.bucket_cap_mb=auto", "sync.auto_steps_per_trial=1", "sync.auto_warmup_steps=1"],
+    "ddp-auto": [  # two layouts (several buckets, one): a rebuild after each trial, then maybe to the winner
+        "sync=ddp",
+        "sync.bucket_cap_mb=auto",
+        "sync.auto_candidates_mb=[0.002,1]",
+        "sync.auto_steps_per_trial=1",
+        "sync.auto_warmup_steps=1",
+    ],
     "ddp-accum": ["sync=ddp", "data.batch_size=4", "trainer.grad_accum_steps=2"],
     "zero": ["sync=zero"],
     "zero-stage-3": ["sync=zero", "sync.stage=3"],  # the tied embedding and head stay in the root unit

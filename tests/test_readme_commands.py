@@ -52,3 +52,10 @@ def test_each_module_a_command_runs_exists(words: list[str]) -> None:
     modules = [words[i + 1] for i, w in enumerate(words) if w == "-m" and i + 1 < len(words)]
     for module in (m for m in modules if "=" not in m):  # train.py -m: multirun, then overrides
         assert importlib.util.find_spec(module) is not None, f"{' '.join(words)}: no module {module}"
+
+
+def test_no_command_writes_into_the_checkout() -> None:
+    # A file a README command writes (--out) lands in a run's or a sweep's dir, which git ignores,
+    # never in the repository's root where `git status` would show it.
+    outs = [words[words.index("--out") + 1] for words in COMMANDS if "--out" in words]
+    assert outs and all(out.startswith(("outputs/", "multirun/")) for out in outs), outs

@@ -173,8 +173,8 @@ def test_tail_ok_keeps_what_was_flushed(runs, tmp_path) -> None:
 
 
 def test_cli_prints_runs_as_aligned_key_value_lines(root: Path) -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "trainer.tools.wandb_offline", str(root)],
+    out = subprocess.run(  # --keys '*': every key of every run (the default is a line per run)
+        [sys.executable, "-m", "trainer.tools.wandb_offline", str(root), "--keys", "*"],
         env=_env(root),
         capture_output=True,
         text=True,
@@ -220,3 +220,48 @@ def test_cli_help_and_bad_paths(tmp_path: Path, capsys) -> None:
     assert f"{tmp_path / 'nope'} does not exist" in capsys.readouterr().err
     assert wandb_offline.main([str(tmp_path)]) == 1
     assert "no W&B offline runs" in capsys.readouterr().err
+
+
+def test_cli_default_is_a_line_per_run_with_its_headline_values(root: Path, tmp_path: Path, capsys) -> None:
+    assert wandb_offline.main([str(root)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    # train/loss is the one headline key these runs logged: rank-1 logged only val/acc (W&B's _step 0).
+    assert [line.split() for line in lines[:3]] == [
+        ["run", "rank", "step", "rows", "exit", "train/loss"],
+        ["rank-0", "0", "4", "5", "0", f"{LOSSES[-1]:.4g}"],
+        ["rank-1", "1", "0", "1", "3"],
+    ]
+    assert len(lines) == 4 and lines[3].startswith("2 run(s). More: ")
+    assert "--keys '*'" in lines[3] and "--all" in lines[3] and "--ranks 0" in lines[3]
+    # A sweep dir: its jobs' runs in one table, the job first.
+    for job in ("0", "1"):
+        shutil.copytree(root / "wandb", tmp_path / job / "wandb")
+    assert wandb_offline.main([str(tmp_path), "--ranks", "1"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert rows[:3] == [
+        ["job", "run", "rank", "step", "rows", "exit"],
+        ["0", "rank-1", "1", "0", "1", "3"],
+        ["1", "rank-1", "1", "0", "1", "3"],
+    ]
+    assert " ".join(rows[3]).startswith("2 run(s).")
+
+
+def test_cli_keys_are_globs_or_prefixes_and_ranks_pick_runs(root: Path, capsys) -> None:
+    assert wandb_offline.main([str(root), "--keys", "train/*, nest", "--ranks", "0"]) == 0
+    text = capsys.readouterr().out
+    assert "rank-0" in text and "rank-1" not in text
+    keys = [line.split()[0] for line in text.splitlines() if line.startswith("    ")]
+    # The glob matches the logged key and the summary's nested train/loss.{last,min}; the prefix nest.a, nest.b.
+    assert keys == ["train/loss", "nest.a", "nest.b", "train/loss.last", "train/loss.min"], text
+    assert wandb_offline.main([str(root), "--keys", "val", "--ranks", "0,1"]) == 0
+    text = capsys.readouterr().out
+    rank0, rank1 = text[: text.index("rank-1")], text[text.index("rank-1") :]
+    assert "no key matches --keys val" in rank0 and re.search(r"^    val/acc  0.5$", rank1, re.M), text
+    assert wandb_offline.main([str(root), "--ranks", "7"]) == 1
+    assert "no run of rank [7] under" in (err := capsys.readouterr().err) and "its ranks are [0, 1]" in err, err
+
+
+def test_cli_refuses_a_rank_list_that_is_not_one(root: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as done:
+        wandb_offline.main([str(root), "--ranks", "zero"])
+    assert done.value.code == 2 and "'zero' is not a rank list: e.g. 0 or 0,1" in capsys.readouterr().err

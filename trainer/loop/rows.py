@@ -41,10 +41,14 @@ def _one_word(value: Any) -> str:
     return f'"{text}"' if " " in text else text
 
 
-def sync_facts(sync: SyncStrategy, network: str | None) -> dict[str, Any]:
+def sync_facts(sync: SyncStrategy, network: str | None, trials: bool = False) -> dict[str, Any]:
     """The strategy's describe(), which step the observer measures, and the emulated network it ran
-    on (network=<preset>): what the `sync:` line and summary.json's `sync` show."""
+    on (network=<preset>): what the `sync:` line and summary.json's `sync` show. summary.json
+    (trials=True) also keeps bucket_cap_mb=auto's trials with every timed step (`auto_trials`),
+    which the line shows rounded."""
     info = {**sync.describe(), "comm_timing": sync.comm.observer.describe()}
+    if trials and sync.tuner is not None:
+        info["auto_trials"] = sync.tuner.table()
     return info if network is None else {**info, "network": network}
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime as dt
 import itertools
+import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -145,6 +146,7 @@ class Trainer:
             window=self._window,
         )
         self._checkpoint_step: int | None = None  # the newest checkpoint this run can resume from
+        self.finished_before = False  # resumed at its last step: a re-run of a finished run, nothing to train
         self.step_boundary = StepBoundary(settings.step_grace_s)  # entered by every iteration of train()
         # checkpoint_async: the save in flight, its collectives on a gloo group of their own (every rank makes it)
         timeout = dt.timedelta(seconds=settings.collective_timeout_s)
@@ -153,13 +155,22 @@ class Trainer:
     def resume_from_checkpoint(self) -> None:
         """trainer.resume: continue from a checkpoint if there is one (every rank, a collective)."""
         state = self._state()
-        if resume.resume_if_any(self.ctx, self.run_dir, self.settings.resume, state, self.config):
+        s = self.settings
+        choice = resume.resume_choice(s.resume, s.checkpoint)  # trainer.checkpoint=false: `auto` finds none
+        if resume.resume_if_any(self.ctx, self.run_dir, choice, state, self.config):
             self.step, self.epoch = state.step, state.epoch
             self._checkpoint_step = state.step
+            self.finished_before = state.step >= self.total_steps
             resumed_at(self.loggers, state.step)  # the JSONL drops the interrupted attempt's later rows
             # The next pass over this epoch starts where the checkpoint stopped: skip the sample
             # indices of the micro-batches already trained on (no data is read to get there).
             self._sampler.skip_next(state.batches_into_epoch * self.data.batch_size)
+            return
+        if self.ctx.attempt > 0 or not s.checkpoint:  # training starts over at step 0, as before in this run dir
+            resumed_at(self.loggers, 0)  # the JSONL drops the earlier attempt's (or run's) rows: each step once
+        line = resume.start_over_line(self.ctx.attempt, s.checkpoint, self.run_dir)
+        if line is not None:
+            log.info("%s", line)  # every rank's log file; rank 0's console
 
     def _state(self) -> resume.TrainState:
         """What a checkpoint holds of this trainer (the objects themselves, not copies)."""
@@ -181,6 +192,8 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         """Train for total_steps optimizer steps; returns the job summary (the same on every rank)."""
+        if self.finished_before:
+            return self._summary_before()
         log.info(
             "training %d steps: %d rank(s) x batch %d x %d micro-batch(es) = global batch %d, %d steps/epoch",
             self.total_steps,
@@ -210,6 +223,18 @@ class Trainer:
             self.train(self.total_steps, bar, profiler)
         final_eval = self.evaluate()
         return self._finish(final_eval, time.perf_counter() - started)
+
+    def _summary_before(self) -> dict[str, Any]:
+        """A re-run of a finished run trains, evaluates and writes nothing: one line says so and how to
+        train more; the summary is the run's own summary.json, as its rank 0 wrote it ({} if it has none)."""
+        s = self.settings
+        log.info("%s", resume.finished_line(self.step, s.max_steps, s.num_epochs))
+        kept: list[Any] = [None]
+        path = self.run_dir / "summary.json"
+        if self.ctx.is_main_process and path.is_file():
+            kept[0] = json.loads(path.read_text(encoding="utf-8"))
+        dist.broadcast_object_list(kept, src=0)  # rank 0's file: the same summary on every rank, as fit() gives
+        return kept[0] or {}
 
     def train(self, until_step: int, bar: tqdm | None = None, profiler: StepProfiler | None = None) -> None:
         """Run optimizer steps, logging and evaluating as configured, until `step == until_step`.
@@ -242,9 +267,13 @@ class Trainer:
         elif self._checkpoint_step is not None:
             last = f"last checkpoint step {self._checkpoint_step}"
         else:
-            last = "no checkpoint"
+            last = "no checkpoint" if self.settings.checkpoint else "no checkpoint (trainer.checkpoint=false)"
         how = "interrupted" if stop.interrupted else f"terminated by signal (exit code {stop.code})"
-        resume_hint = "resume with the same command" if self._checkpoint_step is not None else "nothing to resume from"
+        resume_hint = (
+            "resume with the same command"
+            if self._checkpoint_step is not None
+            else "nothing to resume from: the same command starts over at step 0"
+        )
         line = f"{how} at step {self.step}; {last}; {resume_hint}"
         # Console: rank 0 speaks for an interrupt every rank received; for a SIGTERM every rank
         # says it (a launcher may have stopped only some).
@@ -349,12 +378,15 @@ class Trainer:
         return metrics
 
     def _finish(self, final_eval: dict[str, float], wall_s: float) -> dict[str, Any]:
-        self.save_checkpoint()  # before the summary, which reports what the saves cost each rank
+        if self.settings.checkpoint:
+            self.save_checkpoint()  # before the summary, which reports what the saves cost each rank
+        else:
+            self._check_finite()  # as before a final checkpoint: a non-finite loss ends the run as an error
         self.wait_for_saves()  # the end of training waits for the last save
         self._rows.show_sync_line()  # a run that ended before its layout settled still says what it did
         mine = self._rows.rank_record()
         facts = {
-            "sync": sync_facts(self.sync, self._rows.network),
+            "sync": sync_facts(self.sync, self._rows.network, trials=True),
             "model": parameter_layout(self.model),
             "steps": self.step,
         }

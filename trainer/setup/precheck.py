@@ -89,16 +89,27 @@ def explain_compose_error(err: BaseException, overrides: list[str]) -> ConfigErr
         group, _, option = str(err.missing_cfg_file).rpartition("/")
         options = sorted(p.stem for p in (conf.CONF_DIR / group).glob("*.yaml"))
         if options:
+            plus = "" if _in_defaults(group) else "+"  # a group the defaults list lacks is added: +strategy=...
             close = difflib.get_close_matches(option, options, n=1)
-            near = f" (did you mean {group}={close[0]}?)" if close else ""
-            return ConfigError(f"{group}={option} is not an option of {group}{near}: accepted: {', '.join(options)}")
+            near = f" (did you mean {plus}{group}={close[0]}?)" if close else ""
+            return ConfigError(
+                f"{plus}{group}={option} is not an option of {group}{near}: accepted: {', '.join(options)}"
+            )
     not_listed = re.match(r"Could not override '([\w/]+)'\. No match in the defaults list", _first_line(err))
     if not_listed and (conf.CONF_DIR / not_listed[1]).is_dir():  # e.g. strategy: in no default, so it is added
         group = not_listed[1]
         line = next((o for o in overrides if _key(o) == group), f"{group}=<option>")
+        options = sorted(p.stem for p in (conf.CONF_DIR / group).glob("*.yaml"))
+        option = line.partition("=")[2]
+        close = difflib.get_close_matches(option, options, n=1)
+        if option in options:
+            fix = f": +{group}={option}"
+        else:  # and the option is misspelt too: the suggestion must be one that composes
+            near = f"did you mean +{group}={close[0]}?" if close else f"+{group}=<option>"
+            fix = f" ({near}): accepted: {', '.join(options)}"
         return ConfigError(
             f"{line} cannot override {group}: the primary config (conf/config.yaml) picks no {group}, so "
-            f"add one instead: +{line}"
+            f"add one instead{fix}"
         )
     cause: BaseException | None = err
     while cause is not None and not (isinstance(cause, OmegaConfBaseException) and cause.full_key):
@@ -111,6 +122,12 @@ def explain_compose_error(err: BaseException, overrides: list[str]) -> ConfigErr
     if isinstance(cause, OmegaConfBaseException) and cause.full_key and str(cause.full_key) not in line:
         line = f"{cause.full_key}: {line}"  # a typed node's refusal (hydra.launcher.*) names no key
     return ConfigError(line)
+
+
+def _in_defaults(group: str) -> bool:
+    """Whether the primary config's defaults list has `group` (null counts): then `group=x` picks an
+    option of it, else `+group=x` adds it."""
+    return group in _compose([], hydra_cfg=True).hydra.runtime.choices
 
 
 def unknown_key_message(key: str, cfg: DictConfig | None) -> str | None:

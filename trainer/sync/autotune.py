@@ -19,32 +19,79 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CANDIDATES_MB = (1.0, 5.0, 25.0, 100.0)
 
+# The strategy's rule: the tensors each bucket would hold if built with this cap (MiB), in order.
+Layout = Callable[[float], Sequence[Sequence[torch.Tensor]]]
+
 
 @dataclass
 class Trial:
-    """One candidate's result: the median over its timed steps of the slowest rank's step time."""
+    """One bucket layout's result: the median over its timed steps of the slowest rank's step time."""
 
-    cap_mb: float
+    cap_mb: float  # the candidate timed: the first that builds this layout
     median_step_s: float
     steps: int
+    step_s: list[float]  # each timed step, at the slowest rank's time: their spread is the trial's noise
+    same_layout_mb: list[float]  # the later candidates that build the same buckets (not timed again)
+    num_buckets: int | None  # None when the tuner was given no layout rule
+
+
+def same_layouts(candidates_mb: Sequence[float], layout: Layout | None) -> list[list[float]]:
+    """The candidates grouped by the buckets they build (the same tensors in the same groups), in
+    the order given; without a layout rule each candidate is a layout of its own."""
+    groups: dict[tuple[Any, ...], list[float]] = {}
+    for cap in candidates_mb:
+        key = tuple(tuple(id(t) for t in bucket) for bucket in layout(cap)) if layout else (cap,)
+        groups.setdefault(key, []).append(cap)
+    return list(groups.values())
+
+
+def choose(trials: Sequence[Trial]) -> tuple[int, str]:
+    """The trial to keep, and why (a few words for the sync line).
+
+    The fastest median, unless other trials are within noise of it: a trial whose fastest step
+    was no slower than the fastest trial's slowest step could not be told apart from it. Among
+    those, keep the layout with the fewest buckets (the largest cap): each bucket is a collective
+    that pays its latency and launch once, and more of them pay off only through overlap, which
+    is what the trials could not see.
+    """
+    fastest = min(range(len(trials)), key=lambda i: trials[i].median_step_s)
+    tied = [i for i, t in enumerate(trials) if min(t.step_s) <= max(trials[fastest].step_s)]
+    if len(tied) == 1:
+        noise = "; 1 timed step per trial, so noise unknown" if trials[fastest].steps == 1 else ", beyond noise"
+        return fastest, f"fastest{noise}"
+    kept = min(tied, key=lambda i: (trials[i].num_buckets or 0, -trials[i].cap_mb))
+    names = ", ".join(f"{trials[i].cap_mb:g}" for i in tied)
+    buckets = "" if trials[kept].num_buckets is None else f" ({trials[kept].num_buckets})"
+    return (
+        kept,
+        f"tie: {names} MiB within noise (step times overlap): kept {trials[kept].cap_mb:g}, fewest buckets{buckets}",
+    )
+
+
+def _on_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 class CapTuner:
-    """Tries each candidate bucket cap for a few steps of the run, then stays with the fastest.
+    """Tries each distinct bucket layout the candidate caps build for a few steps of the run, then
+    stays with the fastest (or, within noise, with the fewest buckets).
 
-    Contract with the strategy that owns the buckets (nothing here knows what a bucket is): it
-    builds the buckets with `cap_mb` before the first step and sets itself `tuner`; then
-    SyncStrategy.after_step(), which the loop calls at the end of every step on every rank, calls
-    `after_step()` here (it runs collectives at the end of each trial, so every rank must make the
-    same calls) and, when that returns a number, the strategy's rebuild() with that cap.
-    A step's time is the time between consecutive after_step() calls: one full step, whatever the
-    strategy does where. Each candidate gets `warmup_steps` untimed steps (the step that rebuilt
-    the buckets, caches, DDP's own first-iteration rebuild), then `steps_per_trial` timed ones. The
-    timed steps' times are all-reduced with MAX (the job runs at the slowest rank's pace), the
-    median of those is the candidate's time, and global rank 0 picks the fastest and broadcasts its
-    choice, so every rank rebuilds identically. Times are trainer/clock.py's marks (CUDA events on a
-    GPU, read at each call while trials run, and never after). The trial steps are real training
-    steps: changing the cap must not change the numbers, only the time.
+    Contract with the strategy that owns the buckets: it gives its `layout` rule (which tensors
+    each bucket would hold for a cap), builds the buckets with `cap_mb` before the first step and
+    sets itself `tuner`; then SyncStrategy.after_step(), which the loop calls at the end of every
+    step on every rank, calls `after_step()` here (it runs collectives at the end of each trial, so
+    every rank must make the same calls) and, when that returns a number, the strategy's rebuild()
+    with that cap. Candidates that build the same buckets are one layout, timed once with the first
+    of them; when every candidate builds the same buckets nothing is timed and the first candidate
+    (already built) is kept. A step's time is the time between consecutive after_step() calls: one
+    full step, whatever the strategy does where. Each layout gets `warmup_steps` untimed steps (the
+    step that rebuilt the buckets, caches, DDP's own first-iteration rebuild), then
+    `steps_per_trial` timed ones. The timed steps' times are all-reduced with MAX (the job runs at
+    the slowest rank's pace), the median of those is the layout's time, and global rank 0 picks
+    (choose()) and broadcasts its choice, so every rank rebuilds identically. Times are
+    trainer/clock.py's marks (CUDA events on a GPU, read at each call while trials run, and never
+    after). The trial steps are real training steps: changing the cap must not change the
+    numbers, only the time.
     """
 
     def __init__(
@@ -54,6 +101,7 @@ class CapTuner:
         warmup_steps: int,
         device: torch.device,
         comm: Comm | None = None,
+        layout: Layout | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if not candidates_mb or steps_per_trial < 1 or warmup_steps < 1:
@@ -62,14 +110,25 @@ class CapTuner:
         self.steps_per_trial = steps_per_trial
         self.warmup_steps = warmup_steps
         self.device = device
+        # Every rank holds the same model, so every rank finds the same layouts and runs the same trials.
+        self.layouts = same_layouts(self.candidates_mb, layout)
+        self._num_buckets = {caps[0]: len(layout(caps[0])) if layout else None for caps in self.layouts}
         self.cap_mb = self.candidates_mb[0]  # the cap the strategy must use now
         self.trials: list[Trial] = []
-        self.chosen_mb: float | None = None  # set once every candidate was tried
+        self.chosen_mb: float | None = None  # set once the choice is made
+        self.reason = ""  # why the choice, for the sync line
         self._clock = Clock(device, source=clock)
         self.comm = Comm() if comm is None else comm  # the strategy's: its votes counted as control traffic
-        self._step = 0  # steps run with the current candidate
+        self._step = 0  # steps run with the current layout
         self._last: Mark = None  # the clock at the previous call
         self._times: list[float] = []
+        if len(self.layouts) == 1:  # nothing to choose between: no trial, no rebuild
+            self.chosen_mb = self.cap_mb
+            count = self._num_buckets[self.cap_mb]
+            same = "buckets" if count is None else f"{count} bucket(s)"
+            self.reason = f"every candidate builds the same {same}: {self.cap_mb:g} MiB kept, nothing timed"
+            if _on_rank0():
+                log.info("bucket cap chosen: %g MiB (%s)", self.cap_mb, self.reason)
 
     @property
     def done(self) -> bool:
@@ -87,8 +146,8 @@ class CapTuner:
         if self._step < self.warmup_steps + self.steps_per_trial:
             return None
         self._end_trial()
-        if len(self.trials) < len(self.candidates_mb):
-            self.cap_mb = self.candidates_mb[len(self.trials)]
+        if len(self.trials) < len(self.layouts):
+            self.cap_mb = self.layouts[len(self.trials)][0]
             return self.cap_mb
         chosen = self._choose()
         self.chosen_mb = chosen
@@ -101,31 +160,48 @@ class CapTuner:
         # Every rank reaches this collective at the same step: trials have a fixed number of steps.
         slowest = torch.tensor(self._times, dtype=torch.float64, device=self.device)
         self.comm.agree(slowest, dist.ReduceOp.MAX)
-        trial = Trial(self.cap_mb, statistics.median(slowest.tolist()), len(self._times))
+        times = slowest.tolist()
+        same = self.layouts[len(self.trials)][1:]
+        trial = Trial(self.cap_mb, statistics.median(times), len(times), times, same, self._num_buckets[self.cap_mb])
         self.trials.append(trial)
         self._step, self._times = 0, []
-        if dist.get_rank() == 0:
+        if _on_rank0():
             log.info(
-                "bucket cap trial: %g MiB, median step %.3f ms over %d step(s) (slowest rank)",
-                trial.cap_mb,
+                "bucket cap trial: %s MiB, median step %.3f ms (%.3f-%.3f) over %d step(s) (slowest rank)",
+                "|".join(f"{c:g}" for c in [trial.cap_mb, *same]),
                 trial.median_step_s * 1e3,
+                min(times) * 1e3,
+                max(times) * 1e3,
                 trial.steps,
             )
 
     def _choose(self) -> float:
-        """Global rank 0 picks the fastest trial; everyone takes its pick."""
-        fastest = min(range(len(self.trials)), key=lambda i: self.trials[i].median_step_s)
-        index = torch.tensor([fastest], dtype=torch.int64, device=self.device)
+        """Global rank 0 picks (choose()); everyone takes its pick."""
+        pick, reason = choose(self.trials)
+        index = torch.tensor([pick], dtype=torch.int64, device=self.device)
         self.comm.agree_from(index, 0)
+        # Every rank holds the same MAX-reduced times, so its reason is rank 0's.
         chosen = self.trials[int(index.item())].cap_mb
-        if dist.get_rank() == 0:
-            log.info("bucket cap chosen: %g MiB (fastest of %s MiB)", chosen, [t.cap_mb for t in self.trials])
+        self.reason = reason
+        if _on_rank0():
+            log.info("bucket cap chosen: %g MiB (%s)", chosen, reason)
         return chosen
 
     def table(self) -> list[dict[str, Any]]:
-        """The trials as plain dicts, for summaries."""
+        """The trials as plain dicts, every timed step included: summary.json's `sync.auto_trials`."""
         return [asdict(trial) for trial in self.trials]
 
     def describe(self) -> dict[str, Any]:
-        """The trials, the choice and the cap in use, for the sync line."""
-        return {"auto_trials": self.table(), "auto_chosen_mb": self.chosen_mb, "bucket_cap_mb_in_use": self.cap_mb}
+        """For the sync line: each layout's median step in ms (rounded; caps that build the same
+        buckets joined by `|`), the choice, why, and the cap in use."""
+        step_ms = {
+            "|".join(f"{c:g}" for c in [t.cap_mb, *t.same_layout_mb]): round(t.median_step_s * 1e3, 2)
+            for t in self.trials
+        }
+        why = {"auto_choice": self.reason} if self.reason else {}
+        return {
+            **({"auto_step_ms": step_ms} if step_ms else {}),
+            "auto_chosen_mb": self.chosen_mb,
+            **why,
+            "bucket_cap_mb_in_use": self.cap_mb,
+        }

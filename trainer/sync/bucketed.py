@@ -82,18 +82,14 @@ class BucketedSync(SyncStrategy):
         self._names = names_of(model, self._params)
         self._calls = [0] * len(self._params)
         if self.bucket_cap_mb == "auto":  # the tuner tries caps in the first steps (SyncStrategy.after_step)
-            candidates, device = self.auto_candidates_mb, self._params[0].device
-            self.tuner = CapTuner(candidates, self.auto_steps_per_trial, self.auto_warmup_steps, device, self.comm)
+            candidates, steps, warmup = self.auto_candidates_mb, self.auto_steps_per_trial, self.auto_warmup_steps
+            self.tuner = CapTuner(candidates, steps, warmup, self._params[0].device, self.comm, self._groups)
         self.rebuild(self.tuner.cap_mb if self.tuner else float(self.bucket_cap_mb))
         return model
 
     def rebuild(self, cap_mb: float) -> None:
         """(Re)make the buckets for a cap, keeping the gradients they hold; not while buckets are in flight."""
-        # The order gradients arrive in, once step 1 has seen it; until then reverse registration order
-        # (the last layers' gradients are ready first in backward).
-        ordered = [self._params[i] for i in self._arrival] if self._order else list(reversed(self._params))
-        groups = list(group_by_size(ordered, int(cap_mb * 2**20)))
-        self._flat = FlatGrads(groups, dist.get_world_size(), shards=self.collective == "rs_ag")
+        self._flat = FlatGrads(self._groups(cap_mb), dist.get_world_size(), shards=self.collective == "rs_ag")
         position = {id(p): i for i, p in enumerate(self._params)}
         for handle in self._handles:
             handle.remove()
@@ -104,6 +100,13 @@ class BucketedSync(SyncStrategy):
             for j, param in enumerate(bucket.params)
         ]
         self._order = self._in_order()
+
+    def _groups(self, cap_mb: float) -> list[list[nn.Parameter]]:
+        """The parameters each bucket holds with this cap: consecutive in the order gradients arrive,
+        once step 1 has seen it; until then reverse registration order (the last layers' gradients are
+        ready first in backward)."""
+        ordered = [self._params[i] for i in self._arrival] if self._order else list(reversed(self._params))
+        return list(group_by_size(ordered, int(cap_mb * 2**20)))
 
     def _in_order(self) -> InOrder | None:
         """Each bucket's arrivals per backward, from the learned counts (None until step 1 taught them)."""

@@ -23,6 +23,7 @@ DDP's own C++ all-reduce is not touched: the observer sees it through the proces
 import inspect
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -35,7 +36,7 @@ from trainer.footprint import Footprint, Plan, replicated, whole
 from trainer.sync.autotune import DEFAULT_CANDIDATES_MB, CapTuner
 from trainer.sync.base import SyncStrategy
 from trainer.sync.ddp_hooks import AllReduceHook, CommHook, SwappableDDP, TorchHook
-from trainer.sync.ddp_private import bucket_layout, logging_data
+from trainer.sync.ddp_private import bucket_layout, logging_data, planned_buckets
 
 # torch 2.14 renamed the per-forward buffer broadcast to forward_sync_buffers (the old name warns).
 # The new flag always syncs buffers at construction, which we want anyway: replicas start equal.
@@ -102,7 +103,8 @@ class DDPSync(SyncStrategy):
         if self.bucket_cap_mb != "auto":
             return self._build(float(self.bucket_cap_mb))
         candidates, steps, warmup = self.auto_candidates_mb, self.auto_steps_per_trial, self.auto_warmup_steps
-        self.tuner = CapTuner(candidates, steps, warmup, device, self.comm)  # tries caps: SyncStrategy.after_step
+        layout = partial(planned_buckets, model)  # caps that build the same buckets are timed once
+        self.tuner = CapTuner(candidates, steps, warmup, device, self.comm, layout)  # tries caps: after_step
         self._proxy = SwappableDDP(self._build(self.tuner.cap_mb))
         return self._proxy
 
