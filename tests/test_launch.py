@@ -113,7 +113,7 @@ def test_ctrl_c_through_the_launcher_is_one_line_and_exit_130_keeping_what_was_w
     assert proc.returncode == 130, text
     line = (
         "launch: interrupted by Ctrl-C (SIGINT): the ranks stopped after their current step; "
-        "checkpoints and logs written so far are kept"
+        "what they wrote is kept (each rank's line says whether that includes a checkpoint)"
     )
     _assert_stopped_quietly(text, line)
     assert "[rank0] interrupted at step " in text, text
@@ -132,7 +132,7 @@ def test_sigterm_to_the_launcher_is_one_line_and_exit_143(tmp_path: Path) -> Non
     assert proc.returncode == 143, text
     line = (
         "launch: stopped by SIGTERM: the ranks stopped after their current step; "
-        "checkpoints and logs written so far are kept"
+        "what they wrote is kept (each rank's line says whether that includes a checkpoint)"
     )
     _assert_stopped_quietly(text, line)
     for rank in (0, 1):  # each rank says where it stopped (a launcher may have stopped only some)

@@ -154,6 +154,7 @@ def test_rerunning_a_finished_run_says_so_in_one_line_and_measures_nothing(tmp_p
         "add trainer.resume=never or choose another run_name"
     ], text
     assert "done:" not in text and "throughput" not in text and "n/a" not in text, text
+    assert "resumed from" not in text, text  # the one line says where the run stands
     # Nothing of the finished run was rewritten: its summary, checkpoints and metrics are as it left them.
     run_dir = run["run_dir"]
     now = {f: (run_dir / f).read_bytes() for f in _results(run_dir)}

@@ -283,10 +283,11 @@ def restore(ctx: DistContext, path: Path, saved: dict[str, Any], state: TrainSta
             )
         if longer:
             log.info("%s", longer)
-    log.info(
-        "resumed from %s at step %d (epoch %d, %d micro-batches into it)",
-        path,
-        state.step,
-        state.epoch,
-        state.batches_into_epoch,
-    )
+    if state.step < state.total_steps:  # at its end: the finished run's one line says it (Trainer.fit)
+        log.info(
+            "resumed from %s at step %d (epoch %d, %d micro-batches into it)",
+            path,
+            state.step,
+            state.epoch,
+            state.batches_into_epoch,
+        )

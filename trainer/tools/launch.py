@@ -68,7 +68,8 @@ def _meaning(code: int) -> str:
 def _stopped(signum: int) -> str:
     """The launcher's line when a signal stopped the job: what stopped it, and what is left."""
     what = "interrupted by Ctrl-C (SIGINT)" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
-    return f"launch: {what}: the ranks stopped after their current step; checkpoints and logs written so far are kept"
+    kept = "what they wrote is kept (each rank's line says whether that includes a checkpoint)"
+    return f"launch: {what}: the ranks stopped after their current step; {kept}"
 
 
 def _quiet_torchrun() -> None:
