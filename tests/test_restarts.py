@@ -60,9 +60,9 @@ def test_crash_then_elastic_restart_ends_bit_identical(crash: dict[str, Any]) ->
 @pytest.mark.slow
 def test_crash_restart_and_rerun_leave_each_step_once_in_every_ranks_jsonl(crash: dict[str, Any]) -> None:
     """30 steps, checkpoints and evaluations every 10, rank 1 crashing at step 15 (rows to step 14
-    written): the restarted job resumes at step 10 and finishes; the same command again resumes the
-    finished run at 30. Each rank's metrics/rank{r}.jsonl holds each step's rows once."""
-    assert "at step 30" in crash["again"]
+    written): the restarted job resumes at step 10 and finishes; the same command again finds the
+    finished run at 30 and says so. Each rank's metrics/rank{r}.jsonl holds each step's rows once."""
+    assert "already finished (step 30 of" in crash["again"]  # the re-run's one line, in place of "resumed from"
     expected = [(s, "train") for s in range(2, 31, 2)] + [(10, "eval"), (20, "eval"), (30, "eval")]
     expected += [(10, "checkpoint"), (20, "checkpoint"), (30, "checkpoint")]  # each save's own row, once too
     for rank in (0, 1):
