@@ -48,8 +48,10 @@ def main(cfg: DictConfig) -> dict[str, Any]:
             dist.check_ranks_agree("the job (number, overrides)", conf.job_identity())
             prepare_data(parts.data, ctx)
             run_dir = conf.run_dir()
-            add_loggers(loggers, cfg, config, ctx, run_dir, group=conf.job_name(cfg.run_name))
-            trainer = build_trainer(parts, ctx, loggers, run_dir, config)
+            trainer = build_trainer(parts, ctx, [], run_dir, config)  # resumed: a finished run is known now
+            if not trainer.finished_before:  # its re-run starts no logger: no empty W&B run, no rows touched
+                add_loggers(loggers, cfg, config, ctx, run_dir, group=conf.job_name(cfg.run_name))
+                trainer.attach_loggers(loggers)
             summary = trainer.fit()  # a finished run re-run trains nothing: one line says so, no report
             if ctx.is_main_process and not trainer.finished_before:
                 log_final_report(summary)

@@ -134,7 +134,9 @@ def _results(run_dir: Path) -> list[str]:
 
 def _finished_twice(tmp_path: Path) -> dict[str, Any]:
     run_dir = tmp_path / "run"
-    args = [*QUICK, "trainer.max_steps=2", f"hydra.run.dir={run_dir}"]
+    # W&B offline too: the re-run must not start (empty) W&B runs either; _results holds wandb/'s files
+    quick = [o if o != "logger=none" else "logger=wandb" for o in QUICK]
+    args = [*quick, "trainer.max_steps=2", f"hydra.run.dir={run_dir}"]
     first = torchrun(args, cwd=tmp_path)
     assert first.returncode == 0, output(first)
     kept = {f: (run_dir / f).read_bytes() for f in _results(run_dir)}
@@ -154,7 +156,7 @@ def test_rerunning_a_finished_run_says_so_in_one_line_and_measures_nothing(tmp_p
         "add trainer.resume=never or choose another run_name"
     ], text
     assert "done:" not in text and "throughput" not in text and "n/a" not in text, text
-    assert "resumed from" not in text, text  # the one line says where the run stands
+    assert "resumed from" not in text and "W&B run" not in text, text  # the one line says where the run stands
     # Nothing of the finished run was rewritten: its summary, checkpoints and metrics are as it left them.
     run_dir = run["run_dir"]
     now = {f: (run_dir / f).read_bytes() for f in _results(run_dir)}

@@ -147,6 +147,7 @@ class Trainer:
         )
         self._checkpoint_step: int | None = None  # the newest checkpoint this run can resume from
         self.finished_before = False  # resumed at its last step: a re-run of a finished run, nothing to train
+        self._loggers_from: int | None = None  # the step the loggers continue after (resume), if they must be told
         self.step_boundary = StepBoundary(settings.step_grace_s)  # entered by every iteration of train()
         # checkpoint_async: the save in flight, its collectives on a gloo group of their own (every rank makes it)
         timeout = dt.timedelta(seconds=settings.collective_timeout_s)
@@ -161,16 +162,25 @@ class Trainer:
             self.step, self.epoch = state.step, state.epoch
             self._checkpoint_step = state.step
             self.finished_before = state.step >= self.total_steps
+            self._loggers_from = state.step
             resumed_at(self.loggers, state.step)  # the JSONL drops the interrupted attempt's later rows
             # The next pass over this epoch starts where the checkpoint stopped: skip the sample
             # indices of the micro-batches already trained on (no data is read to get there).
             self._sampler.skip_next(state.batches_into_epoch * self.data.batch_size)
             return
         if self.ctx.attempt > 0 or not s.checkpoint:  # training starts over at step 0, as before in this run dir
+            self._loggers_from = 0
             resumed_at(self.loggers, 0)  # the JSONL drops the earlier attempt's (or run's) rows: each step once
         line = resume.start_over_line(self.ctx.attempt, s.checkpoint, self.run_dir)
         if line is not None:
             log.info("%s", line)  # every rank's log file; rank 0's console
+
+    def attach_loggers(self, loggers: Sequence[MetricLogger]) -> None:
+        """Loggers started after the resume (train.py starts none for a finished run: no empty W&B
+        run, no rewritten JSONL), told where the run continues as the resume would have told them."""
+        self.loggers.extend(loggers)  # the same list the rows write to
+        if self._loggers_from is not None:
+            resumed_at(loggers, self._loggers_from)
 
     def _state(self) -> resume.TrainState:
         """What a checkpoint holds of this trainer (the objects themselves, not copies)."""
