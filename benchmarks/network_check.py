@@ -40,6 +40,7 @@ from trainer.links import (  # noqa: E402
     Network,
     Topology,
 )
+from trainer.scaling.options import schedules  # noqa: E402
 from trainer.scaling.predict import Prediction, predict  # noqa: E402
 from trainer.scaling.profile import measured_step_s, read_profile  # noqa: E402
 
@@ -105,6 +106,8 @@ def main() -> int:
     link = [f"network={args.network}", f"network.time_scale={args.time_scale:g}"]
     print(f"link: {network.describe()}; {args.rounds} rounds of {args.steps} steps, 2 ranks", flush=True)
     rows: dict[str, list[Row]] = {s: [] for s in strategies}
+    described, _ = schedules()  # what each strategy's step sends
+    sharded = {name for name, schedule in described.items() if schedule.optimizer_shard is not None}
     computes: list[float] = []
     out = args.out.resolve()
     for round_ in range(1, args.rounds + 1):
@@ -115,14 +118,14 @@ def main() -> int:
         for strategy in strategies:  # every strategy once per round: the rounds interleave
             own_dir = out / f"round{round_}" / f"{strategy}-loopback"
             train(own_dir, [f"sync={strategy}", "network=none"], args.steps)
-            own = read_profile(own_dir)
+            own = read_profile(own_dir, sharded)
             run_dir = out / f"round{round_}" / strategy
             train(run_dir, [f"sync={strategy}", *link], args.steps)
             row = Row(
                 measured=measured_step_s(run_dir),
                 exposed=rank_mean(run_dir, "median_time/comm_exposed_s"),
-                model=predict(profile, topo, strategy, overlap=True),
-                own=predict(own, topo, strategy, overlap=True),
+                model=predict(profile, topo, strategy, described[strategy], overlap=True),
+                own=predict(own, topo, strategy, described[strategy], overlap=True),
                 compute=profile.compute_s,
                 own_compute=own.compute_s,
             )

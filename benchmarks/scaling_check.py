@@ -28,9 +28,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
+from trainer.comm_schedule import Schedule  # noqa: E402
 from trainer.errors import ConfigError  # noqa: E402
 from trainer.links import Network, Topology  # noqa: E402
 from trainer.scaling.networks import fit_network  # noqa: E402
+from trainer.scaling.options import schedules  # noqa: E402
 from trainer.scaling.predict import predict  # noqa: E402
 from trainer.scaling.profile import RunProfile, measured_step_s, read_profile  # noqa: E402
 
@@ -65,9 +67,9 @@ def train(run_dir: Path, overrides: list[str], nproc: int, steps: int) -> None:
         raise RuntimeError(f"the 4-rank run in {run_dir} failed")
 
 
-def predicted_s(profile: RunProfile, network: Network, ranks: int, strategy: str) -> float:
+def predicted_s(profile: RunProfile, network: Network, ranks: int, strategy: str, schedule: Schedule) -> float:
     topo = Topology(ranks, 2, network, network)  # one flat network: loopback between the "nodes" too
-    return predict(profile, topo, strategy, overlap=False).step_s
+    return predict(profile, topo, strategy, schedule, overlap=False).step_s
 
 
 def main() -> int:
@@ -95,6 +97,7 @@ def main() -> int:
         print(f"scaling_check: {err}", file=sys.stderr)
         return 2
     print(f"network: {network.describe()}")
+    described, _ = schedules()  # what each strategy's step sends
     lines = [
         "| model | strategy | ranks | measured ms | predicted from 1 rank | error "
         "| from N ranks of sync=none | error |",
@@ -113,7 +116,7 @@ def main() -> int:
             measured = measured_step_s(run_dir)
             row = f"| {model} | {strategy} | {ranks} | {measured * 1e3:.2f} |"
             for profile in (compute[1], compute[ranks]):
-                guess = predicted_s(profile, network, ranks, strategy)
+                guess = predicted_s(profile, network, ranks, strategy, described[strategy])
                 row += f" {guess * 1e3:.2f} | {guess / measured - 1:+.0%} |"
             lines.append(row)
             print(row, flush=True)

@@ -13,8 +13,8 @@ from torch import nn
 
 from tests.dist_helpers import run_on_ranks
 from tests.observe_helpers import sampled
+from tests.sync_helpers import from_yaml
 from trainer.measures import KINDS
-from trainer.sync.bucketed import BucketedSync
 
 
 def _model(seed: int = 0) -> nn.Module:
@@ -28,7 +28,7 @@ def _backward(model: nn.Module, rank: int) -> None:
 
 
 def _mechanism(rank: int, world_size: int, collective: str, timed: bool = True) -> dict[str, Any]:
-    sync = BucketedSync(bucket_cap_mb=300 / 2**20, collective=collective)  # ~300 B buckets
+    sync = from_yaml("bucketed", bucket_cap_mb=300 / 2**20, collective=collective)  # ~300 B buckets
     model = sync.wrap(_model(seed=rank))  # rank 1's different draw is replaced by rank 0's
     buckets = sync.describe()["num_buckets"]
     # Step 1 learns each parameter's hook calls per backward: its buckets start in after_backward.
@@ -154,7 +154,7 @@ class Reordered(nn.Module):
 
 def _reordered(rank: int, world_size: int) -> dict[str, Any]:
     torch.manual_seed(0)
-    sync = BucketedSync(bucket_cap_mb=300 / 2**20)
+    sync = from_yaml("bucketed", bucket_cap_mb=300 / 2**20)
     model = sync.wrap(Reordered())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     in_flight: list[int] = []

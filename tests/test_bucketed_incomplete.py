@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.dist_helpers import run_on_ranks
+from tests.sync_helpers import from_yaml
 from trainer.errors import ConfigError
-from trainer.sync.bucketed import BucketedSync
 from trainer.sync.flat import names_of
 
 STEM = ["stem.bias", "stem.weight"]  # the first layer, in the order its bucket holds them
@@ -55,7 +55,7 @@ def _train(rank: int, kwargs: dict[str, Any]) -> dict[str, Any]:
     """Three steps, the stem cut from step 2 on: the bucket layout and the refusal (or its absence)."""
     torch.manual_seed(0)
     model = StemCut().double()
-    sync = BucketedSync(**kwargs)
+    sync = from_yaml("bucketed", **kwargs)
     module = sync.wrap(model)
     optimizer = sync.build_optimizer(model, lambda params: torch.optim.SGD(params, lr=0.1))
     assert sync._flat is not None

@@ -15,8 +15,8 @@ from torch import nn
 
 from tests.dist_helpers import run_on_ranks
 from tests.observe_helpers import sampled, sent
+from tests.sync_helpers import from_yaml
 from trainer.sync.comm import Comm
-from trainer.sync.manual import ManualSync
 from trainer.sync.network import Network
 
 SYNC = Path(__file__).resolve().parents[1] / "trainer" / "sync"
@@ -45,7 +45,7 @@ def _model() -> nn.Module:
 
 
 def _control(rank: int, world_size: int) -> dict[str, Any]:
-    sync = ManualSync(find_unused_parameters=True)
+    sync = from_yaml("manual", find_unused_parameters=True)
     with sampled(sync) as at_wrap:  # watched as a sampled step is
         model = sync.wrap(_model())
     with sampled(sync) as step:

@@ -16,13 +16,11 @@ import torch.nn.functional as F
 from tests.dist_helpers import run_on_ranks
 from tests.edge_models import Case, batch, make, optimizer_for, reference, train
 from tests.observe_helpers import on_the_wire, sampled, sent, watch_every_step
+from tests.sync_helpers import class_from_yaml, from_yaml
 from tests.test_fsdp import real_collectives
-from trainer.sync.bucketed import BucketedSync
 from trainer.sync.comm import Comm
-from trainer.sync.ddp import DDPSync
 from trainer.sync.flat import FlatGrads
 from trainer.sync.fsdp import FSDPSync
-from trainer.sync.manual import ManualSync
 from trainer.sync.none import NoSync
 from trainer.sync.zero import ZeroSync
 from trainer.sync.zero3 import Zero3Sync
@@ -43,70 +41,73 @@ def timed(make: Any) -> Any:
     return watch_every_step(make())
 
 
+# Each strategy as its conf/sync/ YAML builds it (the defaults live there), a test's keys changed.
+MANUAL, BUCKETED, DDP, FSDP = (partial(from_yaml, option) for option in ("manual", "bucketed", "ddp", "fsdp"))
+ZERO, ZERO3, NATIVE_ZERO3 = (partial(class_from_yaml, cls, "zero") for cls in (ZeroSync, Zero3Sync, NativeZero3))
 TINY_MB = 300 / 2**20  # below the branch's 8x8 float64 weight (512 bytes): that tensor makes a group alone
 FIND = {"find_unused_parameters": True}
 
 EVERY_STRATEGY = {
     "none": NoSync,
-    "manual": ManualSync,
-    "manual-rs_ag": partial(ManualSync, collective="rs_ag"),
-    "manual-alone": partial(ManualSync, coalesce_mb=0),
-    "bucketed": partial(BucketedSync, bucket_cap_mb=TINY_MB),
-    "bucketed-rs_ag": partial(BucketedSync, bucket_cap_mb=TINY_MB, collective="rs_ag"),
-    "ddp": DDPSync,
-    "zero": ZeroSync,
-    "zero-tiny": partial(ZeroSync, bucket_cap_mb=TINY_MB),  # a bucket per tensor or two, several in flight
-    "zero-stage1": partial(ZeroSync, stage=1, bucket_cap_mb=TINY_MB),
-    "fsdp": FSDPSync,  # wrap=auto: the blocks are units, the tied embedding and head in the root
-    "fsdp-module": partial(FSDPSync, wrap="module"),  # the tied modules are left to the root
-    "zero3": Zero3Sync,  # as fsdp's units: the blocks, the tied embedding and head in the root
-    "zero3-module": partial(Zero3Sync, wrap="module", prefetch=2),
-    "zero3-no-prefetch": partial(Zero3Sync, prefetch=0, reshard_after_forward=False),
-    "zero3-native": NativeZero3,  # reduce_scatter and all_gather: NCCL's path
-    "zero3-native-module": partial(NativeZero3, wrap="module", prefetch=2),
+    "manual": MANUAL,
+    "manual-rs_ag": partial(MANUAL, collective="rs_ag"),
+    "manual-alone": partial(MANUAL, coalesce_mb=0),
+    "bucketed": partial(BUCKETED, bucket_cap_mb=TINY_MB),
+    "bucketed-rs_ag": partial(BUCKETED, bucket_cap_mb=TINY_MB, collective="rs_ag"),
+    "ddp": DDP,
+    "zero": ZERO,
+    "zero-tiny": partial(ZERO, bucket_cap_mb=TINY_MB),  # a bucket per tensor or two, several in flight
+    "zero-stage1": partial(ZERO, stage=1, bucket_cap_mb=TINY_MB),
+    "fsdp": FSDP,  # wrap=auto: the blocks are units, the tied embedding and head in the root
+    "fsdp-module": partial(FSDP, wrap="module"),  # the tied modules are left to the root
+    "zero3": ZERO3,  # as fsdp's units: the blocks, the tied embedding and head in the root
+    "zero3-module": partial(ZERO3, wrap="module", prefetch=2),
+    "zero3-no-prefetch": partial(ZERO3, prefetch=0, reshard_after_forward=False),
+    "zero3-native": NATIVE_ZERO3,  # reduce_scatter and all_gather: NCCL's path
+    "zero3-native-module": partial(NATIVE_ZERO3, wrap="module", prefetch=2),
 }
 MANUAL_GROUPINGS = {
-    "manual": (partial(ManualSync, **FIND), "branchy"),
-    "manual-rs_ag": (partial(ManualSync, collective="rs_ag", **FIND), "branchy"),
-    "manual-coalesce0": (partial(ManualSync, coalesce_mb=0, **FIND), "branchy"),
-    "manual-above-cap": (partial(ManualSync, coalesce_mb=TINY_MB, **FIND), "branchy"),
-    "manual-mixed-dtypes": (partial(ManualSync, **FIND), "branchy-mixed"),
-    "zero": (partial(ZeroSync, **FIND), "branchy"),
-    "zero-tiny": (partial(ZeroSync, bucket_cap_mb=TINY_MB, **FIND), "branchy"),
-    "zero-stage1": (partial(ZeroSync, stage=1, bucket_cap_mb=TINY_MB, **FIND), "branchy"),
-    "ddp": (partial(DDPSync, **FIND), "branchy"),
-    "zero3": (partial(Zero3Sync, wrap="block", **FIND), "branchy"),  # no blocks: every parameter in the root
+    "manual": (partial(MANUAL, **FIND), "branchy"),
+    "manual-rs_ag": (partial(MANUAL, collective="rs_ag", **FIND), "branchy"),
+    "manual-coalesce0": (partial(MANUAL, coalesce_mb=0, **FIND), "branchy"),
+    "manual-above-cap": (partial(MANUAL, coalesce_mb=TINY_MB, **FIND), "branchy"),
+    "manual-mixed-dtypes": (partial(MANUAL, **FIND), "branchy-mixed"),
+    "zero": (partial(ZERO, **FIND), "branchy"),
+    "zero-tiny": (partial(ZERO, bucket_cap_mb=TINY_MB, **FIND), "branchy"),
+    "zero-stage1": (partial(ZERO, stage=1, bucket_cap_mb=TINY_MB, **FIND), "branchy"),
+    "ddp": (partial(DDP, **FIND), "branchy"),
+    "zero3": (partial(ZERO3, wrap="block", **FIND), "branchy"),  # no blocks: every parameter in the root
 }
 
 CASES: dict[str, Case] = {
     **{f"tied-{name}": Case("tied", make, replicas=name not in ("none",)) for name, make in EVERY_STRATEGY.items()},
     # A layer reused under reentrant checkpointing: its hook fires three times per backward.
-    "reused-manual": Case("reused", ManualSync),
-    "reused-bucketed": Case("reused", partial(BucketedSync, bucket_cap_mb=TINY_MB)),
-    "reused-bucketed-one-bucket": Case("reused", BucketedSync),
-    "reused-bucketed-rs_ag": Case("reused", partial(BucketedSync, bucket_cap_mb=TINY_MB, collective="rs_ag")),
-    "reused-bucketed-timed": Case("reused", partial(timed, partial(BucketedSync, bucket_cap_mb=TINY_MB))),
-    "reused-nonreentrant-bucketed": Case("reused-nonreentrant", partial(BucketedSync, bucket_cap_mb=TINY_MB)),
-    "reused-ddp-static": Case("reused", partial(DDPSync, static_graph=True)),
-    "reused-zero": Case("reused", ZeroSync),
-    "reused-zero-tiny": Case("reused", partial(ZeroSync, bucket_cap_mb=TINY_MB)),  # staged, added to, sent
-    "reused-fsdp-root": Case("reused", partial(FSDPSync, wrap="block")),  # no blocks: the root reduces once
-    "reused-nonreentrant-fsdp": Case("reused-nonreentrant", FSDPSync),
-    "frozen-twice-fsdp": Case("frozen", FSDPSync),  # a unit run twice without grad, but frozen: not refused
-    "reused-zero-stage1": Case("reused", partial(timed, partial(ZeroSync, stage=1, bucket_cap_mb=TINY_MB))),
-    "reused-nonreentrant-zero3": Case("reused-nonreentrant", Zero3Sync),  # a unit gathered twice in a forward
-    "reused-nonreentrant-zero3-native": Case("reused-nonreentrant", NativeZero3),
-    "reused-zero3-root": Case("reused", partial(Zero3Sync, wrap="block")),
+    "reused-manual": Case("reused", MANUAL),
+    "reused-bucketed": Case("reused", partial(BUCKETED, bucket_cap_mb=TINY_MB)),
+    "reused-bucketed-one-bucket": Case("reused", BUCKETED),
+    "reused-bucketed-rs_ag": Case("reused", partial(BUCKETED, bucket_cap_mb=TINY_MB, collective="rs_ag")),
+    "reused-bucketed-timed": Case("reused", partial(timed, partial(BUCKETED, bucket_cap_mb=TINY_MB))),
+    "reused-nonreentrant-bucketed": Case("reused-nonreentrant", partial(BUCKETED, bucket_cap_mb=TINY_MB)),
+    "reused-ddp-static": Case("reused", partial(DDP, static_graph=True)),
+    "reused-zero": Case("reused", ZERO),
+    "reused-zero-tiny": Case("reused", partial(ZERO, bucket_cap_mb=TINY_MB)),  # staged, added to, sent
+    "reused-fsdp-root": Case("reused", partial(FSDP, wrap="block")),  # no blocks: the root reduces once
+    "reused-nonreentrant-fsdp": Case("reused-nonreentrant", FSDP),
+    "frozen-twice-fsdp": Case("frozen", FSDP),  # a unit run twice without grad, but frozen: not refused
+    "reused-zero-stage1": Case("reused", partial(timed, partial(ZERO, stage=1, bucket_cap_mb=TINY_MB))),
+    "reused-nonreentrant-zero3": Case("reused-nonreentrant", ZERO3),  # a unit gathered twice in a forward
+    "reused-nonreentrant-zero3-native": Case("reused-nonreentrant", NATIVE_ZERO3),
+    "reused-zero3-root": Case("reused", partial(ZERO3, wrap="block")),
     **{f"unused-all-{n}": Case(m, s) for n, (s, m) in MANUAL_GROUPINGS.items()},
     **{f"unused-one-{n}": Case(m, s, branch_ranks=(1,)) for n, (s, m) in MANUAL_GROUPINGS.items()},
-    "unused-all-fsdp": Case("branchy", FSDPSync),
-    "unused-all-fsdp-root": Case("branchy", partial(FSDPSync, wrap="block")),
+    "unused-all-fsdp": Case("branchy", FSDP),
+    "unused-all-fsdp-root": Case("branchy", partial(FSDP, wrap="block")),
     # zero after a plain optimizer.zero_grad() (set_to_none), and the flat-buffer strategies too
-    "zero-grad-zero": Case("tied", ZeroSync, plain_zero_grad=True),
-    "zero-grad-zero-stage1": Case("tied", partial(ZeroSync, stage=1, bucket_cap_mb=TINY_MB), plain_zero_grad=True),
-    "zero-grad-zero3": Case("tied", Zero3Sync, plain_zero_grad=True),
-    "zero-grad-manual": Case("tied", ManualSync, plain_zero_grad=True),
-    "zero-grad-bucketed": Case("tied", partial(BucketedSync, bucket_cap_mb=TINY_MB), plain_zero_grad=True),
+    "zero-grad-zero": Case("tied", ZERO, plain_zero_grad=True),
+    "zero-grad-zero-stage1": Case("tied", partial(ZERO, stage=1, bucket_cap_mb=TINY_MB), plain_zero_grad=True),
+    "zero-grad-zero3": Case("tied", ZERO3, plain_zero_grad=True),
+    "zero-grad-manual": Case("tied", MANUAL, plain_zero_grad=True),
+    "zero-grad-bucketed": Case("tied", partial(BUCKETED, bucket_cap_mb=TINY_MB), plain_zero_grad=True),
 }
 # A parameter unused in some steps (4 steps, both optimizers): by every rank in step 2 (an expert no
 # sample chose), by every rank in step 1, by rank 1 only in step 2, by rank 1 only in step 1.
@@ -124,11 +125,11 @@ def _schedules(names: dict[str, Any], schedules: tuple[str, ...], optimizers: tu
 
 EVERY, OPTIMIZERS = tuple(SCHEDULES), ("sgd", "adamw")
 FUP = {
-    "manual": partial(ManualSync, **FIND),
-    "ddp": partial(DDPSync, **FIND),
-    "zero": partial(ZeroSync, **FIND),
-    "zero-stage1": partial(ZeroSync, stage=1, bucket_cap_mb=TINY_MB, **FIND),
-    "zero3-root": partial(Zero3Sync, wrap="block", **FIND),  # no blocks: every parameter in the root unit
+    "manual": partial(MANUAL, **FIND),
+    "ddp": partial(DDP, **FIND),
+    "zero": partial(ZERO, **FIND),
+    "zero-stage1": partial(ZERO, stage=1, bucket_cap_mb=TINY_MB, **FIND),
+    "zero3-root": partial(ZERO3, wrap="block", **FIND),  # no blocks: every parameter in the root unit
 }
 # Each equals one process: with find_unused_parameters a parameter no rank used gets no update, one
 # some ranks used is averaged as sum / N. zero's flat shard has one step count per piece, so a
@@ -137,49 +138,49 @@ SHARDED_FUP = {k: v for k, v in FUP.items() if k not in ("manual", "ddp")}
 CASES |= _schedules({k: v for k, v in FUP.items() if k not in SHARDED_FUP}, EVERY, OPTIMIZERS)
 CASES |= _schedules(SHARDED_FUP, EVERY, ("sgd",))
 CASES |= _schedules(SHARDED_FUP, ("some-later", "some-first"), ("adamw",))
-CASES |= _schedules({"zero3-unit": partial(Zero3Sync, wrap="module", **FIND)}, ("all-later", "all-first"), ("sgd",))
+CASES |= _schedules({"zero3-unit": partial(ZERO3, wrap="module", **FIND)}, ("all-later", "all-first"), ("sgd",))
 FSDP_EVERY_FORWARD = {
-    "fsdp-fup": partial(FSDPSync, **FIND),  # the branch is a unit (Branchy has no ModuleList)
-    "fsdp-root-fup": partial(FSDPSync, wrap="block", **FIND),  # every parameter in the root unit
+    "fsdp-fup": partial(FSDP, **FIND),  # the branch is a unit (Branchy has no ModuleList)
+    "fsdp-root-fup": partial(FSDP, wrap="block", **FIND),  # every parameter in the root unit
 }
 CASES |= _schedules(
-    {"fsdp": FSDPSync, "fsdp-root": partial(FSDPSync, wrap="block"), **FSDP_EVERY_FORWARD},
+    {"fsdp": FSDP, "fsdp-root": partial(FSDP, wrap="block"), **FSDP_EVERY_FORWARD},
     ("all-later", "all-first"),
     OPTIMIZERS,
 )
 
 # Refused on every rank alike, naming the parameter, before the first optimizer step.
 REFUSED = {
-    "unused-all-manual-noflag": (Case("branchy", ManualSync), "'branch.weight'"),
-    "unused-one-manual-noflag": (Case("branchy", partial(ManualSync, coalesce_mb=0), branch_ranks=(1,)), "1 of 2"),
-    "unused-all-zero-noflag": (Case("branchy", ZeroSync), "'branch.weight'"),
-    "unused-one-zero-noflag": (Case("branchy", partial(ZeroSync, bucket_cap_mb=TINY_MB), branch_ranks=(1,)), "1 of 2"),
-    "unused-all-bucketed": (Case("branchy", BucketedSync), "'branch.weight'"),
-    "unused-one-bucketed": (Case("branchy", BucketedSync, branch_ranks=(1,)), "'branch.weight'"),
+    "unused-all-manual-noflag": (Case("branchy", MANUAL), "'branch.weight'"),
+    "unused-one-manual-noflag": (Case("branchy", partial(MANUAL, coalesce_mb=0), branch_ranks=(1,)), "1 of 2"),
+    "unused-all-zero-noflag": (Case("branchy", ZERO), "'branch.weight'"),
+    "unused-one-zero-noflag": (Case("branchy", partial(ZERO, bucket_cap_mb=TINY_MB), branch_ranks=(1,)), "1 of 2"),
+    "unused-all-bucketed": (Case("branchy", BUCKETED), "'branch.weight'"),
+    "unused-one-bucketed": (Case("branchy", BUCKETED, branch_ranks=(1,)), "'branch.weight'"),
     # fsdp: the branch is a unit rank 0 skips (module), or parameters of the root it leaves out (block:
     # Branchy has no ModuleList, so every parameter is in the root)
-    "unused-one-fsdp": (Case("branchy", FSDPSync, branch_ranks=(1,)), "'branch.weight'"),
-    "unused-one-fsdp-root": (Case("branchy", partial(FSDPSync, wrap="block"), branch_ranks=(1,)), "1 of 2"),
-    "unused-rank0-fsdp": (Case("branchy", FSDPSync, branch_ranks=(0,)), "'branch.weight'"),
+    "unused-one-fsdp": (Case("branchy", FSDP, branch_ranks=(1,)), "'branch.weight'"),
+    "unused-one-fsdp-root": (Case("branchy", partial(FSDP, wrap="block"), branch_ranks=(1,)), "1 of 2"),
+    "unused-rank0-fsdp": (Case("branchy", FSDP, branch_ranks=(0,)), "'branch.weight'"),
     # the shared layer is a unit run in two reentrant checkpoints and outside: FSDP2 reduces it early
-    "reused-fsdp": (Case("reused", FSDPSync), "'shared.weight'"),
-    "unused-one-fsdp-last": (Case("branchy-last", FSDPSync, branch_ranks=(1,)), "'branch.weight'"),
+    "reused-fsdp": (Case("reused", FSDP), "'shared.weight'"),
+    "unused-one-fsdp-last": (Case("branchy-last", FSDP, branch_ranks=(1,)), "'branch.weight'"),
     # zero stage 3: a unit one rank skips (module: the branch is one), refused in the first forward;
     # a parameter of the root one rank leaves out, after the first backward (unused.py's rule)
-    "unused-one-zero3-unit": (Case("branchy", partial(Zero3Sync, **FIND), branch_ranks=(1,)), "zero unit branch"),
-    "unused-one-zero3-root": (Case("branchy", partial(Zero3Sync, wrap="block"), branch_ranks=(1,)), "1 of 2"),
-    "unused-all-zero3-noflag": (Case("branchy", partial(Zero3Sync, wrap="block")), "'branch.weight'"),
+    "unused-one-zero3-unit": (Case("branchy", partial(ZERO3, **FIND), branch_ranks=(1,)), "zero unit branch"),
+    "unused-one-zero3-root": (Case("branchy", partial(ZERO3, wrap="block"), branch_ranks=(1,)), "1 of 2"),
+    "unused-all-zero3-noflag": (Case("branchy", partial(ZERO3, wrap="block")), "'branch.weight'"),
     # the shared layer is a unit run under reentrant checkpoints: its backward reruns it unannounced
-    "reused-zero3": (Case("reused", Zero3Sync), "zero unit shared"),
+    "reused-zero3": (Case("reused", ZERO3), "zero unit shared"),
 }
 # ...or at the first later step where a parameter goes without a gradient on every rank: without
 # find_unused_parameters each rank checks its own (sending zeros would step it where one process
 # skips it); zero with find_unused_parameters and AdamW (its step count is the shard piece's).
 NO_FUP = {
-    "manual-noflag": ManualSync,
-    "bucketed": partial(BucketedSync, bucket_cap_mb=TINY_MB),
-    "zero-noflag": ZeroSync,
-    "zero3-root-noflag": partial(Zero3Sync, wrap="block"),
+    "manual-noflag": MANUAL,
+    "bucketed": partial(BUCKETED, bucket_cap_mb=TINY_MB),
+    "zero-noflag": ZERO,
+    "zero3-root-noflag": partial(ZERO3, wrap="block"),
 }
 REFUSED |= {name: (case, "'branch.weight'") for name, case in _schedules(NO_FUP, ("all-later",), OPTIMIZERS).items()}
 NEVER_USED = _schedules(SHARDED_FUP, ("all-later", "all-first"), ("adamw",))
@@ -189,7 +190,7 @@ REFUSED |= {name: (case, "with torch.optim.AdamW") for name, case in NEVER_USED.
 REFUSED |= {
     name: (case, "zero unit branch")
     for name, case in _schedules(
-        {"zero3-unit": partial(Zero3Sync, wrap="module", **FIND)}, ("some-later",), OPTIMIZERS
+        {"zero3-unit": partial(ZERO3, wrap="module", **FIND)}, ("some-later",), OPTIMIZERS
     ).items()
 }
 # fsdp with find_unused_parameters checks every training forward as the first: a unit one rank skips
@@ -215,7 +216,7 @@ def _graph_changed(rank: int) -> str:
     """bucketed after step 1 learned 3 hook calls for the shared layer: a 4th in step 2 is an error
     naming it, raised from the hook (on every rank here, as the graph changed on every rank)."""
     model = make("reused")
-    sync = BucketedSync(bucket_cap_mb=TINY_MB)
+    sync = BUCKETED(bucket_cap_mb=TINY_MB)
     sync.wrap(model)
     for step in range(2):
         model.extra = step == 1
@@ -233,7 +234,7 @@ def _graph_changed(rank: int) -> str:
 def _fsdp_comm(rank: int, wrap: str) -> dict[str, Any]:
     """One step of the tied model: what fsdp counted from its units, and what FSDP2 really sent."""
     model = make("tied")
-    sync = FSDPSync(wrap=wrap)
+    sync = FSDP(wrap=wrap)
     sync.wrap(model)
     optimizer = sync.build_optimizer(model, optimizer_for)
     with real_collectives() as real, sampled(sync) as row:
@@ -248,7 +249,7 @@ def _shard_ops(rank: int, world_size: int, native: bool) -> tuple[torch.Tensor, 
     """zero's two forms of reduce-to-shard and gather (native: NCCL's; else gloo's), on one gloo group,
     through zero.py's own _reduce, _average and _gather on one bucket of 8 float64 weights."""
     model = torch.nn.Linear(8, 1, bias=False).double()
-    sync = ZeroSync(bucket_cap_mb=1.0)
+    sync = ZERO(bucket_cap_mb=1.0)
     sync.wrap(model)
     sync.build_optimizer(model, optimizer_for)
     sync._native = native

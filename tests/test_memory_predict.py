@@ -17,6 +17,7 @@ from torch import nn
 from models.gpt import GPT
 from models.mlp import MLP
 from tests.compose import REPO
+from tests.sync_helpers import from_yaml
 from trainer.footprint import Footprint, Held, Plan
 from trainer.measures import MEMORY_KINDS
 from trainer.scaling.memory import (
@@ -33,11 +34,7 @@ from trainer.scaling.memory import (
     zero_model_states,
 )
 from trainer.sync.base import DecayGroups, SyncStrategy
-from trainer.sync.bucketed import BucketedSync
-from trainer.sync.ddp import DDPSync
 from trainer.sync.flat import FlatGrads
-from trainer.sync.fsdp import FSDPSync
-from trainer.sync.manual import ManualSync
 from trainer.sync.none import NoSync
 from trainer.sync.zero import zero_sync
 from trainer.tools import memory as tool
@@ -126,25 +123,34 @@ REPLICA = table(152, 152, 152, 0)  # 38 float32 each
 # (strategy, {world size: parameters, gradients, optimizer state, comm buffers}), in bytes.
 BY_HAND = {
     "none": (NoSync, {n: REPLICA for n in (1, 2, 4)}),
-    "ddp": (DDPSync, {n: REPLICA | {"comm_buffers": 152} for n in (1, 2, 4)}),  # the reducer's buckets
+    "ddp": (  # the reducer's buckets
+        functools.partial(from_yaml, "ddp"),
+        {n: REPLICA | {"comm_buffers": 152} for n in (1, 2, 4)},
+    ),
     "ddp gradient_as_bucket_view": (
-        functools.partial(DDPSync, gradient_as_bucket_view=True),
+        functools.partial(from_yaml, "ddp", gradient_as_bucket_view=True),
         {n: REPLICA for n in (1, 2, 4)},
     ),
     "ddp powersgd": (  # the reducer's buckets and the error feedback
-        functools.partial(DDPSync, comm_hook="powersgd"),
+        functools.partial(from_yaml, "ddp", comm_hook="powersgd"),
         {n: REPLICA | {"comm_buffers": 304} for n in (1, 2, 4)},
     ),
     # One flat buffer of 38 elements, padded to a multiple of N (40 at 4); with collective=rs_ag its
     # shard too (all_reduce needs none).
-    "manual": (ManualSync, {1: table(152, 152, 152, 0), 2: table(152, 152, 152, 0), 4: table(152, 160, 152, 0)}),
+    "manual": (
+        functools.partial(from_yaml, "manual"),
+        {1: table(152, 152, 152, 0), 2: table(152, 152, 152, 0), 4: table(152, 160, 152, 0)},
+    ),
     "manual rs_ag": (
-        functools.partial(ManualSync, collective="rs_ag"),
+        functools.partial(from_yaml, "manual", collective="rs_ag"),
         {1: table(152, 152, 152, 152), 2: table(152, 152, 152, 76), 4: table(152, 160, 152, 40)},
     ),
-    "bucketed": (BucketedSync, {1: table(152, 152, 152, 0), 2: table(152, 152, 152, 0), 4: table(152, 160, 152, 0)}),
+    "bucketed": (
+        functools.partial(from_yaml, "bucketed"),
+        {1: table(152, 152, 152, 0), 2: table(152, 152, 152, 0), 4: table(152, 160, 152, 0)},
+    ),
     "bucketed rs_ag": (
-        functools.partial(BucketedSync, collective="rs_ag"),
+        functools.partial(from_yaml, "bucketed", collective="rs_ag"),
         {1: table(152, 152, 152, 152), 2: table(152, 152, 152, 76), 4: table(152, 160, 152, 40)},
     ),
     # The flat parameter buffer (padded) and the shard; stage 1: the gradient the same way.
@@ -169,7 +175,7 @@ BY_HAND = {
     # 24 elements at 2, 32 at 4) beside net.3's shard (12 elements, 6); comm: two units in backward.
     # One rank: the units still copied whole in their turn, nothing reduced (the gradient is the shard).
     "fsdp": (
-        FSDPSync,
+        functools.partial(from_yaml, "fsdp"),
         {1: REPLICA | {"comm_buffers": 152}, 2: table(96, 144, 96, 192), 4: table(56, 152, 56, 224)},
     ),
 }
@@ -190,7 +196,7 @@ def test_zero3_without_resharding_keeps_every_unit() -> None:
 def test_accumulating_keeps_the_full_gradients() -> None:
     """Under no_sync the full .grad accumulate: zero stage 2 holds them beside its shard, fsdp every unit's."""
     assert kinds(zero_sync(2, 25.0, False, "auto", 1, True), 4, accumulating=True)["gradients"] == 40 + 152
-    assert kinds(FSDPSync(), 4, accumulating=True)["gradients"] == 56 + 152
+    assert kinds(from_yaml("fsdp"), 4, accumulating=True)["gradients"] == 56 + 152
 
 
 def test_flat_buffers_footprint_is_what_they_allocate() -> None:
@@ -215,7 +221,7 @@ def test_gpt2_small_sharded_terms() -> None:
     plan = Plan(model, 64, DecayGroups(torch.optim.AdamW).groups(model.parameters()), False)
     psi = sum(p.numel() for p in model.parameters())
     assert psi == 124_439_808
-    for strategy in (zero_sync(3, 25.0, False, "auto", 1, True), FSDPSync()):
+    for strategy in (zero_sync(3, 25.0, False, "auto", 1, True), from_yaml("fsdp")):
         parameters = held_peaks(strategy.footprint(plan))["parameters"]
         assert 4 * psi / 64 <= parameters <= 1.001 * 4 * psi / 64
     parameters = held_peaks(zero_sync(2, 25.0, False, "auto", 1, True).footprint(plan))["parameters"]

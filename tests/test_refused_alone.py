@@ -14,22 +14,18 @@ import pytest
 
 from tests.dist_helpers import run_on_ranks, stop_collectives
 from tests.edge_models import Case, train
-from trainer.sync.bucketed import BucketedSync
-from trainer.sync.ddp import DDPSync
-from trainer.sync.manual import ManualSync
-from trainer.sync.zero import ZeroSync
-from trainer.sync.zero3 import Zero3Sync
+from tests.sync_helpers import from_yaml
 
 # Rank 1 leaves the branch out in step 2 (0-based 1), after both used it in step 1.
 SOME_LATER = {1: (0,)}
 STRATEGIES: dict[str, tuple[Any, str]] = {
-    "manual": (ManualSync, "got no gradient on this rank in step 2"),
-    "manual-alone": (partial(ManualSync, coalesce_mb=0), "got no gradient on this rank in step 2"),
-    "zero": (ZeroSync, "got no gradient on this rank in step 2"),
-    "zero3-root": (partial(Zero3Sync, wrap="block"), "got no gradient on this rank in step 2"),
-    "bucketed": (BucketedSync, "a bucket never got all its gradients this step"),
+    "manual": (partial(from_yaml, "manual"), "got no gradient on this rank in step 2"),
+    "manual-alone": (partial(from_yaml, "manual", coalesce_mb=0), "got no gradient on this rank in step 2"),
+    "zero": (partial(from_yaml, "zero"), "got no gradient on this rank in step 2"),
+    "zero3-root": (partial(from_yaml, "zero", stage=3, wrap="block"), "got no gradient on this rank in step 2"),
+    "bucketed": (partial(from_yaml, "bucketed"), "a bucket never got all its gradients this step"),
     # DDP's own error, at rank 1's next forward: its bucket with the branch was never sent there
-    "ddp": (DDPSync, "find_unused_parameters=True"),
+    "ddp": (partial(from_yaml, "ddp"), "find_unused_parameters=True"),
 }
 
 

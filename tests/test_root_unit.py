@@ -20,14 +20,14 @@ import torch.nn.functional as F
 from tests.dist_helpers import run_on_ranks
 from tests.edge_models import batch, make, optimizer_for
 from tests.observe_helpers import sampled, sent
-from trainer.sync.fsdp import FSDPSync
+from tests.sync_helpers import from_yaml
 from trainer.sync.zero3 import Zero3Sync
 
 BLOCKS = 2  # Tied's blocks: the units besides the root
 STRATEGIES = {
-    "fsdp": partial(FSDPSync, wrap="block"),
-    "zero3": partial(Zero3Sync, wrap="block"),
-    "zero3-no-prefetch": partial(Zero3Sync, wrap="block", prefetch=0),
+    "fsdp": partial(from_yaml, "fsdp", wrap="block"),
+    "zero3": partial(from_yaml, "zero", stage=3, wrap="block"),
+    "zero3-no-prefetch": partial(from_yaml, "zero", stage=3, wrap="block", prefetch=0),
 }
 
 

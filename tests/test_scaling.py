@@ -9,15 +9,25 @@ from pathlib import Path
 
 import pytest
 
+from trainer.comm_schedule import Buckets, Hop, Schedule
+from trainer.core import CONF_DIR
 from trainer.errors import ConfigError
-from trainer.links import Link, Network, Topology, ring_s
+from trainer.links import PRESETS, Link, Network, Topology, ring_s
+from trainer.scaling.__main__ import main
 from trainer.scaling.networks import fit_link, parse_network
-from trainer.scaling.predict import buckets, layered, overlapped, predict
+from trainer.scaling.options import schedules
+from trainer.scaling.predict import buckets, fsdp_units, layered, layout, overlapped, predict
 from trainer.scaling.profile import RunProfile, Tensor, read_profile
 
 LINK = Link(alpha_s=10e-6, beta_Bps=1e9)
 FAST = Network.uniform("fast", 1e-6, 100e9)
 SLOW = Network.uniform("slow", 5e-6, 10e9)
+
+
+@pytest.fixture(scope="module")
+def described() -> dict[str, Schedule]:
+    """What each option of conf/sync/ says its step sends, built as the command builds it."""
+    return schedules()[0]
 
 
 def test_ring_costs_by_hand() -> None:
@@ -36,9 +46,15 @@ def test_two_levels_by_hand() -> None:
     # each rank's 10 MB over 2 nodes at 10 GB/s (2 steps of 5 MB: 2 x (5 us + 500 us)).
     topo = Topology(16, 8, intra=FAST, inter=SLOW)
     assert topo.nodes == 2 and topo.per_node == 8
-    assert topo.collective_s("all_reduce", 80e6) == pytest.approx(2 * 7 * 101e-6 + 2 * 505e-6)
-    assert topo.collective_s("reduce_scatter", 80e6) == pytest.approx(7 * 101e-6 + 505e-6)
-    assert topo.collective_s("all_gather", 80e6) == pytest.approx(7 * 101e-6 + 505e-6)
+    assert topo.two_level_s("all_reduce", 80e6) == pytest.approx(2 * 7 * 101e-6 + 2 * 505e-6)
+    assert topo.two_level_s("reduce_scatter", 80e6) == pytest.approx(7 * 101e-6 + 505e-6)
+    assert topo.two_level_s("all_gather", 80e6) == pytest.approx(7 * 101e-6 + 505e-6)
+    # The same buffer as one flat ring of all 16 ranks: every one of its 30 steps (5 MB each) waits
+    # for the inter-node hop, 30 x (5 us + 500 us).
+    assert topo.collective_s("all_reduce", 80e6) == pytest.approx(30 * 505e-6)
+    # A group inside one node pays the intra link, one rank per node the inter link.
+    assert topo.collective_s("all_reduce", 80e6, "node") == pytest.approx(2 * 7 * 101e-6)
+    assert topo.collective_s("all_reduce", 10e6, "nodes") == pytest.approx(2 * 505e-6)
     # One network everywhere, or one node: one flat ring of every rank.
     flat = Topology(16, 8, intra=SLOW, inter=SLOW)
     assert flat.collective_s("all_reduce", 80e6) == pytest.approx(
@@ -119,7 +135,7 @@ def test_layered_pass_by_hand() -> None:
     assert layered([1, 1], 1.0, lambda s: 0.2, lambda s: 0.1) == pytest.approx((1.3, 0.6))
 
 
-def test_strategies_by_hand() -> None:
+def test_strategies_by_hand(described: dict[str, Schedule]) -> None:
     mib = 2**20
     tensors = (Tensor("a.weight", 2 * mib), Tensor("a.bias", mib), Tensor("b.weight", mib))
     phases = {"data": 0.0, "forward": 0.01, "backward": 0.02, "optimizer": 0.004}
@@ -127,32 +143,134 @@ def test_strategies_by_hand() -> None:
     topo = Topology(4, 8, SLOW, SLOW)
     ar = lambda s: ring_s("all_reduce", s, 4, SLOW.link("all_reduce"))  # noqa: E731
     half = lambda s: ring_s("all_gather", s, 4, SLOW.link("all_gather"))  # noqa: E731  # = reduce_scatter
-    assert predict(profile, topo, "none").step_s == pytest.approx(0.034)
-    manual = predict(profile, topo, "manual")  # one 25 MiB buffer, after backward
+    assert predict(profile, topo, "none", described["none"]).step_s == pytest.approx(0.034)
+    manual = predict(profile, topo, "manual", described["manual"])  # one 25 MiB buffer, after backward
     assert manual.step_s == pytest.approx(0.034 + ar(4 * mib)) and manual.efficiency == pytest.approx(
         0.034 / manual.step_s
     )
     # bucketed, 2 MiB cap, gradient order b.weight, a.bias, a.weight: buckets of 2 MiB (ready at
     # half of backward, 10 ms) and 2 MiB (at 20 ms); each all_reduce takes ar(2 MiB) ~ 0.35 ms.
-    bucketed = predict(profile, topo, "bucketed", cap_mb=2)
+    bucketed = predict(profile, topo, "bucketed", described["bucketed"].with_cap(2))
     assert bucketed.comm_s == pytest.approx(2 * ar(2 * mib)) and bucketed.exposed_s == pytest.approx(ar(2 * mib))
-    assert predict(profile, topo, "bucketed", cap_mb=2, overlap=False).exposed_s == pytest.approx(2 * ar(2 * mib))
-    zero = predict(profile, topo, "zero")  # the optimizer steps on 1/4 of the parameters
+    no_overlap = predict(profile, topo, "bucketed", described["bucketed"].with_cap(2), overlap=False)
+    assert no_overlap.exposed_s == pytest.approx(2 * ar(2 * mib))
+    zero = predict(profile, topo, "zero", described["zero"])  # the optimizer steps on 1/4 of the parameters
     assert zero.step_s == pytest.approx(0.030 + 0.001 + 2 * half(4 * mib))
     # With 2 MiB buckets the first bucket's reduce_scatter hides under backward; the other and both
     # all_gathers (after the optimizer step) are exposed.
-    zero2 = predict(profile, topo, "zero", cap_mb=2)
+    zero2 = predict(profile, topo, "zero", described["zero"].with_cap(2))
     assert zero2.comm_s == pytest.approx(4 * half(2 * mib)) and zero2.exposed_s == pytest.approx(3 * half(2 * mib))
     # fsdp: units a (3 MiB, 3/4 of each pass's compute) and b (1 MiB). Forward: a's gather is
     # exposed, b's hides under a. Backward (b, then a): b's gather is exposed, a's hides under b,
     # b's reduce_scatter under a, and a's reduce_scatter comes after all compute.
     g3, g1 = half(3 * mib), half(mib)
-    fsdp = predict(profile, topo, "fsdp")
+    fsdp = predict(profile, topo, "fsdp", described["fsdp"])
     assert fsdp.comm_s == pytest.approx(3 * g3 + 3 * g1)
     assert fsdp.exposed_s == pytest.approx(g3 + g1 + g3)
     assert fsdp.step_s == pytest.approx(0.031 + 2 * g3 + g1)
     # manual with 2 MiB buffers in registration order: a.weight alone, then a.bias with b.weight.
-    assert predict(profile, topo, "manual", cap_mb=2).comm_s == pytest.approx(2 * ar(2 * mib))
+    assert predict(profile, topo, "manual", described["manual"].with_cap(2)).comm_s == pytest.approx(2 * ar(2 * mib))
+
+
+def _by_name(
+    profile: RunProfile, topo: Topology, strategy: str, cap_mb: float, wrap: str, overlap: bool
+) -> tuple[float, float, float]:
+    """(step, comm, exposed) as the model computed them when it knew the six strategies by name."""
+    p = profile.phase_s
+    grads = [t.nbytes for t in reversed(profile.tensors)]
+    ar = lambda s: topo.collective_s("all_reduce", s)  # noqa: E731
+    rs = lambda s: topo.collective_s("reduce_scatter", s)  # noqa: E731
+    ag = lambda s: topo.collective_s("all_gather", s)  # noqa: E731
+    optimizer = p["optimizer"] / topo.ranks if strategy in ("zero", "fsdp") else p["optimizer"]
+    if strategy == "none":
+        comm = exposed = 0.0
+    elif strategy == "manual":
+        comm = exposed = sum(ar(s) for s in buckets([t.nbytes for t in profile.tensors], cap_mb))
+    elif strategy in ("bucketed", "ddp"):
+        first = 1.0 if strategy == "ddp" else None
+        comm, exposed = overlapped(buckets(grads, cap_mb, first, ddp=strategy == "ddp"), p["backward"], ar)
+    elif strategy == "zero":
+        comm, exposed = overlapped(buckets(grads, cap_mb), p["backward"], rs)
+        gathers = sum(ag(s) for s in buckets(grads, cap_mb))
+        comm, exposed = comm + gathers, exposed + gathers
+    else:
+        units = fsdp_units(profile, wrap)
+        forward, comm_f = layered(units, p["forward"], ag, None)
+        backward, comm_b = layered(units[::-1], p["backward"], ag, rs)
+        comm, exposed = comm_f + comm_b, forward - p["forward"] + backward - p["backward"]
+    if not overlap:
+        exposed = comm
+    return profile.compute_s - p["optimizer"] + optimizer + exposed, comm, exposed
+
+
+ONE_NODE_OR_ONE_NETWORK = [
+    Topology(8, 8, PRESETS["loopback"], PRESETS["loopback"]),  # a link per collective kind
+    Topology(2, 8, FAST, SLOW),  # one node of a two-network cluster
+    Topology(16, 8, SLOW, SLOW),  # two nodes, one network: one flat ring, as before
+]
+
+
+@pytest.mark.parametrize("topo", ONE_NODE_OR_ONE_NETWORK, ids=lambda t: f"{t.ranks}x{t.intra.name}")
+def test_the_six_strategies_predict_what_they_did_by_name(described: dict[str, Schedule], topo: Topology) -> None:
+    """Each strategy's own schedule(), at its YAML's defaults and at other caps and wraps, gives the
+    numbers the model gave when it branched on the six names, wherever a collective's cost did not
+    change (one node, or one network everywhere)."""
+    tensors = (
+        Tensor("emb.weight", 3 << 20),
+        Tensor("blocks.0.w", 2 << 20, "blocks.0"),
+        Tensor("blocks.0.b", 4 << 10, "blocks.0"),
+        Tensor("blocks.1.w", 2 << 20, "blocks.1"),
+        Tensor("blocks.1.b", 4 << 10, "blocks.1"),
+        Tensor("head.weight", 700 << 10),
+    )
+    phases = {"data": 0.001, "forward": 0.01, "backward": 0.02, "optimizer": 0.004}
+    profile = RunProfile(Path("run"), 1, "cpu", "none", 32, phases, tensors)
+    assert set(described) >= {"none", "manual", "bucketed", "ddp", "zero", "fsdp"}
+    for name in ("none", "manual", "bucketed", "ddp", "zero", "fsdp"):
+        for cap, wrap in [(None, None), (0.5, "module"), (2.0, "block"), (100.0, "auto")]:
+            schedule = described[name]
+            if cap is not None:
+                schedule = schedule.with_cap(cap).with_wrap(wrap)
+            for overlap in (True, False):
+                new = predict(profile, topo, name, schedule, overlap=overlap)
+                old = _by_name(profile, topo, name, cap or 25.0, wrap or "auto", overlap)
+                assert (new.step_s, new.comm_s, new.exposed_s) == old, (name, cap, wrap, overlap)
+                bucketing = name in ("manual", "bucketed", "ddp", "zero")
+                assert new.bucket_cap_mb == ((cap or 25.0) if bucketing else None)
+
+
+class Hierarchical:
+    """A strategy the scaling model knows only by its schedule: sync=hierarchical's buckets (flat,
+    gradient-ready order, sent during backward), each reduce_scattered inside the node, its 1/G
+    all-reduced across the nodes, all_gathered inside the node."""
+
+    def schedule(self) -> Schedule:
+        hops = (Hop("reduce_scatter", "node"), Hop("all_reduce", "nodes", "node"), Hop("all_gather", "node"))
+        return Schedule(Buckets(25.0, hops=hops))
+
+
+def test_a_strategy_known_by_its_schedule_alone_is_priced_in_two_levels(described: dict[str, Schedule]) -> None:
+    """Two nodes of 2 ranks, 1 GbE between them and NVLink inside: the hierarchical hops cost
+    trainer/links.py's two-level all-reduce per bucket, and hide more of the step than ddp's flat
+    ring of all 4 ranks, every step of which waits for the 1 GbE hop."""
+    tensors = tuple(Tensor(f"layer{i}.weight", 8 << 20) for i in range(4))
+    phases = {"data": 0.0, "forward": 0.1, "backward": 0.2, "optimizer": 0.01}
+    profile = RunProfile(Path("run"), 1, "cpu", "none", 32, phases, tensors)
+    topo = Topology(4, 2, intra=PRESETS["nvlink"], inter=PRESETS["1gbe"])
+    schedule = Hierarchical().schedule()
+    hierarchical = predict(profile, topo, "hierarchical", schedule)
+    sizes = layout(profile, schedule.sends) if isinstance(schedule.sends, Buckets) else []
+    assert sizes == [24 << 20, 8 << 20]  # flat buckets of 25 MiB in gradient-ready order
+    assert hierarchical.comm_s == pytest.approx(sum(topo.two_level_s("all_reduce", s) for s in sizes))
+    ddp = predict(profile, topo, "ddp", described["ddp"])
+    flat = PRESETS["1gbe"].link("all_reduce")  # ddp's buckets: 8 MiB (the first closes past 1 MiB), then 24
+    assert ddp.comm_s == pytest.approx(sum(ring_s("all_reduce", s, 4, flat) for s in [8 << 20, 24 << 20]))
+    assert hierarchical.exposed_s < ddp.exposed_s and hierarchical.step_s < ddp.step_s
+    # On one node the hops are one flat ring's reduce_scatter and all_gather: what all_reduce costs there.
+    one = Topology(2, 2, intra=PRESETS["nvlink"], inter=PRESETS["1gbe"])
+    assert predict(profile, one, "hierarchical", schedule).comm_s == pytest.approx(
+        predict(profile, one, "bucketed", described["bucketed"]).comm_s
+    )
 
 
 def test_what_if_compute_keeps_each_phase_share() -> None:
@@ -167,7 +285,7 @@ def test_what_if_compute_keeps_each_phase_share() -> None:
 def test_fsdp_units_follow_sync_wrap() -> None:
     """sync.wrap's choice: module units (per owning module), or the root's tensors then one unit per
     block; auto is block only when the run recorded blocks (older summaries have none)."""
-    from trainer.scaling.predict import FSDP_WRAPS, fsdp_units
+    from trainer.scaling.predict import FSDP_WRAPS
     from trainer.sync.fsdp_units import Wrap
 
     assert typing.get_args(Wrap) == FSDP_WRAPS
@@ -204,6 +322,7 @@ def _summary(path: Path, strategy: str, ranks: list[dict[str, float]]) -> Path:
 
 
 def test_a_strategys_own_run_profiles_its_compute_without_its_waits(tmp_path: Path) -> None:
+    sharded = {"zero"}  # a strategy whose schedule shards the optimizer (the command passes every such option)
     """What a run waited for beyond its sync phase comes out of the phases in proportion; a sharded
     strategy's optimizer phase is scaled back to the whole model's step."""
     phases = {"data": 0.0, "forward": 0.02, "backward": 0.07, "optimizer": 0.01}  # 100 ms
@@ -215,7 +334,9 @@ def test_a_strategys_own_run_profiles_its_compute_without_its_waits(tmp_path: Pa
     manual = read_profile(_summary(tmp_path / "manual", "manual", [{**phases, "sync": 0.04, "comm_exposed": 0.04}] * 2))
     assert manual.phase_s == pytest.approx(phases)
     # zero on 2 ranks: 20 ms waited beyond its 10 ms sync phase; its optimizer stepped half the model.
-    zero = read_profile(_summary(tmp_path / "zero", "zero", [{**phases, "sync": 0.01, "comm_exposed": 0.03}] * 2))
+    zero = read_profile(
+        _summary(tmp_path / "zero", "zero", [{**phases, "sync": 0.01, "comm_exposed": 0.03}] * 2), sharded
+    )
     assert zero.phase_s == pytest.approx({**{k: 0.8 * v for k, v in phases.items()}, "optimizer": 2 * 0.8 * 0.01})
     # No communication measured (sync=none, one rank): the phases as they are.
     alone = read_profile(_summary(tmp_path / "none", "none", [phases]))
@@ -227,5 +348,20 @@ def test_one_rank_of_a_strategy_keeps_its_phases(tmp_path: Path) -> None:
     phases = {"data": 0.0, "forward": 0.02, "backward": 0.07, "optimizer": 0.01}
     one = read_profile(_summary(tmp_path / "ddp1", "ddp", [{**phases, "sync": 0.0, "comm_exposed": 0.001}]))
     assert one.phase_s == pytest.approx(phases)
-    sharded = read_profile(_summary(tmp_path / "zero1", "zero", [{**phases, "sync": 0.0, "comm_exposed": 0.001}]))
+    sharded = read_profile(
+        _summary(tmp_path / "zero1", "zero", [{**phases, "sync": 0.0, "comm_exposed": 0.001}]), {"zero"}
+    )
     assert sharded.phase_s == pytest.approx(phases)  # a shard of one rank is the whole model
+
+
+def test_the_command_accepts_exactly_conf_syncs_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--strategies takes its names from conf/sync/: every option passes (the missing run is what is
+    refused), and a name that is no option is refused with the options listed."""
+    options = sorted(path.stem for path in (CONF_DIR / "sync").glob("*.yaml"))
+    missing = tmp_path / "no-run"
+    assert main(["--run", str(missing), "--strategies", ",".join(options)]) == 2
+    assert f"--run {missing} does not exist" in capsys.readouterr().err
+    assert main(["--run", str(missing), "--strategies", "ddp,horovod"]) == 2
+    err = capsys.readouterr().err
+    assert "--strategies: unknown horovod; accepted: " in err
+    assert sorted(err.split("accepted: ")[1].strip().split(", ")) == options

@@ -10,6 +10,7 @@ import pytest
 
 from trainer.links import Network, Topology
 from trainer.scaling.caps import NOISE_BOUND, cap_advice, logged_step_s, noise_warning, tied_caps
+from trainer.scaling.options import schedules
 from trainer.scaling.predict import Prediction
 from trainer.scaling.profile import RunProfile, Tensor
 from trainer.scaling.report import plot
@@ -25,16 +26,17 @@ def profile(sizes: list[int]) -> RunProfile:
 
 
 def test_caps_that_build_the_same_buckets_tie() -> None:
+    ddp = schedules()[0]["ddp"]  # its buckets as sync=ddp states them
     # Every tensor (200 MiB) is larger than every cap: one tensor per bucket whatever the cap.
     big = profile([200 * MIB] * 3)
     topos = [Topology(n, 8, NET, NET) for n in (2, 16)]
-    line, best = cap_advice(big, topos, [1, 5, 25, 100], overlap=True)
+    line, best = cap_advice(big, topos, "ddp", ddp, [1, 5, 25, 100], overlap=True)
     assert line == "sync.bucket_cap_mb for sync=ddp: all caps give the same buckets (3), so none is best"
     assert best is None
     # Small tensors: 0.25 MiB splits them, 25 and 100 both take all 8 MiB in one bucket (after DDP's 1 MiB first).
     small = profile([MIB] * 8)
-    assert tied_caps(small, [0.25, 25, 100]) == [[0.25], [25, 100]]
-    line, best = cap_advice(small, topos, [0.25, 25, 100], overlap=True)
+    assert tied_caps(small, ddp, [0.25, 25, 100]) == [[0.25], [25, 100]]
+    line, best = cap_advice(small, topos, "ddp", ddp, [0.25, 25, 100], overlap=True)
     assert line.startswith("best sync.bucket_cap_mb for sync=ddp: N=2: ") and best is not None
     assert line.endswith("; caps 25 and 100 give the same buckets")
 

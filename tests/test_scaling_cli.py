@@ -15,15 +15,18 @@ import torch.distributed
 
 from tests.cli import CPU, output, python_train_forked
 from tests.compose import REPO
+from trainer.comm_schedule import Buckets
 from trainer.links import KINDS, Link, ring_s
 from trainer.scaling.__main__ import main
-from trainer.scaling.predict import DDP_FIRST_BUCKET_MB, STRATEGIES, buckets
+from trainer.scaling.options import schedules
+from trainer.scaling.predict import buckets
 from trainer.scaling.profile import measured_step_s, read_profile
 from trainer.tools.collective_ops import bandwidths
 from trainer.tools.collectives import write_results
 
 pytestmark = pytest.mark.slow
 WIDE = "model.hidden_sizes=[512,512,512]"  # two 1 MiB weight matrices: 3 DDP buckets at 0.25 MiB
+STRATEGIES = list(schedules()[0])  # the options of conf/sync/ that say what their step sends, in the table's order
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +53,11 @@ def test_summary_records_the_gradients_as_ddp_buckets_them(run_dir: Path) -> Non
     assert sum(t["bytes"] for t in tensors) == summary["model"]["parameter_bytes"]
     # The model's buckets for DDP's rules are the ones DDP itself built (after its rebuild).
     grads = [t["bytes"] for t in reversed(tensors)]
-    predicted = buckets(grads, 0.25, DDP_FIRST_BUCKET_MB, ddp=True)
+    ddp = schedules()[0]["ddp"].sends  # as sync=ddp states them
+    assert isinstance(ddp, Buckets) and ddp.first_cap_mb is not None
+    predicted = buckets(grads, 0.25, ddp.first_cap_mb, ddp=ddp.rule == "ddp")
     assert len(predicted) == 3 and predicted == summary["sync"]["bucket_sizes_bytes"]
-    assert DDP_FIRST_BUCKET_MB * 2**20 == torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
+    assert ddp.first_cap_mb * 2**20 == torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
 
 
 def test_caps_that_tie_are_said_to_tie(run_dir: Path, tmp_path: Path) -> None:
@@ -184,7 +189,7 @@ def test_network_fitted_to_a_collectives_json(
         ),
         (["--ranks", "12", "--gpus-per-node", "8"], "12 ranks do not fill nodes of 8"),
         (["--ranks", "2,x"], "--ranks='2,x' is invalid: a comma-separated list of integers > 0"),
-        (["--strategies", "ddp,horovod"], "--strategies: unknown horovod; accepted: none, manual, bucketed"),
+        (["--strategies", "ddp,horovod"], "--strategies: unknown horovod; accepted: none, "),
         (["--compute-ms", "0"], "--compute-ms=0 is invalid: it must be > 0"),
     ],
 )

@@ -21,6 +21,7 @@ import trainer.loop.trainer as trainer_module
 from tests.compose import compose_config
 from tests.dist_helpers import collectives_stopped, run_on_ranks, still_in_step
 from tests.observe_helpers import sampled, sent
+from tests.sync_helpers import class_from_yaml
 from tests.train_helpers import (
     SIX_STEPS,
     assert_same_model,
@@ -128,7 +129,7 @@ def _mechanism(rank: int, world_size: int, stage: int, cap_mb: float) -> dict[st
     """The strategy alone on a toy model of 23 parameters: views, counts, checks, refusals."""
     torch.manual_seed(rank)  # each rank draws other weights: wrap() must replace them with rank 0's
     model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
-    sync = ZeroSync(stage=stage, bucket_cap_mb=cap_mb)
+    sync = class_from_yaml(ZeroSync, "zero", stage=stage, bucket_cap_mb=cap_mb)
     sync.wrap(model)
     optimizer = sync.build_optimizer(model, partial(torch.optim.SGD, lr=0.1))
     flat = sync.flat
@@ -183,7 +184,7 @@ def _mechanism(rank: int, world_size: int, stage: int, cap_mb: float) -> dict[st
         except ConfigError as err:
             refusals[name] = str(err)
     try:  # refused before any collective, so a single rank may try it
-        ZeroSync().wrap(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double()))
+        class_from_yaml(ZeroSync, "zero").wrap(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double()))
     except ConfigError as err:
         refusals["mixed"] = str(err)
     return {

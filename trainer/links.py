@@ -10,22 +10,27 @@ bandwidth beta:
     reduce_scatter   (n-1) (alpha + S / (n beta))     S = the full input
     all_gather       (n-1) (alpha + S / (n beta))     S = the full output
 
-beta is per rank and direction, which is what nccl-tests' bus bandwidth measures. When ranks span
-nodes on a slower network, the collective runs in two levels (NCCL's and Horovod's hierarchical
-form): inside each node over the fast network on the whole buffer, across nodes on each rank's
-1/G of it, every rank of a node using the inter-node network at once (one NIC per GPU).
+beta is per rank and direction, which is what nccl-tests' bus bandwidth measures. A collective is
+charged by the ranks of its group: inside one node it is a ring on the intra-node link; a group that
+spans nodes is one flat ring whose every step waits for its slowest hop, the inter-node link (a
+single ring, as gloo runs and as nccl-tests' bus bandwidth across nodes shows). The two-level form
+(NCCL's tree, Horovod's and sync=hierarchical's: reduce-scatter inside each node on the whole
+buffer, all-reduce across nodes on each rank's 1/G of it, every NIC at once, all-gather inside the
+node) is `two_level_s`: three collectives on two kinds of group, not one flat ring.
 """
 
 from __future__ import annotations
 
 import math
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from trainer.comm_math import ring_steps
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather")  # the ones a fit has a link for
+Span = Literal["world", "node", "nodes"]  # where a collective's group lies (Topology.span)
 
 
 @dataclass(frozen=True)
@@ -97,15 +102,35 @@ class Topology:
     def per_node(self) -> int:
         return min(self.ranks, self.ranks_per_node)
 
-    def collective_s(self, kind: str, size_bytes: float) -> float:
+    def span(self, name: Span) -> list[int]:
+        """The ranks of a group by where it lies: `world` every rank, `node` the first node's ranks,
+        `nodes` one rank of each node (the group an inter-node all-reduce of a shard runs on)."""
+        if name == "node":
+            return list(range(self.per_node))
+        if name == "nodes":
+            return list(range(0, self.ranks, self.per_node))
+        return list(range(self.ranks))
+
+    def group_s(self, kind: str, size_bytes: float, ranks: Sequence[int]) -> float:
+        """One flat ring collective of size_bytes over these ranks: on the intra link if they all lie in
+        one node, else on the inter link (the ring's slowest hop sets every step's pace)."""
+        nodes = {rank // self.ranks_per_node for rank in ranks}
+        network = self.intra if len(nodes) == 1 else self.inter
+        return ring_s(kind, size_bytes, len(ranks), network.link(kind))
+
+    def collective_s(self, kind: str, size_bytes: float, span: Span = "world") -> float:
         """Seconds for one collective of size_bytes (all_reduce's buffer, reduce_scatter's input,
-        all_gather's output) across all the ranks."""
-        if self.nodes == 1 or self.intra == self.inter:  # one network: one flat ring of every rank
-            return ring_s(kind, size_bytes, self.ranks, self.intra.link(kind))
-        g, m = self.per_node, self.nodes
-        local_rs = ring_s("reduce_scatter", size_bytes, g, self.intra.link("reduce_scatter"))
-        local_ag = ring_s("all_gather", size_bytes, g, self.intra.link("all_gather"))
-        across = ring_s(kind, size_bytes / g, m, self.inter.link(kind))  # each rank's 1/g, all NICs at once
+        all_gather's output) on the group `span` names (by default every rank, one flat ring)."""
+        return self.group_s(kind, size_bytes, self.span(span))
+
+    def two_level_s(self, kind: str, size_bytes: float) -> float:
+        """The same collective over every rank in two levels: inside each node on the whole buffer, across
+        nodes on each rank's 1/G of it (sync=hierarchical's steps; one flat ring inside a single node)."""
+        if self.nodes == 1:
+            return self.collective_s(kind, size_bytes)
+        local_rs = self.collective_s("reduce_scatter", size_bytes, "node")
+        local_ag = self.collective_s("all_gather", size_bytes, "node")
+        across = self.collective_s(kind, size_bytes / self.per_node, "nodes")  # each rank's 1/g, all NICs at once
         if kind == "all_reduce":
             return local_rs + across + local_ag
         return local_rs + across if kind == "reduce_scatter" else across + local_ag

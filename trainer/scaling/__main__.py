@@ -8,13 +8,17 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from trainer.comm_schedule import Schedule
 from trainer.errors import ConfigError
 from trainer.links import PRESETS, Topology
 from trainer.scaling import report
 from trainer.scaling.caps import cap_advice, logged_step_s, noise_warning
 from trainer.scaling.networks import fit_network, parse_network
-from trainer.scaling.predict import FSDP_WRAPS, STRATEGIES, predict
+from trainer.scaling.options import schedules
+from trainer.scaling.predict import FSDP_WRAPS, predict
 from trainer.scaling.profile import RunProfile, read_profile
+
+CAPS_OF = "ddp"  # the strategy whose sync.bucket_cap_mb --bucket-caps chooses
 
 
 def _numbers(text: str, flag: str, *, whole: bool = False) -> list[float]:
@@ -38,13 +42,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--intra-network", help="inside a node (default: --network, i.e. one flat network)")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node (default 8)")
-    parser.add_argument("--strategies", default=",".join(STRATEGIES), help="default: all of them")
+    parser.add_argument("--strategies", help="comma-separated options of conf/sync/ (default: all of them)")
     parser.add_argument(
         "--fsdp-wrap",
         choices=FSDP_WRAPS,
-        default="auto",
-        help="sync=fsdp's units, as sync.wrap makes them: block (one per nn.ModuleList element, the rest in the "
-        "root), module (one per module owning parameters), auto (block if the run recorded blocks; default)",
+        help="the units of sync=fsdp (and of every strategy that gathers units), as sync.wrap makes them: block "
+        "(one per nn.ModuleList element, the rest in the root), module (one per module owning parameters), auto "
+        "(block if the run recorded blocks); default: each strategy's own sync.wrap",
     )
     parser.add_argument("--bucket-caps", default="0.25,1,5,25,100", help="sync=ddp caps (MiB) to choose among")
     parser.add_argument(
@@ -82,8 +86,8 @@ def _topologies(args: argparse.Namespace) -> list[Topology]:
         raise ConfigError(f"--ranks={args.ranks} with --gpus-per-node={args.gpus_per_node}: {err}") from err
 
 
-def _profile(args: argparse.Namespace) -> RunProfile:
-    measured = read_profile(args.run)
+def _profile(args: argparse.Namespace, described: dict[str, Schedule]) -> RunProfile:
+    measured = read_profile(args.run, {name for name, s in described.items() if s.optimizer_shard is not None})
     source = f"measured on {measured.device}"
     if args.compute_ms is not None:
         source = f"--compute-ms; {measured.compute_s * 1e3:.3f} ms measured on {measured.device}"
@@ -100,27 +104,46 @@ def _profile(args: argparse.Namespace) -> RunProfile:
     return measured
 
 
-def run(args: argparse.Namespace) -> int:
-    strategies = args.strategies.split(",")
-    unknown = [s for s in strategies if s not in STRATEGIES]
+def _chosen(
+    args: argparse.Namespace, described: dict[str, Schedule], silent: list[str]
+) -> tuple[dict[str, Schedule], list[str]]:
+    """The strategies --strategies names (default: every option, as `schedules` orders them), each
+    with what its step sends (--fsdp-wrap's units); and those left out, which do not say it."""
+    options = [*described, *silent]
+    names = args.strategies.split(",") if args.strategies else options
+    unknown = [s for s in names if s not in options]
     if unknown:
-        raise ConfigError(f"--strategies: unknown {', '.join(unknown)}; accepted: {', '.join(STRATEGIES)}")
+        raise ConfigError(f"--strategies: unknown {', '.join(unknown)}; accepted: {', '.join(options)}")
+    wrap = args.fsdp_wrap
+    chosen = {name: described[name].with_wrap(wrap) if wrap else described[name] for name in names if name in described}
+    left_out = [name for name in names if name in silent]
+    if not chosen:
+        raise ConfigError(f"--strategies={args.strategies}: none of them says what its step sends (schedule())")
+    return chosen, left_out
+
+
+def run(args: argparse.Namespace) -> int:
+    described, silent = schedules()
+    chosen, left_out = _chosen(args, described, silent)
     caps = _numbers(args.bucket_caps, "--bucket-caps")
     topologies = _topologies(args)
-    profile = _profile(args)
+    profile = _profile(args, described)
     intra, inter = topologies[0].intra, topologies[0].inter
     where = inter.describe() if intra == inter else f"{inter.describe()} between nodes, {intra.describe()} inside"
     overlap = "communication overlaps compute" if args.overlap else "no overlap: every collective is exposed"
     print(f"network: {where}; {args.gpus_per_node} ranks per node; {overlap}")
     predictions = [
-        predict(profile, topo, s, overlap=args.overlap, fsdp_wrap=args.fsdp_wrap)
-        for s in strategies
+        predict(profile, topo, name, schedule, overlap=args.overlap)
+        for name, schedule in chosen.items()
         for topo in topologies
     ]
     print(report.format_table(predictions))
     if note := report.above_one_note(predictions):
         print(note)
-    advice, best = cap_advice(profile, topologies, caps, overlap=args.overlap)
+    if left_out:
+        names = ", ".join(f"sync={s}" for s in left_out)
+        print(f"note: not predicted: {names}, which does not say what its step sends (SyncStrategy.schedule)")
+    advice, best = cap_advice(profile, topologies, CAPS_OF, described[CAPS_OF], caps, overlap=args.overlap)
     print(advice)
     meta = {
         "run": str(args.run),

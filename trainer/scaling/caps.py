@@ -1,4 +1,5 @@
-"""Which sync.bucket_cap_mb to use for sync=ddp, said honestly: caps that build the same buckets tie.
+"""Which sync.bucket_cap_mb to use for a bucketing strategy (the command asks for sync=ddp), said
+honestly: caps that build the same buckets tie.
 
 A cap only matters through the buckets it builds. When every cap gives the model the same
 buckets, naming the largest as "best" would present a tie-break as a finding; so this says that
@@ -12,24 +13,26 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
+from trainer.comm_schedule import Buckets, Schedule
 from trainer.links import Topology
-from trainer.scaling.predict import DDP_FIRST_BUCKET_MB, Prediction, best_cap, buckets
+from trainer.scaling.predict import Prediction, best_cap, layout
 from trainer.scaling.profile import RunProfile
 
 NOISE_BOUND = 0.2  # how far the median logged step time may lie above the fastest before it warns
 
 
-def ddp_layout(profile: RunProfile, cap_mb: float) -> tuple[int, ...]:
-    """The buckets (bytes) the model predicts DDP builds at this cap, in gradient-ready order."""
-    grads = [t.nbytes for t in reversed(profile.tensors)]
-    return tuple(buckets(grads, cap_mb, DDP_FIRST_BUCKET_MB, ddp=True))
+def cap_layout(profile: RunProfile, schedule: Schedule, cap_mb: float) -> tuple[int, ...]:
+    """The buckets (bytes) the model predicts the strategy builds at this cap, in the order it sends them."""
+    sends = schedule.with_cap(cap_mb).sends
+    assert isinstance(sends, Buckets), "only a strategy that sends buckets has a cap"
+    return tuple(layout(profile, sends))
 
 
-def tied_caps(profile: RunProfile, caps_mb: Sequence[float]) -> list[list[float]]:
+def tied_caps(profile: RunProfile, schedule: Schedule, caps_mb: Sequence[float]) -> list[list[float]]:
     """The caps grouped by the layout they build, groups in the order of their first cap."""
     groups: dict[tuple[int, ...], list[float]] = {}
     for cap in caps_mb:
-        groups.setdefault(ddp_layout(profile, cap), []).append(cap)
+        groups.setdefault(cap_layout(profile, schedule, cap), []).append(cap)
     return list(groups.values())
 
 
@@ -39,15 +42,24 @@ def _caps(caps: Sequence[float]) -> str:
 
 
 def cap_advice(
-    profile: RunProfile, topologies: Sequence[Topology], caps_mb: Sequence[float], *, overlap: bool
+    profile: RunProfile,
+    topologies: Sequence[Topology],
+    strategy: str,
+    schedule: Schedule,
+    caps_mb: Sequence[float],
+    *,
+    overlap: bool,
 ) -> tuple[str, list[Prediction] | None]:
-    """The line to print, and the best cap per N (None when every cap ties)."""
-    groups = tied_caps(profile, caps_mb)
+    """The line to print for the strategy named `strategy`, and the best cap per N (None when every cap ties)."""
+    groups = tied_caps(profile, schedule, caps_mb)
     if len(groups) == 1:
-        count = len(ddp_layout(profile, caps_mb[0]))
-        return f"sync.bucket_cap_mb for sync=ddp: all caps give the same buckets ({count}), so none is best", None
-    best = [best_cap(profile, topo, caps_mb, overlap=overlap) for topo in topologies]
-    line = "best sync.bucket_cap_mb for sync=ddp: " + ", ".join(
+        count = len(cap_layout(profile, schedule, caps_mb[0]))
+        return (
+            f"sync.bucket_cap_mb for sync={strategy}: all caps give the same buckets ({count}), so none is best",
+            None,
+        )
+    best = [best_cap(profile, topo, strategy, schedule, caps_mb, overlap=overlap) for topo in topologies]
+    line = f"best sync.bucket_cap_mb for sync={strategy}: " + ", ".join(
         f"N={b.ranks}: {b.bucket_cap_mb:g} ({b.step_s * 1e3:.3f} ms)" for b in best
     )
     ties = [g for g in groups if len(g) > 1]

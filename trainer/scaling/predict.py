@@ -1,8 +1,13 @@
 """Each strategy's step at N ranks: the run's compute, plus its collectives laid over it.
 
+What a strategy sends is what its schedule() says (trainer/comm_schedule.py: buckets, units or
+nothing, each collective a hop on a group of ranks); this module prices the hops on a Topology and
+lays them over the compute, and never looks at a strategy's name.
+
 Assumptions (docs/scaling.md, "Scaling beyond this machine", discusses each):
 - Weak scaling: every rank keeps the run's per-rank batch, so compute per step does not change
-  with N, except the optimizer step of sharded strategies, which updates 1/N of the parameters.
+  with N, except the optimizer step of a strategy whose schedule shards it, which updates 1/n of
+  the parameters (n: the ranks of its optimizer_shard group).
 - Backward produces gradients in reverse registration order, at a rate proportional to their
   bytes; forward and backward spend time on a module in proportion to its parameter bytes.
 - Collectives run one at a time on their own channel (one NCCL stream, gloo's thread), next to
@@ -17,17 +22,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import groupby
 
+from trainer.comm_schedule import Buckets, Hop, Schedule, ShardedUnits
 from trainer.errors import ConfigError
 from trainer.links import Topology
 from trainer.scaling.profile import RunProfile
 
-STRATEGIES = ("none", "manual", "bucketed", "ddp", "zero", "fsdp")
 # sync.wrap's values (trainer/setup/schema/sync.py's Wrap; a test keeps them equal): the step's
 # model does not import torch.
 FSDP_WRAPS = ("auto", "block", "module")
 MIB = 2**20
-DEFAULT_CAP_MB = 25.0  # bucket_cap_mb of sync=ddp and sync=bucketed, coalesce_mb of sync=manual
-DDP_FIRST_BUCKET_MB = 1.0  # DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
 
 
 @dataclass(frozen=True)
@@ -76,16 +79,19 @@ def overlapped(groups: Sequence[int], backward_s: float, cost: Callable[[int], f
 Cost = Callable[[int], float]
 
 
-def layered(units: Sequence[int], compute_s: float, gather: Cost, scatter: Cost | None) -> tuple[float, float]:
+def layered(units: Sequence[int], compute_s: float, gather: Cost | None, scatter: Cost | None) -> tuple[float, float]:
     """(seconds, comm) of one FSDP pass over units in order: each unit's compute waits for its
-    all_gather, which is issued as the previous unit starts (one unit prefetched); after a unit's
-    backward its reduce_scatter (scatter) queues on the same channel; the pass ends when both are done."""
+    all_gather, which is issued as the previous unit starts (one unit prefetched; None: the
+    parameters are already there); after a unit's backward its reduce_scatter (scatter) queues on
+    the same channel; the pass ends when both are done."""
     total = sum(units)
     free, now, busy = 0.0, 0.0, 0.0
     arrived = [0.0] * len(units)
 
     def issue(index: int, at: float) -> None:
         nonlocal free, busy
+        if gather is None:
+            return
         seconds = gather(units[index])
         free = max(free, at) + seconds
         busy += seconds
@@ -119,53 +125,57 @@ def fsdp_units(profile: RunProfile, wrap: str) -> list[int]:
     return [root, *inner] if root else inner
 
 
-def _comm(
-    profile: RunProfile, topo: Topology, strategy: str, cap_mb: float, fsdp_wrap: str = "auto"
-) -> tuple[float, float, float]:
-    """(comm, exposed, optimizer) seconds of one strategy's step."""
-    p = profile.phase_s
-    grads = [t.nbytes for t in reversed(profile.tensors)]  # gradient-ready order
-    all_reduce = lambda s: topo.collective_s("all_reduce", s)  # noqa: E731
-    if strategy == "none":
-        return 0.0, 0.0, p["optimizer"]
-    if strategy == "manual":  # flat buffers in registration order, all reduced after backward
-        comm = sum(all_reduce(s) for s in buckets([t.nbytes for t in profile.tensors], cap_mb))
-        return comm, comm, p["optimizer"]
-    if strategy in ("bucketed", "ddp"):
-        first = DDP_FIRST_BUCKET_MB if strategy == "ddp" else None
-        comm, exposed = overlapped(buckets(grads, cap_mb, first, ddp=strategy == "ddp"), p["backward"], all_reduce)
-        return comm, exposed, p["optimizer"]
-    shard_opt = p["optimizer"] / topo.ranks
-    if strategy == "zero":  # stage 2: per bucket (bucketed's rule) a reduce_scatter during backward,
-        # overlapped as bucketed's all_reduces are; after the sharded step, each bucket's all_gather, exposed
-        layout = buckets(grads, cap_mb)
-        scatter = lambda s: topo.collective_s("reduce_scatter", s)  # noqa: E731
-        comm_rs, exposed_rs = overlapped(layout, p["backward"], scatter)
-        gathers = sum(topo.collective_s("all_gather", s) for s in layout)
-        return comm_rs + gathers, exposed_rs + gathers, shard_opt
-    if strategy == "fsdp":  # units as sync.wrap makes them; resharded after forward
-        units = fsdp_units(profile, fsdp_wrap)
-        gather = lambda s: topo.collective_s("all_gather", s)  # noqa: E731
+def layout(profile: RunProfile, sends: Buckets) -> list[int]:
+    """The buckets' bytes, in the order they are sent."""
+    sizes = [t.nbytes for t in profile.tensors]  # registration order
+    if sends.order == "reverse":  # gradient-ready order
+        sizes.reverse()
+    return buckets(sizes, sends.cap_mb, sends.first_cap_mb, ddp=sends.rule == "ddp")
+
+
+def hops_s(topo: Topology, hops: Sequence[Hop]) -> Cost:
+    """Seconds of these hops, one after the other, on a bucket or unit of the given bytes: each on its
+    span's group, on the whole piece or (share=node) on its 1/G."""
+
+    def cost(size: int) -> float:
+        return sum(topo.collective_s(h.kind, size / topo.per_node if h.share == "node" else size, h.span) for h in hops)
+
+    return cost
+
+
+def _comm(profile: RunProfile, topo: Topology, schedule: Schedule) -> tuple[float, float]:
+    """(comm, exposed) seconds of one step's collectives."""
+    p, sends = profile.phase_s, schedule.sends
+    if isinstance(sends, Buckets):
+        sizes = layout(profile, sends)
+        during = hops_s(topo, sends.hops)
+        if sends.overlap:
+            comm, exposed = overlapped(sizes, p["backward"], during)
+        else:
+            comm = exposed = sum(during(s) for s in sizes)
+        after = sum(hops_s(topo, sends.after)(s) for s in sizes)  # nothing hides them
+        return comm + after, exposed + after
+    if isinstance(sends, ShardedUnits):
+        units = fsdp_units(profile, sends.wrap)
+        gather = hops_s(topo, (sends.gather,))
+        regather = gather if sends.reshard_after_forward else None  # else the forward's gathered units stay
         forward, comm_f = layered(units, p["forward"], gather, None)
-        backward, comm_b = layered(units[::-1], p["backward"], gather, lambda s: topo.collective_s("reduce_scatter", s))
-        return comm_f + comm_b, forward - p["forward"] + backward - p["backward"], shard_opt
-    raise ConfigError(f"unknown strategy {strategy!r}; one of {', '.join(STRATEGIES)}")
+        backward, comm_b = layered(units[::-1], p["backward"], regather, hops_s(topo, sends.scatter))
+        return comm_f + comm_b, forward - p["forward"] + backward - p["backward"]
+    return 0.0, 0.0
 
 
 def predict(
-    profile: RunProfile,
-    topo: Topology,
-    strategy: str,
-    cap_mb: float = DEFAULT_CAP_MB,
-    *,
-    overlap: bool = True,
-    fsdp_wrap: str = "auto",
+    profile: RunProfile, topo: Topology, strategy: str, schedule: Schedule, *, overlap: bool = True
 ) -> Prediction:
-    comm, exposed, optimizer = _comm(profile, topo, strategy, cap_mb, fsdp_wrap)
+    """The step of the strategy named `strategy`, which sends what `schedule` says."""
+    comm, exposed = _comm(profile, topo, schedule)
     if not overlap:
         exposed = comm
+    optimizer = profile.phase_s["optimizer"]
+    if schedule.optimizer_shard is not None:  # each rank updates its 1/n of the parameters
+        optimizer /= len(topo.span(schedule.optimizer_shard))
     step = profile.compute_s - profile.phase_s["optimizer"] + optimizer + exposed
-    bucketing = strategy in ("manual", "bucketed", "ddp", "zero")
     return Prediction(
         strategy=strategy,
         ranks=topo.ranks,
@@ -175,12 +185,20 @@ def predict(
         exposed_s=exposed,
         samples_per_s=topo.ranks * profile.batch_per_rank / step,
         efficiency=profile.compute_s / step,
-        bucket_cap_mb=cap_mb if bucketing else None,
+        bucket_cap_mb=schedule.sends.cap_mb if isinstance(schedule.sends, Buckets) else None,
     )
 
 
-def best_cap(profile: RunProfile, topo: Topology, caps_mb: Sequence[float], *, overlap: bool = True) -> Prediction:
-    """sync=ddp's fastest predicted step over the bucket caps; a tie (the same buckets) goes to the
+def best_cap(
+    profile: RunProfile,
+    topo: Topology,
+    strategy: str,
+    schedule: Schedule,
+    caps_mb: Sequence[float],
+    *,
+    overlap: bool = True,
+) -> Prediction:
+    """The strategy's fastest predicted step over the bucket caps; a tie (the same buckets) goes to the
     larger cap, whose buckets will stay fewer when the model grows."""
-    options = [predict(profile, topo, "ddp", cap, overlap=overlap) for cap in caps_mb]
+    options = [predict(profile, topo, strategy, schedule.with_cap(cap), overlap=overlap) for cap in caps_mb]
     return min(options, key=lambda p: (p.step_s, -(p.bucket_cap_mb or 0.0)))

@@ -11,13 +11,16 @@ phases too: sync=ddp at the end of backward, zero's gathers in the next forward.
 beyond its sync phase (`time/comm_exposed_s` less `time/sync_s`) is taken out of the phases, in
 proportion, so that what is left is the run's compute: its model's, plus the strategy's own work
 (DDP's copies into and out of its buckets, a sharded step's bookkeeping) and whatever the real
-collectives running meanwhile took from it. A sharded strategy's optimizer phase (zero, fsdp) steps
-1/N of the parameters; it is scaled back to the whole model's step, which the model divides again.
+collectives running meanwhile took from it. A sharded strategy's optimizer phase (one whose
+schedule() shards the optimizer: zero, fsdp) steps 1/N of the parameters; it is scaled back to the
+whole model's step, which the model divides again. The run's ranks are taken to be one node, as on
+this machine, where a node's shard is the world's.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Container
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +28,6 @@ from typing import Any
 from trainer.errors import ConfigError
 
 PHASES = ("data", "forward", "backward", "optimizer")
-SHARDED = ("zero", "fsdp")  # strategies whose optimizer steps 1/N of the parameters (trainer/scaling/predict.py)
 
 
 @dataclass(frozen=True)
@@ -83,8 +85,9 @@ def _mean(ranks: list[dict[str, Any]], key: str, path: Path) -> float:
     return sum(values) / len(values)
 
 
-def read_profile(run_dir: Path) -> RunProfile:
-    """The profile of a finished run; a ConfigError that says what is missing otherwise."""
+def read_profile(run_dir: Path, sharded: Container[str] = ()) -> RunProfile:
+    """The profile of a finished run; a ConfigError that says what is missing otherwise. `sharded`:
+    the strategies whose optimizer steps a shard of the parameters (their schedule says so)."""
     if not run_dir.exists():
         raise ConfigError(f"--run {run_dir} does not exist; pass a finished run's directory")
     path = run_dir / "summary.json"
@@ -108,12 +111,12 @@ def read_profile(run_dir: Path) -> RunProfile:
         device=str(summary["device"]),
         strategy=strategy,
         batch_per_rank=int(summary["global_batch_size"]) // world_size,
-        phase_s=_compute_phases(ranks, path, strategy, world_size),
+        phase_s=_compute_phases(ranks, path, world_size, sharded=strategy in sharded),
         tensors=tuple(Tensor(t["name"], int(t["bytes"]), t.get("block")) for t in layout),
     )
 
 
-def _compute_phases(ranks: list[dict[str, Any]], path: Path, strategy: str, world_size: int) -> dict[str, float]:
+def _compute_phases(ranks: list[dict[str, Any]], path: Path, world_size: int, *, sharded: bool) -> dict[str, float]:
     """The phases' compute: the waits for communication inside them taken out (module docstring)."""
     phases = {p: _mean(ranks, f"median_time/{p}_s", path) for p in PHASES}
     if world_size == 1:  # nothing was sent: what a strategy timed as waiting is its own work on one rank
@@ -122,7 +125,7 @@ def _compute_phases(ranks: list[dict[str, Any]], path: Path, strategy: str, worl
     total = sum(phases.values())
     if waited > 0 and total > 0:
         phases = {p: v * max(0.0, 1.0 - waited / total) for p, v in phases.items()}
-    if strategy in SHARDED:
+    if sharded:
         phases["optimizer"] *= world_size
     return phases
 

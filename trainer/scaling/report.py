@@ -14,13 +14,14 @@ from trainer.scaling.predict import Prediction
 
 
 def format_table(predictions: Sequence[Prediction]) -> str:
+    width = max([len("strategy"), *(len(p.strategy) for p in predictions)])  # hierarchical is 12 letters
     lines = [
-        f"{'strategy':<9} {'ranks':>6} {'nodes':>5} {'step ms':>9} {'comm ms':>9} {'exposed ms':>10} "
+        f"{'strategy':<{width}} {'ranks':>6} {'nodes':>5} {'step ms':>9} {'comm ms':>9} {'exposed ms':>10} "
         f"{'samples/s':>11} {'efficiency':>10}"
     ]
     for p in predictions:
         lines.append(
-            f"{p.strategy:<9} {p.ranks:>6} {p.nodes:>5} {p.step_s * 1e3:>9.3f} {p.comm_s * 1e3:>9.3f} "
+            f"{p.strategy:<{width}} {p.ranks:>6} {p.nodes:>5} {p.step_s * 1e3:>9.3f} {p.comm_s * 1e3:>9.3f} "
             f"{p.exposed_s * 1e3:>10.3f} {p.samples_per_s:>11.0f} {p.efficiency:>10.3f}"
         )
     return "\n".join(lines)

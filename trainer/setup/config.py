@@ -61,6 +61,14 @@ def compose_config(overrides: list[str], run_stamp: str = "composed") -> DictCon
         return compose("config", overrides=overrides)
 
 
+def sync_options() -> dict[str, DictConfig]:
+    """conf/sync/'s options by name, in file order, each the sync node train.py would see under
+    sync=<name> alone: composed by Hydra (an option's defaults list, sync=hsdp's fsdp, merged in),
+    its interpolations (`${network.gpus_per_node}`) resolving against the whole config."""
+    names = sorted(path.stem for path in (CONF_DIR / "sync").glob("*.yaml"))
+    return {name: compose_config([f"sync={name}"]).sync for name in names}
+
+
 def plain_config(cfg: DictConfig) -> dict[str, Any]:
     """The resolved config as plain containers: for W&B, checkpoints and summaries."""
     return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # type: ignore[return-value]

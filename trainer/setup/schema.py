@@ -1,29 +1,34 @@
 """Every config key, declared once: its type, range or choices, and meaning, in pydantic's terms.
 
 One plain dataclass per option of each group (conf/<group>/<option>.yaml); the trainer's keys are
-trainer/core.py's TrainSettings. A field has no default: the defaults are the YAML's, the one place
-they live, so every YAML sets each of its schema's keys (a test checks both ways), and a key the
-schema lacks is refused (extra="forbid"). trainer/setup/validate.py checks a composed config
-against these; docs/configuration.md is checked against them (tests/test_docs.py).
+trainer/core.py's TrainSettings. A sync strategy's keys are declared by the strategy itself, in its
+signature (trainer/sync/<option>.py, `Annotated[type, Field(...)]`), and its schema is made from
+that signature, found through the YAML's _target_: a new strategy is its module and its YAML,
+nothing here. A field (a parameter) has no default: the defaults are the YAML's, the one place they
+live, so every YAML sets each of its schema's keys (a test checks both ways), and a key the schema
+lacks is refused (extra="forbid"). trainer/setup/validate.py checks a composed config against
+these; docs/configuration.md is checked against them (tests/test_docs.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Annotated, Literal
+import inspect
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, make_dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
+import hydra
+from omegaconf import DictConfig, OmegaConf
 from pydantic import ConfigDict, Field
 
 from data.bpe import MIN_VOCAB
 from data.tokens import MAX_VOCAB, Tokenizer
-from trainer.core import SEED_BOUND, TrainSettings
+from trainer.core import CONF_DIR, SEED_BOUND, TrainSettings
 from trainer.links import EMULATED, Preset
 from trainer.logger.wandb import Mode as WandbMode
 from trainer.sync.base import WeightDecayOn
-from trainer.sync.ddp_hooks import CommHook
-from trainer.sync.flat import Collective
-from trainer.sync.fsdp_units import MixedPrecision, Wrap
-from trainer.sync.zero import Stage
 
 NonEmpty = Annotated[str, Field(min_length=1)]
 Count = Annotated[int, Field(ge=1)]
@@ -127,73 +132,31 @@ class Text(Data):
     num_workers: Annotated[int, Field(ge=0, le=0, description="only 0: a batch is one gather from the tokens")]
 
 
-# sync
+# sync: a strategy declares its keys in its own signature (trainer/sync/<option>.py), the YAML their defaults
 
 
-@dataclass
-class Buckets(Target):
-    """Bucketed all-reduce, by DDP or by hand, and the bucket_cap_mb=auto search."""
-
-    bucket_cap_mb: Annotated[
-        Annotated[float, Field(gt=0, strict=True)] | Literal["auto"],
-        Field(description="MiB of gradients per bucket; auto: try auto_candidates_mb first, keep the fastest"),
-    ]
-    auto_candidates_mb: Annotated[list[Annotated[float, Field(gt=0)]], Field(min_length=1)]
-    auto_steps_per_trial: Annotated[int, Field(ge=1, description="timed steps per candidate cap")]
-    auto_warmup_steps: Annotated[int, Field(ge=1, description="untimed steps per candidate first")]
-
-
-@dataclass
-class DDP(Buckets):
-    gradient_as_bucket_view: bool
-    static_graph: bool
-    find_unused_parameters: bool
-    broadcast_buffers: bool
-    comm_hook: CommHook
-    powersgd_rank: Annotated[int, Field(ge=1, description="PowerSGD's matrix_approximation_rank")]
-    # With error feedback and warm start PowerSGD refuses less: DDP rebuilds its buckets after step 1.
-    powersgd_start_step: Annotated[
-        int, Field(ge=2, description="plain all-reduce steps first; with error feedback and warm start at least 2")
-    ]
-    time_buckets: Annotated[bool, Field(description="CPU only: the all-reduce as a hook, every bucket timed")]
+def signature_schema(target: Callable[..., Any]) -> type:
+    """The schema of a target that declares its keys in its signature (`Annotated[type, Field(...)]`,
+    no default): a dataclass of its parameters, named after the target less its "Sync" (DDPSync: DDP,
+    zero_sync: Zero), which messages print; Target itself for a target that takes no key."""
+    hints = typing.get_type_hints(target.__init__ if inspect.isclass(target) else target, include_extras=True)
+    fields = [(name, hints[name]) for name in inspect.signature(target).parameters]
+    if not fields:
+        return Target
+    name = target.__name__ if inspect.isclass(target) else target.__name__.title().replace("_", "")
+    schema = make_dataclass(name.removesuffix("Sync"), fields, bases=(Target,))
+    schema.__module__ = target.__module__
+    return schema
 
 
-@dataclass
-class Bucketed(Buckets):
-    collective: Collective
-
-
-@dataclass
-class Manual(Target):
-    coalesce_mb: Annotated[float, Field(ge=0, description="0: one buffer per gradient tensor")]
-    collective: Collective
-    find_unused_parameters: bool
-
-
-@dataclass
-class Zero(Target):
-    stage: Annotated[
-        Stage,
-        Field(
-            description="1: optimizer state sharded; 2: gradients too; 3: parameters too; stage 0 (nothing "
-            "sharded) is sync=ddp or sync=bucketed"
-        ),
-    ]
-    bucket_cap_mb: Annotated[float, Field(gt=0, description="stages 1, 2: MiB of gradients per bucket")]
-    find_unused_parameters: bool
-    wrap: Annotated[Wrap, Field(description="stage 3: the units, as sync=fsdp's")]
-    prefetch: Annotated[int, Field(ge=0, description="stage 3: units gathered ahead of the one computing")]
-    reshard_after_forward: Annotated[bool, Field(description="stage 3: free a unit's parameters after its forward")]
-
-
-@dataclass
-class FSDP(Target):
-    reshard_after_forward: Annotated[bool, Field(description="free a unit's parameters after its forward")]
-    mixed_precision: MixedPrecision
-    wrap: Annotated[Wrap, Field(description="the units: one per block (ModuleList element) or per module")]
-    find_unused_parameters: Annotated[
-        bool, Field(description="check every training forward for units or parameters some rank leaves out")
-    ]
+def signature_schemas(group_dir: Path) -> dict[str, type]:
+    """Each <option>.yaml's schema, read from the signature of the _target_ it builds."""
+    schemas = {}
+    for path in sorted(group_dir.glob("*.yaml")):
+        yaml = OmegaConf.load(path)
+        assert isinstance(yaml, DictConfig), path
+        schemas[path.stem] = signature_schema(hydra.utils.get_object(str(yaml._target_)))
+    return schemas
 
 
 # optim: every keyword handed to torch's optimizer, in torch's own bounds (lr > 0: zero trains nothing)
@@ -253,7 +216,7 @@ class Network(Target):
 SCHEMAS: dict[str, dict[str, type]] = {
     "model": {"mlp": MLP, "cnn": CNN, "resnet18": ResNet18, "gpt": GPT},
     "data": {"synthetic": Synthetic, "fake": Fake, "mnist": Mnist, "cifar10": Cifar10, "text": Text},
-    "sync": {"ddp": DDP, "bucketed": Bucketed, "manual": Manual, "zero": Zero, "fsdp": FSDP, "none": Target},
+    "sync": signature_schemas(CONF_DIR / "sync"),
     "optim": {"sgd": SGD, "adamw": AdamW},
     "schedule": {"constant": Target, "warmup_cosine": WarmupCosine},
     "trainer": {"default": TrainSettings},

@@ -7,17 +7,26 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import torch
 import torch.distributed as dist
+from pydantic import Field
 
 from trainer.clock import Clock, Mark
 from trainer.sync.comm import Comm
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CANDIDATES_MB = (1.0, 5.0, 25.0, 100.0)
+# The keys of bucket_cap_mb=auto, which sync=ddp and sync=bucketed share: declared here once, each
+# strategy's signature takes them (their defaults are the YAMLs').
+CapMb = Annotated[
+    Annotated[float, Field(gt=0, strict=True)] | Literal["auto"],
+    Field(description="MiB of gradients per bucket; auto: try auto_candidates_mb first, keep the fastest"),
+]
+CandidatesMb = Annotated[list[Annotated[float, Field(gt=0)]], Field(min_length=1)]
+StepsPerTrial = Annotated[int, Field(ge=1, description="timed steps per candidate cap")]
+WarmupSteps = Annotated[int, Field(ge=1, description="untimed steps per candidate first")]
 
 # The strategy's rule: the tensors each bucket would hold if built with this cap (MiB), in order.
 Layout = Callable[[float], Sequence[Sequence[torch.Tensor]]]

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from trainer.comm_schedule import Schedule
 from trainer.core import TrainSettings
 from trainer.footprint import Footprint, Plan, replicated
 from trainer.sync.autotune import CapTuner
@@ -103,6 +104,10 @@ class SyncStrategy(ABC):
         """Why this strategy cannot run with these trainer settings (one line naming the key and
         what is accepted), or None; asked before any process group exists."""
         return None
+
+    def check_world_size(self, world_size: int) -> None:
+        """Refuse (ConfigError, one line naming the keys) a layout this many ranks cannot form; asked
+        before any process group exists, by precheck (the launcher, every rank) and by the builder."""
 
     def build_optimizer(self, model: nn.Module, factory: OptimizerFactory) -> Optimizer:
         """The optimizer over what this rank updates, after wrap(): by default every parameter."""
@@ -230,6 +235,12 @@ class SyncStrategy(ABC):
         """What this rank keeps, by kind, for the memory predictor (trainer/footprint.py's words,
         trainer/scaling/memory.py's arithmetic): by default a replica's, every parameter and its .grad."""
         return replicated(plan)
+
+    def schedule(self) -> Schedule:
+        """What one step sends and when, for the scaling model (trainer/comm_schedule.py's words,
+        trainer/scaling/predict.py's arithmetic): its buckets or units, each collective and its group.
+        No default: a guess would be predicted as if it were the strategy's own algorithm."""
+        raise NotImplementedError(f"sync={self.name} does not say what its step sends (SyncStrategy.schedule)")
 
     def describe(self) -> dict[str, Any]:
         """The sync line: the strategy's name, the keys it was built with (its constructor's

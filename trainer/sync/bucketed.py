@@ -25,10 +25,10 @@ parameter, communication while backward goes on.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,9 +36,10 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
+from trainer.comm_schedule import Buckets, Hop, Schedule
 from trainer.errors import ConfigError
 from trainer.footprint import Footprint, Plan, replicated
-from trainer.sync.autotune import DEFAULT_CANDIDATES_MB, CapTuner
+from trainer.sync.autotune import CandidatesMb, CapMb, CapTuner, StepsPerTrial, WarmupSteps
 from trainer.sync.base import SyncStrategy
 from trainer.sync.buckets import InOrder
 from trainer.sync.flat import Collective, FlatGrads, group_by_size, names_of
@@ -54,11 +55,11 @@ class BucketedSync(SyncStrategy):
 
     def __init__(
         self,
-        bucket_cap_mb: float | Literal["auto"] = 25.0,
-        collective: Collective = "all_reduce",
-        auto_candidates_mb: Sequence[float] = DEFAULT_CANDIDATES_MB,
-        auto_steps_per_trial: int = 3,
-        auto_warmup_steps: int = 2,
+        bucket_cap_mb: CapMb,
+        auto_candidates_mb: CandidatesMb,
+        auto_steps_per_trial: StepsPerTrial,
+        auto_warmup_steps: WarmupSteps,
+        collective: Collective,
     ) -> None:
         super().__init__()
         self.bucket_cap_mb = bucket_cap_mb if bucket_cap_mb == "auto" else float(bucket_cap_mb)
@@ -226,3 +227,11 @@ class BucketedSync(SyncStrategy):
             return {}
         sizes = self._flat.sizes()
         return {"num_buckets": len(sizes), "bucket_sizes_bytes": sizes, "total_parameter_bytes": sum(sizes)}
+
+    def schedule(self) -> Schedule:
+        """Buckets in gradient-ready order, each reduced as soon as backward has filled it (rs_ag: its
+        reduce_scatter then, every all_gather after backward); bucket_cap_mb=auto: the largest candidate's."""
+        cap_mb = max(self.auto_candidates_mb) if self.bucket_cap_mb == "auto" else float(self.bucket_cap_mb)
+        if self.collective == "all_reduce":
+            return Schedule(Buckets(cap_mb, hops=(Hop("all_reduce"),)))
+        return Schedule(Buckets(cap_mb, hops=(Hop("reduce_scatter"),), after=(Hop("all_gather"),)))

@@ -21,19 +21,20 @@ DDP's own C++ all-reduce is not touched: the observer sees it through the proces
 # No `from __future__ import annotations` here: DDP checks the hook's annotations as real types.
 
 import inspect
-from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from functools import partial
-from typing import Any, Literal
+from typing import Annotated, Any
 
 import torch
 import torch.distributed as dist
+from pydantic import Field
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from trainer.comm_schedule import Buckets, Hop, Schedule
 from trainer.errors import ConfigError
 from trainer.footprint import Footprint, Plan, replicated, whole
-from trainer.sync.autotune import DEFAULT_CANDIDATES_MB, CapTuner
+from trainer.sync.autotune import CandidatesMb, CapMb, CapTuner, StepsPerTrial, WarmupSteps
 from trainer.sync.base import SyncStrategy
 from trainer.sync.ddp_hooks import AllReduceHook, CommHook, SwappableDDP, TorchHook
 from trainer.sync.ddp_private import bucket_layout, logging_data, planned_buckets
@@ -54,18 +55,21 @@ class DDPSync(SyncStrategy):
 
     def __init__(
         self,
-        bucket_cap_mb: float | Literal["auto"] = 25.0,
-        gradient_as_bucket_view: bool = False,
-        static_graph: bool = False,
-        find_unused_parameters: bool = False,
-        broadcast_buffers: bool = True,
-        time_buckets: bool = False,
-        auto_candidates_mb: Sequence[float] = DEFAULT_CANDIDATES_MB,
-        auto_steps_per_trial: int = 3,
-        auto_warmup_steps: int = 2,
-        comm_hook: CommHook = "none",
-        powersgd_rank: int = 1,
-        powersgd_start_step: int = 10,
+        bucket_cap_mb: CapMb,
+        auto_candidates_mb: CandidatesMb,
+        auto_steps_per_trial: StepsPerTrial,
+        auto_warmup_steps: WarmupSteps,
+        gradient_as_bucket_view: bool,
+        static_graph: bool,
+        find_unused_parameters: bool,
+        broadcast_buffers: bool,
+        comm_hook: CommHook,
+        powersgd_rank: Annotated[int, Field(ge=1, description="PowerSGD's matrix_approximation_rank")],
+        # With error feedback and warm start PowerSGD refuses less: DDP rebuilds its buckets after step 1.
+        powersgd_start_step: Annotated[
+            int, Field(ge=2, description="plain all-reduce steps first; with error feedback and warm start at least 2")
+        ],
+        time_buckets: Annotated[bool, Field(description="CPU only: the all-reduce as a hook, every bucket timed")],
     ) -> None:
         super().__init__()
         self.bucket_cap_mb: float | str = bucket_cap_mb if bucket_cap_mb == "auto" else float(bucket_cap_mb)
@@ -160,3 +164,10 @@ class DDPSync(SyncStrategy):
     def held(self) -> dict[str, int]:
         """DDP's reducer keeps the gradients in buckets of its own, unless they are the .grad tensors."""
         return {} if self.gradient_as_bucket_view else {"comm_buffers": sum(self._sizes)}
+
+    def schedule(self) -> Schedule:
+        """DDP's buckets in gradient-ready order, the first of about 1 MiB (torch's
+        _DEFAULT_FIRST_BUCKET_BYTES), each all-reduced as soon as backward has filled it;
+        bucket_cap_mb=auto: the largest candidate's."""
+        cap_mb = max(self.auto_candidates_mb) if self.bucket_cap_mb == "auto" else float(self.bucket_cap_mb)
+        return Schedule(Buckets(cap_mb, rule="ddp", first_cap_mb=1.0, hops=(Hop("all_reduce"),)))

@@ -22,10 +22,11 @@ import math
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 import torch.distributed as dist
+from pydantic import Field
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -34,12 +35,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from trainer.comm_schedule import Schedule, ShardedUnits
 from trainer.errors import ConfigError
 from trainer.footprint import Footprint, Held, Plan
 from trainer.sync.base import OptimizerFactory, SyncStrategy
@@ -48,6 +50,13 @@ from trainer.sync.fsdp_state import by_index, by_name
 from trainer.sync.fsdp_units import MixedPrecision, Wrap, choose_units, resolve, unit_parameters
 from trainer.sync.fsdp_usage import FirstForwardCheck, expected_usage
 from trainer.sync.sharded_state import Read
+
+# fsdp's keys, declared once (sync=hsdp takes them too).
+ReshardAfterForward = Annotated[bool, Field(description="free a unit's parameters after its forward")]
+Units = Annotated[Wrap, Field(description="the units: one per block (ModuleList element) or per module")]
+CheckEveryForward = Annotated[
+    bool, Field(description="check every training forward for units or parameters some rank leaves out")
+]
 
 # What the parameters are all-gathered in, and the gradients reduce-scattered in.
 MIXED_PRECISION = {"none": None, "bf16": (torch.bfloat16, torch.float32)}
@@ -130,10 +139,10 @@ class FSDPSync(SyncStrategy):
 
     def __init__(
         self,
-        reshard_after_forward: bool = True,
-        mixed_precision: MixedPrecision = "none",
-        wrap: Wrap = "auto",
-        find_unused_parameters: bool = False,
+        reshard_after_forward: ReshardAfterForward,
+        mixed_precision: MixedPrecision,
+        wrap: Units,
+        find_unused_parameters: CheckEveryForward,
     ) -> None:
         super().__init__()
         # true: every training forward is checked as the first is (a unit or parameter some rank
@@ -163,9 +172,9 @@ class FSDPSync(SyncStrategy):
     def wrap(self, model: nn.Module) -> nn.Module:
         # fully_shard keeps each rank's own slice of its local tensors; it does not make them equal.
         self.comm.broadcast_parameters(model)
-        self._world_size = dist.get_world_size()
         device = next(iter([*model.parameters(), *model.buffers()]), torch.empty(0)).device
-        mesh = init_device_mesh(device.type, (self._world_size,))
+        mesh = self.device_mesh(device)
+        self._world_size = mesh.size()  # the ranks that split each unit
         dtypes = MIXED_PRECISION[self.mixed_precision]
         policy = MixedPrecisionPolicy(*dtypes) if dtypes else MixedPrecisionPolicy()
         layers, rest = choose_units(model, self.wrap_policy)
@@ -187,16 +196,27 @@ class FSDPSync(SyncStrategy):
         self._fsdp_units = [*layers, model]
         for unit in self._fsdp_units:  # every unit's collectives through self.comm
             assert isinstance(unit, FSDPModule)
-            label = names[id(unit)] or "root"
-            unit.set_custom_all_gather(CommAllGather(self.comm, label))
-            self._reduce_scatters.append(CommReduceScatter(self.comm, label))
-            unit.set_custom_reduce_scatter(self._reduce_scatters[-1])
+            self.connect(unit, names[id(unit)] or "root")
         # Runs before FSDP's own pre-forward hook on the root (prepend), so it sees every unit
         # as the forward finds it.
         model.register_forward_pre_hook(self._before_forward, prepend=True)
-        if self._world_size > 1:
+        if dist.get_world_size() > 1:
             self._first_forward = FirstForwardCheck(model, *usage, self.comm, self.find_unused_parameters)
         return model  # sharded in place: the trainer's model and the forward module are one object
+
+    def device_mesh(self, device: torch.device) -> DeviceMesh:
+        """The ranks that split every unit: all of them."""
+        return init_device_mesh(device.type, (dist.get_world_size(),))
+
+    def connect(self, unit: FSDPModule, label: str) -> None:
+        """Hand a unit's all-gathers and reduce-scatters to self.comm (torch's custom-collective hooks)."""
+        unit.set_custom_all_gather(CommAllGather(self.comm, label))
+        self._reduce_scatters.append(CommReduceScatter(self.comm, label))
+        unit.set_custom_reduce_scatter(self._reduce_scatters[-1])
+
+    def shards(self, world_size: int) -> int:
+        """How many ranks split each unit at this world size (for the memory predictor)."""
+        return world_size
 
     def build_optimizer(self, model: nn.Module, factory: OptimizerFactory) -> Optimizer:
         optimizer = factory(model.parameters())  # the DTensor shards: its state is sharded alike
@@ -283,7 +303,7 @@ class FSDPSync(SyncStrategy):
         a unit's unsharded gradients until reduced, beside the shards of those reduced before it (every
         unit's while micro-batches accumulate), the root's last. One rank: FSDP2 still copies each
         unit whole for its turn, but reduces nothing (the gradient it computes is the shard's)."""
-        n = plan.world_size
+        n = self.shards(plan.world_size)
         compute, reduce = MIXED_PRECISION[self.mixed_precision] or (None, None)
         units = unit_parameters(plan.model, self.wrap_policy)
         trained = [[p for p in unit if p.requires_grad] for unit in units]
@@ -338,6 +358,12 @@ class FSDPSync(SyncStrategy):
                     storage = unsharded.grad.untyped_storage()
                     grads[storage._cdata] = storage.nbytes()
         return {"comm_buffers": sum(buffers.values()), "gradients": sum(grads.values())}
+
+    def schedule(self) -> Schedule:
+        """Each unit all_gathered before its forward (and its backward, if freed after the forward), its
+        gradients reduce_scattered after its backward; the optimizer steps this rank's shard."""
+        units = ShardedUnits(self.wrap_policy, reshard_after_forward=self.reshard_after_forward)
+        return Schedule(units, optimizer_shard="world")
 
 
 def local_of(tensor: torch.Tensor) -> torch.Tensor:

@@ -21,13 +21,15 @@ no rank used keeps no gradient (no update, as in one process) and one some rank 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 import torch.distributed as dist
+from pydantic import Field
 from torch import nn
 from torch.optim import Optimizer
 
+from trainer.comm_schedule import Buckets, Hop, Schedule
 from trainer.footprint import Footprint, Plan, replicated, whole
 from trainer.sync.base import SyncStrategy
 from trainer.sync.flat import Collective, FlatGrads, group_by_size, names_of
@@ -41,9 +43,9 @@ class ManualSync(SyncStrategy):
 
     def __init__(
         self,
-        coalesce_mb: float = 25.0,
-        collective: Collective = "all_reduce",
-        find_unused_parameters: bool = False,
+        coalesce_mb: Annotated[float, Field(ge=0, description="0: one buffer per gradient tensor")],
+        collective: Collective,
+        find_unused_parameters: bool,
     ) -> None:
         super().__init__()
         self.coalesce_mb = float(coalesce_mb)
@@ -112,3 +114,9 @@ class ManualSync(SyncStrategy):
             return {}
         sizes = self._flat.sizes()
         return {"num_buffers": len(sizes), "buffer_sizes_bytes": sizes, "num_reduced_in_place": len(self._in_place)}
+
+    def schedule(self) -> Schedule:
+        """Every buffer of coalesce_mb, in registration order, averaged after backward: all_reduce, or
+        reduce_scatter then all_gather."""
+        hops = (Hop("all_reduce"),) if self.collective == "all_reduce" else (Hop("reduce_scatter"), Hop("all_gather"))
+        return Schedule(Buckets(self.coalesce_mb, order="registration", overlap=False, hops=hops))

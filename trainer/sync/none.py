@@ -7,6 +7,7 @@ import logging
 import torch.distributed as dist
 from torch import nn
 
+from trainer.comm_schedule import Nothing, Schedule
 from trainer.sync.base import SyncStrategy
 
 log = logging.getLogger(__name__)
@@ -26,3 +27,6 @@ class NoSync(SyncStrategy):
                 dist.get_world_size(),
             )
         return model
+
+    def schedule(self) -> Schedule:
+        return Schedule(Nothing())

@@ -40,13 +40,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 import torch.distributed as dist
+from pydantic import Field
 from torch import nn
 from torch.optim import Optimizer
 
+from trainer.comm_schedule import Buckets, Hop, Schedule
 from trainer.footprint import Footprint, Held, Plan, nbytes, whole
 from trainer.sync import zero_checkpoint
 from trainer.sync.base import DecayGroups, OptimizerFactory, SyncStrategy
@@ -81,9 +83,7 @@ class ZeroSync(SyncStrategy):
     keeps_replicas_equal = True  # the all_gather leaves every rank the same full parameters
     grads_sharded = True  # the optimizer reads this rank's shard of the averaged gradient
 
-    def __init__(
-        self, stage: Literal[1, 2] = 2, bucket_cap_mb: float = 25.0, find_unused_parameters: bool = False
-    ) -> None:
+    def __init__(self, stage: Literal[1, 2], bucket_cap_mb: float, find_unused_parameters: bool) -> None:
         super().__init__()
         self.stage, self.bucket_cap_mb = stage, float(bucket_cap_mb)
         self.find_unused_parameters = find_unused_parameters
@@ -356,14 +356,29 @@ class ZeroSync(SyncStrategy):
             "bucket_sizes_bytes": sizes,
         }
 
+    def schedule(self) -> Schedule:
+        """Buckets in gradient-ready order, each reduced as soon as backward has filled it (stage 1
+        all_reduce, stage 2 reduce_scatter; find_unused_parameters: all after backward); after the
+        sharded optimizer step, each bucket's all_gather of the updated shards (NCCL's form)."""
+        reduce = Hop("all_reduce" if self.stage == 1 else "reduce_scatter")
+        overlap = not self.find_unused_parameters
+        sends = Buckets(self.bucket_cap_mb, overlap=overlap, hops=(reduce,), after=(Hop("all_gather"),))
+        return Schedule(sends, optimizer_shard="world")
+
 
 def zero_sync(
-    stage: Stage,
-    bucket_cap_mb: float,
+    stage: Annotated[
+        Stage,
+        Field(
+            description="1: optimizer state sharded; 2: gradients too; 3: parameters too; stage 0 (nothing "
+            "sharded) is sync=ddp or sync=bucketed"
+        ),
+    ],
+    bucket_cap_mb: Annotated[float, Field(gt=0, description="stages 1, 2: MiB of gradients per bucket")],
     find_unused_parameters: bool,
-    wrap: Wrap,
-    prefetch: int,
-    reshard_after_forward: bool,
+    wrap: Annotated[Wrap, Field(description="stage 3: the units, as sync=fsdp's")],
+    prefetch: Annotated[int, Field(ge=0, description="stage 3: units gathered ahead of the one computing")],
+    reshard_after_forward: Annotated[bool, Field(description="stage 3: free a unit's parameters after its forward")],
 ) -> SyncStrategy:
     """sync=zero's builder: stages 1 and 2 bucket the gradients (bucket_cap_mb); stage 3 shards the
     parameters by fsdp's units instead (wrap, prefetch, reshard_after_forward)."""

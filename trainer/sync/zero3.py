@@ -57,6 +57,7 @@ from torch import nn
 from torch.autograd import _unsafe_preserve_version_counter
 from torch.optim import Optimizer
 
+from trainer.comm_schedule import Schedule, ShardedUnits
 from trainer.core import TrainSettings
 from trainer.errors import ConfigError
 from trainer.footprint import Footprint, Held, Plan, nbytes
@@ -90,10 +91,10 @@ class Zero3Sync(SyncStrategy):
 
     def __init__(
         self,
-        wrap: Wrap = "auto",
-        prefetch: int = 1,
-        reshard_after_forward: bool = True,
-        find_unused_parameters: bool = False,
+        wrap: Wrap,
+        prefetch: int,
+        reshard_after_forward: bool,
+        find_unused_parameters: bool,
     ) -> None:
         super().__init__()
         self.wrap_policy, self.prefetch = wrap, prefetch
@@ -516,6 +517,12 @@ class Zero3Sync(SyncStrategy):
             unit_bytes = [sum(self._full[b].numel() * self._full[b].element_size() for b in u) for u in self._buckets]
             info |= {"num_units": len(self._units), "unit_bytes": unit_bytes, "shard_numel": self.layout.shard_numel}
         return info
+
+    def schedule(self) -> Schedule:
+        """fsdp's units: each all_gathered before its forward (and its backward, if freed after the
+        forward), its gradients reduce_scattered after its backward; the optimizer steps this rank's shard."""
+        units = ShardedUnits(self.wrap_policy, reshard_after_forward=self.reshard_after_forward)
+        return Schedule(units, optimizer_shard="world")
 
 
 def unit_buckets(

@@ -33,7 +33,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
-from trainer.core import CONF_DIR, TrainSettings
+from trainer.core import TrainSettings
 from trainer.errors import ConfigError, from_leaves
 from trainer.footprint import Plan
 from trainer.measures import MEMORY_KINDS
@@ -50,7 +50,7 @@ from trainer.scaling.memory import (
     predict,
 )
 from trainer.setup.build import instantiate, optimizer_factory, split_sync_batchnorm
-from trainer.setup.config import compose_config
+from trainer.setup.config import compose_config, sync_options
 from trainer.setup.precheck import check_overrides
 from trainer.setup.validate import check_group, check_pairing, check_rules, per_rank_batch
 from trainer.sync.base import SyncStrategy
@@ -224,12 +224,6 @@ def predicted_total_mb(overrides: Sequence[str], ranks: int) -> float:
 Predict = Callable[[str, SyncStrategy], Prediction]
 
 
-def _options() -> dict[str, DictConfig]:
-    """conf/sync/'s options by name, as their YAML declares them."""
-    nodes = {path.stem: OmegaConf.load(path) for path in sorted((CONF_DIR / "sync").glob("*.yaml"))}
-    return {name: node for name, node in nodes.items() if isinstance(node, DictConfig)}
-
-
 def _label(name: str, node: DictConfig, default: DictConfig) -> str:
     """The option's name and the keys where this node differs from the option's YAML."""
     changed = [f"{k}={_show(node[k])}" for k in map(str, node) if k != "_target_" and node[k] != default.get(k)]
@@ -242,7 +236,7 @@ def _show(value: Any) -> str:
 
 def _name_of(node: DictConfig) -> tuple[str, DictConfig]:
     """The option this sync node came from (the one building the same _target_)."""
-    for name, default in _options().items():
+    for name, default in sync_options().items():
         if default.get("_target_") == node.get("_target_"):
             return name, default
     return str(node.get("_target_")), node
@@ -261,7 +255,7 @@ def _chosen(cfg: DictConfig, settings: TrainSettings, predicted: Predict) -> Ite
 def _every(cfg: DictConfig, settings: TrainSettings, predicted: Predict, notes: list[str]) -> Iterator[Row]:
     """Every option of conf/sync/ (the chosen one with the overrides' keys), and its variants."""
     chosen, _ = _name_of(cfg.sync)
-    for name, default in _options().items():
+    for name, default in sync_options().items():
         node = cfg.sync if name == chosen else default
         yield from _variants(cfg, name, node, default, settings, predicted, notes)
 
