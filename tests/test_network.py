@@ -200,3 +200,12 @@ def test_the_schema_offers_the_presets_the_scaling_table_has() -> None:
     choices = {a for part in typing.get_args(typing.get_args(preset)[0]) for a in typing.get_args(part)}
     assert choices == {"none", *EMULATED}
     assert {p.stem for p in (Path(__file__).parents[1] / "conf" / "network").glob("*.yaml")} == {"none", *EMULATED}
+
+
+def test_the_emulated_link_charges_a_collective_by_its_group() -> None:
+    link = Network(preset="1gbe", gpus_per_node=2).link(4)
+    assert link is not None
+    inside, across, flat = (link.seconds("all_reduce", 2**20, 1, ranks) for ranks in ((0, 1), (0, 2), None))
+    assert inside < across / 100  # nvlink inside a node, 1 GbE between nodes
+    assert flat > across  # every rank's ring: 3 of its 6 steps' hops cross nodes, each paced by the slow link
+    assert link.across_nodes((0, 1)) is False and link.across_nodes((1, 3)) is True and link.across_nodes(None)

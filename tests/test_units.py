@@ -273,6 +273,13 @@ def test_comm_metrics_arithmetic() -> None:
     assert wire_bytes("all_reduce", 4000, 1) == 0  # one rank sends nothing
     assert comm_row([control], False) == {"comm/control_bytes_per_step": 4, "comm/control_collectives_per_step": 1}
     assert comm_row([], False) == {}
+    # Bytes across nodes: of the same bytes, those of collectives whose group spans emulated nodes; the
+    # key only where the link has nodes (across_nodes None: it has none).
+    inside = Collective("reduce_scatter", 4000, 2, False, 0.0, 1.0, 0.0, across_nodes=False)
+    across = Collective("all_reduce", 2000, 2, False, 1.0, 2.0, 1.0, across_nodes=True)
+    two_tier = comm_row([inside, across, control], True)
+    assert two_tier["comm/inter_node_bytes_per_step"] == 2000 and two_tier["comm/bytes_per_step"] == 4000
+    assert "comm/inter_node_bytes_per_step" not in comm_row(data, True)
 
 
 def _agree(rank: int, world_size: int, values: list) -> str:

@@ -15,6 +15,10 @@ here turn them into the numbers of a row. Nothing else computes a row's time, by
   an all_gather, or a broadcast from each rank of its slice. Control collectives (agreements of a
   few bytes: a flag per parameter, the cap tuner's vote, a gradient norm) count apart
   (`comm/control_bytes_per_step`), never in the gradient and parameter traffic.
+- Bytes across nodes (`comm/inter_node_bytes_per_step`, network=<preset> with network.gpus_per_node
+  > 1): the same bytes, of the data collectives whose group spans more than one emulated node (a
+  flat ring of every rank does; a group inside one node does not): what this rank's traffic puts
+  on the slow link between nodes.
 - Communication time (`time/comm_s`): the length of the union of the intervals from each
   collective's launch to its completion as the backend reports it (gloo's thread, the NCCL
   stream's event; on an emulated link, when the link hands it on); gaps between collectives are
@@ -100,6 +104,7 @@ class Collective:
     link_s: float = 0.0  # its time on the emulated link (0: none)
     calls: int = 1  # collectives of `kind` sharing these instants and `nbytes` (a PowerSGD hook's three)
     resumed: float | None = None  # when the training thread went on after waiting for it (None: completed)
+    across_nodes: bool | None = None  # its group spans emulated nodes (None: the link has no nodes)
 
 
 def comm_time(collectives: Sequence[Collective]) -> float:
@@ -169,6 +174,9 @@ def comm_row(collectives: Sequence[Collective], emulated: bool) -> dict[str, flo
             total += sent
     row["comm/bytes_per_step"] = total
     row["comm/collectives_per_step"] = sum(c.calls for c in data)
+    if any(c.across_nodes is not None for c in data):
+        across = [c for c in data if c.across_nodes]
+        row["comm/inter_node_bytes_per_step"] = sum(wire_bytes(c.kind, c.nbytes, c.ranks) for c in across)
     busy, exposed = comm_time(data), exposed_time(data)
     row["time/comm_s"], row["time/comm_exposed_s"] = busy, min(exposed, busy)
     if emulated:

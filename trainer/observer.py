@@ -56,6 +56,7 @@ class _Record:
     wait_began: Mark | None = None
     waited: Mark | None = None  # when the training thread's wait returned
     noted: Future[Any] | None = None  # done once the completion above is noted (the group's hooks)
+    across_nodes: bool | None = None  # its group spans emulated nodes (None: the link has none)
 
     @property
     def back(self) -> bool:
@@ -178,11 +179,18 @@ class Observer:
     # The communication object's reports (only while sampling).
 
     def launched(
-        self, kind: str, nbytes: int, ranks: int, control: bool = False, link_s: float = 0.0, calls: int = 1
+        self,
+        kind: str,
+        nbytes: int,
+        ranks: int,
+        control: bool = False,
+        link_s: float = 0.0,
+        calls: int = 1,
+        across_nodes: bool | None = None,
     ) -> _Record:
         """A collective (or `calls` of one kind sharing one future) is about to be launched on the sampled step."""
         assert self._sample is not None
-        record = _Record(kind, nbytes, ranks, control, link_s, calls, self.clock.now())
+        record = _Record(kind, nbytes, ranks, control, link_s, calls, self.clock.now(), across_nodes=across_nodes)
         self._sample.records.append(record)
         if not self._launching_in_torch:
             self._probe()
@@ -286,7 +294,16 @@ class Observer:
                 # The backend's completion; gloo's reduce_scatter has no future, its wait's end bounds it.
                 completed = min(at(r.completed), waited) if r.completed is not None else waited
             c = measures.Collective(
-                r.kind, r.nbytes, r.ranks, r.control, launched, completed, needed, r.link_s, r.calls
+                r.kind,
+                r.nbytes,
+                r.ranks,
+                r.control,
+                launched,
+                completed,
+                needed,
+                r.link_s,
+                r.calls,
+                across_nodes=r.across_nodes,
             )
             out.append(c)
         return out

@@ -149,13 +149,15 @@ def build_parts(cfg: DictConfig, world_size: int = 1) -> Parts:
             f"model.sync_batchnorm=true but {cfg.model._target_} has no BatchNorm layer to synchronise; "
             "set model.batchnorm=true (cnn) or use model=resnet18, or set model.sync_batchnorm=false"
         )
+    sync: SyncStrategy = instantiate(cfg.sync)
+    sync.check_world_size(world_size)  # here too: tools and tests build parts without the command-line precheck
     return Parts(
         settings=settings,
         data=data,
         model=model,
         sync_batchnorm=sync_batchnorm,
         compile=settings.compile,
-        sync=instantiate(cfg.sync),
+        sync=sync,
         optimizer_factory=optimizer_factory(cfg.optim),
         schedule_factory=hydra.utils.instantiate(cfg.schedule, _partial_=True, _convert_="all"),
         link=instantiate(cfg.network).link(world_size),

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import hydra
 import torch
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
@@ -158,7 +159,8 @@ def check_overrides(argv: list[str], world_size: int | None = None) -> None:
     """Raise ConfigError if anything the command line would run is bad input (train.py's arguments).
 
     world_size, where the caller knows it (the launcher, a rank), adds the checks that depend on it:
-    trainer.global_batch_size must divide into the ranks' micro-batches.
+    trainer.global_batch_size must divide into the ranks' micro-batches, and the sync strategy's
+    layout of the ranks must fit them (SyncStrategy.check_world_size).
     """
     if any(a.startswith("-") and a not in ("-m", "--multirun") for a in argv):
         return  # Hydra's own flags (--help, --cfg, --config-name, ...): Hydra handles the command line
@@ -191,6 +193,8 @@ def _check(overrides: list[str], multirun: bool, world_size: int | None = None) 
             global_batch = cfg.trainer.get("global_batch_size")
             if world_size is not None and global_batch is not None:
                 per_rank_batch(global_batch, world_size, cfg.trainer.grad_accum_steps)
+            if world_size is not None:  # a layout of the ranks (sync.replicate x sync.shard) this many cannot form
+                hydra.utils.instantiate(cfg.sync, _convert_="all").check_world_size(world_size)
     except Exception as err:
         raise explain_compose_error(err, overrides) from None
     for variant in _variants(_parse(swept), multirun=True) if swept else ():

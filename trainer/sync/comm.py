@@ -8,7 +8,7 @@ the rest, so that nothing of it sits between the algorithm's lines:
 - naming: while the profiler records (`recording`), each launch runs inside a range such as
   `bucket 3 all_reduce 4.0 MiB`, which the timeline pairs with the backend's execution;
 - the emulated link (network=<preset>, trainer/sync/network.py): each collective is handed on no
-  earlier than the link would have finished it.
+  earlier than the link would have finished it, charged by the ranks of the group it runs on.
 On any other step a collective is the torch.distributed call and nothing else.
 
 Collectives are launched asynchronously (SUM for reductions) and return a Work to wait for.
@@ -43,11 +43,16 @@ def reduce_scatter_tensor(*args: Any, **kwargs: Any) -> Any:
 
 
 class Link(Protocol):
-    """network=<preset>'s emulated link, as the communication object uses it (trainer/sync/network.py)."""
+    """network=<preset>'s emulated link, as the communication object uses it (trainer/sync/network.py).
+    `ranks`: the global ranks of the collective's group (None: every rank), which it is charged by."""
 
-    def seconds(self, kind: str, nbytes: int, calls: int = 1) -> float: ...
+    def seconds(self, kind: str, nbytes: int, calls: int = 1, ranks: tuple[int, ...] | None = None) -> float: ...
 
-    def delayed(self, work: dist.Work, kind: str, nbytes: int, recording: bool = False) -> dist.Work: ...
+    def across_nodes(self, ranks: tuple[int, ...] | None) -> bool | None: ...
+
+    def delayed(
+        self, work: dist.Work, kind: str, nbytes: int, recording: bool = False, ranks: tuple[int, ...] | None = None
+    ) -> dist.Work: ...
 
     def delayed_future(
         self, future: Future[Any], kind: str, nbytes: int, calls: int = 1, recording: bool = False
@@ -58,6 +63,13 @@ class Link(Protocol):
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+def _ranks_of(group: Any) -> tuple[int, ...] | None:
+    """The global ranks of a collective's group, which the emulated link charges it by; None: every rank."""
+    if group is None or group is dist.GroupMember.WORLD:
+        return None
+    return tuple(dist.get_process_group_ranks(group))  # torch's own table: a dict lookup
 
 
 def _first(done: Future[Any]) -> Any:
@@ -156,6 +168,7 @@ class Comm:
         record.kind, record.nbytes, record.calls = kind, nbytes, calls
         if self.link is not None:
             record.link_s = self.link.seconds(kind, nbytes, calls)
+            record.across_nodes = self.link.across_nodes(None)
             future = self.link.delayed_future(future, kind, nbytes, calls, self.recording)
         return observer.watch_future(future, record)
 
@@ -175,10 +188,12 @@ class Comm:
         if not (observer.sampling or self.recording or link is not None):
             return collective(*args, async_op=True, group=group, **kwargs)
         nbytes = _nbytes(buffer)
+        ranks = _ranks_of(group)
         record = None
         if observer.sampling:
-            link_s = link.seconds(kind, nbytes) if link is not None else 0.0
-            record = observer.launched(kind, nbytes, dist.get_world_size(group), control, link_s)
+            link_s = link.seconds(kind, nbytes, 1, ranks) if link is not None else 0.0
+            across = link.across_nodes(ranks) if link is not None else None
+            record = observer.launched(kind, nbytes, dist.get_world_size(group), control, link_s, 1, across)
         # Named only while the profiler records (the name is a string built per launch).
         label = f"control {kind}" if control else kind
         name = trace_names.collective(label, nbytes, None if control else bucket) if self.recording else ""
@@ -189,5 +204,5 @@ class Comm:
             finally:
                 CommLaunch.active = False
             if link is not None:
-                work = link.delayed(work, kind, nbytes, self.recording)  # recording: its completion marked
+                work = link.delayed(work, kind, nbytes, self.recording, ranks)  # recording: its completion marked
         return work if record is None else observer.watch(work, record)

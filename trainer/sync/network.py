@@ -3,10 +3,12 @@ a real link would have finished it, so overlap, bucket size, compression and sha
 they do on a cluster.
 
 The link's time is the scaling model's alpha-beta model (trainer/links.py: ring all_reduce
-2(n-1) steps, reduce_scatter and all_gather n-1, each alpha + S/(n beta); two levels when ranks
-form nodes), on the same presets (trainer/links.py: one table for both), stretched by
-network.time_scale. The link carries one collective at a time, as NCCL's stream or gloo's thread
-does: a collective launched while another is on the link starts when that one is done. So its
+2(n-1) steps, reduce_scatter and all_gather n-1, each alpha + S/(n beta)), charged by the group a
+collective runs on: a group inside one emulated node (network.gpus_per_node ranks) pays the intra
+link, a group that spans nodes (every rank's, or one rank per node) the inter link; on the same
+presets (trainer/links.py: one table for both), stretched by network.time_scale. The link carries
+one collective at a time, as NCCL's stream or gloo's thread does: a collective launched while
+another is on the link starts when that one is done. So its
 emulated completion is max(launch, link free) + its time, and it is handed on at the later of that
 and the real completion: by a timer thread that sleeps until the next deadline (a timer, not a
 spin: compute running meanwhile has the cores), or, for a plain wait(), by sleeping after the real
@@ -38,7 +40,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from trainer.errors import ConfigError
-from trainer.links import EMULATED, PRESETS, Link, Topology
+from trainer.links import EMULATED, PRESETS, Topology
 from trainer.links import Network as Preset
 from trainer.trace_names import completion_mark
 
@@ -106,29 +108,39 @@ class EmulatedLink:
         self._lock = threading.Lock()
         self._free_at = 0.0  # perf_counter time the link finishes what it carries now
         self._timer = _Timer()
-        self._seconds: dict[tuple[str, int, int], float] = {}  # a step sends the same sizes again and again
+        self._seconds: dict[
+            tuple[str, int, int, tuple[int, ...] | None], float
+        ] = {}  # a step sends the same sizes again and again
         _tighten_timer_slack()
 
     def describe(self) -> str:
         return self.name
 
-    def seconds(self, kind: str, nbytes: int, calls: int = 1) -> float:
-        """The link's time for `calls` collectives of `kind` moving nbytes between them (equal parts)."""
-        key = (kind, nbytes, calls)
+    def seconds(self, kind: str, nbytes: int, calls: int = 1, ranks: tuple[int, ...] | None = None) -> float:
+        """The link's time for `calls` collectives of `kind` moving nbytes between them (equal parts),
+        on the group of these global ranks (None: every rank): inside one node the intra link, across
+        nodes the inter link (trainer/links.py's Topology.group_s)."""
+        key = (kind, nbytes, calls, ranks)
         if key not in self._seconds:
-            self._seconds[key] = self._cost(kind, nbytes, calls)
+            self._seconds[key] = self._cost(kind, nbytes, calls, self._group(ranks))
         return self._seconds[key]
 
-    def _cost(self, kind: str, nbytes: int, calls: int) -> float:
-        if kind == "broadcast":  # a pipelined ring broadcast: n-1 latencies, the buffer once
-            link = self._slowest()
-            one = (self.topology.ranks - 1) * link.alpha_s + nbytes / calls / link.beta_Bps
-            return self.time_scale * calls * (one if self.topology.ranks > 1 else 0.0)
-        return self.time_scale * calls * self.topology.collective_s(kind, nbytes / calls)
+    def _group(self, ranks: tuple[int, ...] | None) -> list[int]:
+        return list(range(self.topology.ranks)) if ranks is None else list(ranks)
 
-    def _slowest(self) -> Link:
-        tier = self.topology.inter if self.topology.nodes > 1 else self.topology.intra
-        return tier.link("all_gather")
+    def across_nodes(self, ranks: tuple[int, ...] | None) -> bool | None:
+        """Whether a group of these ranks spans emulated nodes; None when the link has no nodes."""
+        if self.topology.per_node == 1:
+            return None
+        return len({r // self.topology.ranks_per_node for r in self._group(ranks)}) > 1
+
+    def _cost(self, kind: str, nbytes: int, calls: int, group: list[int]) -> float:
+        if kind == "broadcast":  # a pipelined ring broadcast: n-1 latencies, the buffer once
+            network = self.topology.intra if self.across_nodes(tuple(group)) is False else self.topology.inter
+            link = network.link("all_gather")
+            one = (len(group) - 1) * link.alpha_s + nbytes / calls / link.beta_Bps
+            return self.time_scale * calls * (one if len(group) > 1 else 0.0)
+        return self.time_scale * calls * self.topology.group_s(kind, nbytes / calls, group)
 
     def deadline(self, seconds: float, recording: bool = False) -> float:
         """Launched now and taking `seconds` on the link: when it is done (after what is on it now).
@@ -140,9 +152,11 @@ class EmulatedLink:
             mark_completion(done)
         return done
 
-    def delayed(self, work: dist.Work, kind: str, nbytes: int, recording: bool = False) -> dist.Work:
+    def delayed(
+        self, work: dist.Work, kind: str, nbytes: int, recording: bool = False, ranks: tuple[int, ...] | None = None
+    ) -> dist.Work:
         """A launched collective's Work, done no earlier than its link time."""
-        return Delayed(work, self.deadline(self.seconds(kind, nbytes), recording), self._timer)
+        return Delayed(work, self.deadline(self.seconds(kind, nbytes, 1, ranks), recording), self._timer)
 
     def delayed_future(
         self, future: torch.futures.Future[Any], kind: str, nbytes: int, calls: int = 1, recording: bool = False

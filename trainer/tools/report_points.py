@@ -90,9 +90,17 @@ POINT_HEADERS = (
     "hidden ms",
     "exposed ms",
 )
+LINK_HEADER = "link ms"  # after exposed ms, only when some job ran on an emulated link
 
 
-def point_cells(point: Point) -> list[str]:
+def point_headers(points: Sequence[Point]) -> list[str]:
+    names = list(POINT_HEADERS)
+    if any(point.median("comm_exposed_link_ms") is not None for point in points):
+        names.insert(names.index("exposed ms") + 1, LINK_HEADER)
+    return names
+
+
+def point_cells(point: Point, link: bool = False) -> list[str]:
     """A point's medians over its repeats; `-` for the spread of a point that ran once. The cap and the
     buckets are each repeat's where they differ (`auto (5|1)`), once where the repeats agree."""
     spread = point.spread
@@ -114,6 +122,7 @@ def point_cells(point: Point) -> list[str]:
         med("compute_ms"),
         med("hidden_comm_ms"),
         med("comm_exposed_ms"),
+        *([med("comm_exposed_link_ms")] if link else []),
     ]
 
 

@@ -39,9 +39,15 @@ LEGEND = """\
   its communication is counted in time/backward_s (marked with a dagger).
 - MB/step: `comm/bytes_per_step` in MB (10^6 bytes): per rank the median over its rows, then the
   median over ranks. What the strategy sends per optimizer step; `-` when it sends nothing (none).
+- inter-node MB/step (network.gpus_per_node > 1 only): `comm/inter_node_bytes_per_step` in MB, taken as
+  MB/step is: the part of MB/step sent in collectives whose group spans emulated nodes, what crosses
+  the slow link between them.
 - exposed ms: `time/comm_exposed_s`, the communication not hidden under backward, per step: per rank
   the median over the rows that carry it (one step in `trainer.sample_every_n_steps` is measured), then
   the median over ranks; `-` when no row has it.
+- link ms (network=<preset> only): `time/comm_exposed_link_s`, what the step would have waited for if
+  only the emulated link cost time (docs/metrics.md#the-links-ideal), taken as exposed ms is; exposed
+  ms minus it is the strategy's own queueing and host work around the link.
 - buckets: the gradient buckets the strategy really built (summary.json's `sync.bucket_sizes_bytes`;
   DDP's as rebuilt after its first iteration; zero's one flat buffer): their number, then their
   sizes in MB (past 4 buckets the smallest-largest and the total). Strategies without buckets
@@ -101,6 +107,8 @@ class RankStats:
     timed_steps: int
     bytes_per_step: float | None = None
     comm_exposed_ms: float | None = None
+    comm_exposed_link_ms: float | None = None
+    inter_node_bytes_per_step: float | None = None
     peak_rss_mb: float | None = None
     peak_cuda_mb: float | None = None
     opt_state_mb: float | None = None
@@ -129,6 +137,8 @@ class JobRow:
     fastest: RankStats | None
     mb_per_step: float | None = None
     comm_exposed_ms: float | None = None
+    comm_exposed_link_ms: float | None = None  # on an emulated link: the link's ideal
+    inter_node_mb_per_step: float | None = None  # network.gpus_per_node > 1: the bytes across nodes
     peak_rss_mb: float | None = None
     peak_cuda_mb: float | None = None
     opt_state_mb: float | None = None
@@ -210,6 +220,8 @@ def rank_stats(rank: int, rows: Sequence[dict[str, Any]]) -> RankStats:
         timed_steps=len(step),
         bytes_per_step=_median(_column(train, "comm/bytes_per_step")),
         comm_exposed_ms=_median(_column(train, "time/comm_exposed_s"), 1000.0),
+        comm_exposed_link_ms=_median(_column(train, "time/comm_exposed_link_s"), 1000.0),
+        inter_node_bytes_per_step=_median(_column(train, "comm/inter_node_bytes_per_step")),
         peak_rss_mb=_max(_column(rows, "memory/rss_mb")),
         peak_cuda_mb=_max(_column(rows, "memory/cuda_max_allocated_mb")),
         opt_state_mb=_max(_column(rows, "memory/optimizer_state_mb")),
@@ -284,6 +296,8 @@ def job_row(job: Job, overrides: Sequence[str]) -> JobRow:
         fastest=min(timed, key=_step_ms, default=None),
         mb_per_step=_median([r.bytes_per_step for r in ranks], 1e-6),
         comm_exposed_ms=_median([r.comm_exposed_ms for r in ranks]),
+        comm_exposed_link_ms=_median([r.comm_exposed_link_ms for r in ranks]),
+        inter_node_mb_per_step=_median([r.inter_node_bytes_per_step for r in ranks], 1e-6),
         peak_rss_mb=_max([r.peak_rss_mb for r in ranks]),
         peak_cuda_mb=_max([r.peak_cuda_mb for r in ranks]),
         opt_state_mb=_max([r.opt_state_mb for r in ranks]),

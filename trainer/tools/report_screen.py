@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from trainer.tools.report_layout import short_layout
-from trainer.tools.report_points import POINT_HEADERS, Point, point_cells
+from trainer.tools.report_points import LINK_HEADER, Point, point_cells, point_headers
 from trainer.tools.report_rows import REPEAT_KEY, JobRow, override_key, value_of
-from trainer.tools.report_table import CUDA_HEADER, PREDICTED_HEADER, job_lines
+from trainer.tools.report_table import CUDA_HEADER, INTER_NODE_HEADER, PREDICTED_HEADER, job_lines
 
 
 def aligned(cells: Sequence[Sequence[str]]) -> str:
@@ -25,7 +25,8 @@ SCREEN_WIDTH = 100  # a terminal's: what does not fit is in report.md and report
 BLANK = ("", "-")  # a column of nothing but these tells the reader nothing on screen
 SCREEN_NAMES = {"samples/s (median row)": "samples/s"}  # report.md's legend says which row
 # The printed tables drop these columns, first first, until they fit: what a reader compares (the
-# swept values, step time and its spread, throughput, exposed communication) stays.
+# swept values, step time and its spread, throughput, exposed communication and, on an emulated link,
+# the link's ideal beside it) stays. The bytes across nodes go before the bytes in all: shown if they fit.
 JOB_DROP_ORDER: tuple[str, ...] = (
     "fastest",
     "slowest",
@@ -36,7 +37,7 @@ JOB_DROP_ORDER: tuple[str, ...] = (
     PREDICTED_HEADER,
     "mem MB/rank",
 )
-JOB_DROP_ORDER += ("sync", "sync %", "train loss", "bucket_mb", "MB/step", "same as", "buckets")
+JOB_DROP_ORDER += ("sync", "sync %", "train loss", "bucket_mb", INTER_NODE_HEADER, "MB/step", "same as", "buckets")
 POINT_DROP_ORDER = ("hidden ms", "compute ms", "bucket_mb", "buckets", "jobs")
 
 
@@ -116,10 +117,11 @@ def _point_layout(point: Point) -> str:
 
 def screen_points(points: Sequence[Point]) -> str:
     """The points as printed: what names each point (a column per key), then its medians and spread."""
-    full = _by_name(POINT_HEADERS, [point_cells(p) for p in points])
+    names = point_headers(points)
+    full = _by_name(names, [point_cells(p, LINK_HEADER in names) for p in points])
     full["buckets"] = [_point_layout(p) for p in points]
     words = [[o for o in p.first.overrides.split() if override_key(o) != REPEAT_KEY] for p in points]
     columns = swept_columns(words) if any(words) else [Column("point", full["point"], clip=True)]
     texts = ("jobs", "bucket_mb", "buckets")
-    columns += [Column(SCREEN_NAMES.get(n, n), full[n], n in texts) for n in POINT_HEADERS if n != "point"]
+    columns += [Column(SCREEN_NAMES.get(n, n), full[n], n in texts) for n in names if n != "point"]
     return fit(columns, POINT_DROP_ORDER)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.tools.report_layout import cap_cell, layout_cell
-from trainer.tools.report_points import POINT_HEADERS, Point, point_cells, shown
+from trainer.tools.report_points import LINK_HEADER, Point, point_cells, point_headers, shown
 from trainer.tools.report_rows import LEGEND, JobRow, RankStats
 
 
@@ -45,10 +45,15 @@ HEADERS = (
 )
 CUDA_HEADER = "peak CUDA MB"  # after peak RSS MB (before opt state MB), only when some job ran on CUDA
 PREDICTED_HEADER = "predicted MB/rank"  # after mem MB/rank, only with report --memory
+INTER_NODE_HEADER = "inter-node MB/step"  # after MB/step, only when some job's emulated nodes held several ranks
 
 
 def headers(rows: Sequence[JobRow]) -> list[str]:
     names = list(HEADERS)
+    if any(row.comm_exposed_link_ms is not None for row in rows):
+        names.insert(names.index("exposed ms") + 1, LINK_HEADER)
+    if any(row.inter_node_mb_per_step is not None for row in rows):
+        names.insert(names.index("MB/step") + 1, INTER_NODE_HEADER)
     if any(row.predicted_memory_mb is not None for row in rows):
         names.insert(names.index("mem MB/rank") + 1, PREDICTED_HEADER)
     if any(row.peak_cuda_mb is not None for row in rows):
@@ -69,24 +74,31 @@ def _dagger(row: JobRow) -> str:
     return "†" if row.sync == "ddp" and row.sync_share_pct is not None else ""
 
 
-def table_cells(row: JobRow, cuda: bool = False, predicted: bool = False) -> list[str]:
-    """Display strings; an incomplete job's numbers are wrapped in parentheses.
+def table_cells(row: JobRow, names: Sequence[str] = HEADERS) -> list[str]:
+    """Display strings for the columns `names` (headers()); an incomplete job's numbers are wrapped in parentheses.
 
     `-` marks communication a job did not do (sync=none) or did not time, or a metric its rows do not
     carry (optimizer state in runs logged before it existed), as opposed to a blank.
     """
     dagger = _dagger(row)
-    memory = [shown(row.peak_rss_mb, ".0f")] + ([shown(row.peak_cuda_mb, ".0f") or "-"] if cuda else [])
+
+    def some(header: str, value: float | None, spec: str) -> list[str]:
+        """A conditional column's cell, or none where the table has no such column."""
+        return [shown(value, spec) or "-"] if header in names else []
+
     numbers = [
         shown(row.step_ms, ".2f"),
         shown(row.samples_per_s, ".0f"),
         shown(row.sync_share_pct, ".1f") + dagger,
         shown(row.mb_per_step, ".2f") or "-",
+        *some(INTER_NODE_HEADER, row.inter_node_mb_per_step, ".2f"),
         shown(row.comm_exposed_ms, ".2f") or "-",
-        *memory,
+        *some(LINK_HEADER, row.comm_exposed_link_ms, ".2f"),
+        shown(row.peak_rss_mb, ".0f"),
+        *some(CUDA_HEADER, row.peak_cuda_mb, ".0f"),
         shown(row.opt_state_mb, ".1f") or "-",
         shown(row.step_memory_mb, ".1f") or "-",
-        *([shown(row.predicted_memory_mb, ".1f") or "-"] if predicted else []),
+        *some(PREDICTED_HEADER, row.predicted_memory_mb, ".1f"),
         shown(row.train_loss, ".4f"),
         shown(row.eval_accuracy, ".3f"),
         _rank(row.slowest),
@@ -102,7 +114,7 @@ def table_cells(row: JobRow, cuda: bool = False, predicted: bool = False) -> lis
 def job_lines(rows: Sequence[JobRow]) -> list[list[str]]:
     """The header, then one line of cells per job."""
     names = headers(rows)
-    return [names, *(table_cells(row, CUDA_HEADER in names, PREDICTED_HEADER in names) for row in rows)]
+    return [names, *(table_cells(row, names) for row in rows)]
 
 
 def _markdown_table(names: Sequence[str], cells: Sequence[Sequence[str]]) -> list[str]:
@@ -121,7 +133,9 @@ def format_markdown(
     names, *cells = job_lines(rows)
     lines = [f"# {title}", ""]
     if points:
-        lines += ["## Points", "", *_markdown_table(POINT_HEADERS, [point_cells(p) for p in points]), ""]
+        point_names = point_headers(points)
+        point_lines = [point_cells(p, LINK_HEADER in point_names) for p in points]
+        lines += ["## Points", "", *_markdown_table(point_names, point_lines), ""]
     lines += [*(f"- {note}" for note in notes), *([""] if notes else []), "## Jobs", "", *_markdown_table(names, cells)]
     lines += [line for note in notes_under_table("".join(map("".join, cells))) for line in ("", note)]
     return "\n".join([*lines, "", "## Legend", "", LEGEND, "", f"![{title}]({image})", ""])
@@ -148,7 +162,9 @@ def csv_records(rows: Sequence[JobRow]) -> list[dict[str, Any]]:
             "samples_per_s": row.samples_per_s,
             "sync_share_pct": row.sync_share_pct,
             "mb_per_step": row.mb_per_step,
+            "inter_node_mb_per_step": row.inter_node_mb_per_step,
             "comm_exposed_ms": row.comm_exposed_ms,
+            "comm_exposed_link_ms": row.comm_exposed_link_ms,
             "comm_ms": row.comm_ms,
             "compute_ms": row.compute_ms,
             "hidden_comm_ms": row.hidden_comm_ms,
