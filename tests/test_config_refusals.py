@@ -111,6 +111,13 @@ TABLE: list[Row] = [
     Row("sync=zero", "sync.wrap=layer", "choice", "sync.wrap='layer'"),
     Row("sync=zero", "sync.stage=0", "choice", "sync.stage=0"),
     Row("sync=zero", "sync.bucket_cap_mb=0", "low", "sync.bucket_cap_mb=0.0"),
+    Row("sync=hierarchical", "sync.bucket_cap_mb=0", "low", "sync.bucket_cap_mb=0.0"),
+    Row("sync=hierarchical", "sync.replicate=0", "low", "sync.replicate=0"),
+    Row("sync=hierarchical", "sync.shard=0", "low", "sync.shard=0"),
+    Row("sync=hsdp", "sync.mixed_precision=fp16", "choice", "sync.mixed_precision='fp16'"),
+    Row("sync=hsdp", "sync.wrap=layer", "choice", "sync.wrap='layer'"),
+    Row("sync=hsdp", "sync.replicate=0", "low", "sync.replicate=0"),
+    Row("sync=hsdp", "sync.shard=0", "low", "sync.shard=0"),
     # optim
     Row("optim=sgd", "optim._partial_=false", "choice", "optim._partial_=False"),
     Row("optim=sgd", "optim.lr=0", "low", "optim.lr=0.0"),

@@ -44,6 +44,8 @@ def timed(make: Any) -> Any:
 # Each strategy as its conf/sync/ YAML builds it (the defaults live there), a test's keys changed.
 MANUAL, BUCKETED, DDP, FSDP = (partial(from_yaml, option) for option in ("manual", "bucketed", "ddp", "fsdp"))
 ZERO, ZERO3, NATIVE_ZERO3 = (partial(class_from_yaml, cls, "zero") for cls in (ZeroSync, Zero3Sync, NativeZero3))
+# The two-level strategies on 2 ranks: 2 nodes of 1 (sync.shard's default without emulated nodes) or 1 node of 2.
+HIERARCHICAL, HSDP = (partial(from_yaml, option) for option in ("hierarchical", "hsdp"))
 TINY_MB = 300 / 2**20  # below the branch's 8x8 float64 weight (512 bytes): that tensor makes a group alone
 FIND = {"find_unused_parameters": True}
 
@@ -65,6 +67,10 @@ EVERY_STRATEGY = {
     "zero3-no-prefetch": partial(ZERO3, prefetch=0, reshard_after_forward=False),
     "zero3-native": NATIVE_ZERO3,  # reduce_scatter and all_gather: NCCL's path
     "zero3-native-module": partial(NATIVE_ZERO3, wrap="module", prefetch=2),
+    "hierarchical": HIERARCHICAL,  # each bucket all-reduced across the 2 nodes of 1
+    "hierarchical-node": partial(HIERARCHICAL, shard=2, bucket_cap_mb=TINY_MB),  # scattered, gathered in a node
+    "hsdp": HSDP,  # each unit whole on its rank, its gradients all-reduced across the nodes
+    "hsdp-node": partial(HSDP, shard=2),  # one node: fsdp's shards
 }
 MANUAL_GROUPINGS = {
     "manual": (partial(MANUAL, **FIND), "branchy"),
@@ -77,6 +83,7 @@ MANUAL_GROUPINGS = {
     "zero-stage1": (partial(ZERO, stage=1, bucket_cap_mb=TINY_MB, **FIND), "branchy"),
     "ddp": (partial(DDP, **FIND), "branchy"),
     "zero3": (partial(ZERO3, wrap="block", **FIND), "branchy"),  # no blocks: every parameter in the root
+    "hierarchical": (partial(HIERARCHICAL, shard=2, **FIND), "branchy"),
 }
 
 CASES: dict[str, Case] = {
@@ -98,6 +105,7 @@ CASES: dict[str, Case] = {
     "reused-nonreentrant-zero3": Case("reused-nonreentrant", ZERO3),  # a unit gathered twice in a forward
     "reused-nonreentrant-zero3-native": Case("reused-nonreentrant", NATIVE_ZERO3),
     "reused-zero3-root": Case("reused", partial(ZERO3, wrap="block")),
+    "reused-hierarchical": Case("reused", partial(HIERARCHICAL, shard=2, bucket_cap_mb=TINY_MB)),
     **{f"unused-all-{n}": Case(m, s) for n, (s, m) in MANUAL_GROUPINGS.items()},
     **{f"unused-one-{n}": Case(m, s, branch_ranks=(1,)) for n, (s, m) in MANUAL_GROUPINGS.items()},
     "unused-all-fsdp": Case("branchy", FSDP),
@@ -172,6 +180,8 @@ REFUSED = {
     "unused-all-zero3-noflag": (Case("branchy", partial(ZERO3, wrap="block")), "'branch.weight'"),
     # the shared layer is a unit run under reentrant checkpoints: its backward reruns it unannounced
     "reused-zero3": (Case("reused", ZERO3), "zero unit shared"),
+    "unused-all-hierarchical-noflag": (Case("branchy", HIERARCHICAL), "'branch.weight'"),
+    "reused-hsdp": (Case("reused", partial(HSDP, shard=2)), "'shared.weight'"),  # fsdp's refusal
 }
 # ...or at the first later step where a parameter goes without a gradient on every rank: without
 # find_unused_parameters each rank checks its own (sending zeros would step it where one process

@@ -1,0 +1,152 @@
+"""Two levels on a 2-D mesh (sync=hierarchical, sync=hsdp): 4 ranks as 2 nodes of 2 train what one
+process trains on the 4x batch, with sgd, adamw and the GPT recipe; replicas bit-identical; hsdp's
+checkpoints of both formats resume on another world size; on the emulated two-tier link only
+1/shard of the flat ring's bytes cross between nodes. Three spawns: 1 rank, 4 ranks, 2 ranks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.dist_helpers import run_on_ranks
+from tests.test_world_change import CUT, cut_back_to_step_4
+from tests.train_helpers import SIX_STEPS, assert_same_model, build, case_results, max_abs_diff, params_of, train_each
+from trainer.errors import ConfigError
+from trainer.setup.precheck import check_overrides
+
+pytestmark = pytest.mark.slow
+
+MLP = ["logger=none", "model.hidden_sizes=[32,32]", *SIX_STEPS]
+QUIET = ["logger=none", "model.hidden_sizes=[32,32]", "data.num_val_samples=16", "trainer.eval_every_n_steps=0"]
+QUIET += ["trainer.progress_bar=false"]
+TWO_BY_TWO = ["sync.shard=2", "data.batch_size=4"]  # 4 ranks: 2 nodes of 2, a quarter of the batch each
+ADAMW = ["optim=adamw", "optim.lr=0.01"]
+RECIPE = ["logger=none", "trainer.progress_bar=false", "trainer.eval_every_n_steps=0", "trainer.max_steps=4"]
+RECIPE += ["trainer.log_every_n_steps=1", "model.activation_checkpointing=true", "trainer.max_grad_norm=0.05"]
+RECIPE += ["optim=adamw", "optim.lr=0.01", "optim.weight_decay=0.1", "optim.weight_decay_on=matrices"]
+STRATEGIES = ("hierarchical", "hsdp")
+LINK = [*QUIET, "data.num_samples=64", "network=1gbe", "network.gpus_per_node=2", "trainer.max_steps=4"]
+LINK += ["trainer.log_every_n_steps=4"]
+RESUMABLE = [*QUIET, "data.num_samples=512", "trainer.log_every_n_steps=2", *CUT]  # 12 steps of global batch 64
+SHARDED = ["trainer.checkpoint_format=sharded"]
+
+
+def train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dict[str, Any]:
+    trainer = build(rank, world_size, overrides, run_dir)
+    trainer.fit()
+    rows = [row for row in trainer._rows.rows if "comm/bytes_per_step" in row]
+    return {"params": params_of(trainer), "rows": rows}
+
+
+def single_cases(rank: int, world_size: int, gpt: list[str], root: str) -> dict[str, Any]:
+    cases = {
+        "sgd": [*MLP, "sync=none", "data.batch_size=16"],
+        "adamw": [*MLP, "sync=none", "data.batch_size=16", *ADAMW],
+        "recipe": [*gpt, *RECIPE, "sync=none", "data.batch_size=16"],
+    }
+    return train_each(rank, world_size, train, cases, f"{root}/runs")
+
+
+def resumable(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dict[str, Any]:
+    """12 steps with checkpoints, cut back to step 4, as if the job had died there."""
+    result = train(rank, world_size, [*RESUMABLE, *overrides], run_dir)
+    torch.distributed.barrier()
+    cut_back_to_step_4(rank, Path(run_dir))
+    torch.distributed.barrier()
+    return result
+
+
+def four_ranks(rank: int, world_size: int, gpt: list[str], root: str) -> dict[str, Any]:
+    cases: dict[str, list[str]] = {}
+    for sync in STRATEGIES:
+        cases[f"{sync}-sgd"] = [*MLP, f"sync={sync}", *TWO_BY_TWO]
+        cases[f"{sync}-adamw"] = [*MLP, f"sync={sync}", *TWO_BY_TWO, *ADAMW]
+        cases[f"{sync}-recipe"] = [*gpt, *RECIPE, f"sync={sync}", *TWO_BY_TWO]
+    cases["hierarchical-small-buckets"] = [*MLP, "sync=hierarchical", "sync.bucket_cap_mb=0.001", *TWO_BY_TWO]
+    for sync in ("ddp", "fsdp", *STRATEGIES):  # the emulated two-tier link: 2 nodes of 2
+        cases[f"link-{sync}"] = [*LINK, f"sync={sync}", "data.batch_size=4"]
+    results = train_each(rank, world_size, train, cases, f"{root}/runs")
+    resumed = {
+        "hsdp-full": ["sync=hsdp", "sync.shard=2", "data.batch_size=16"],
+        "hsdp-sharded": ["sync=hsdp", "sync.shard=2", "data.batch_size=16", *SHARDED],
+    }
+    results |= train_each(rank, world_size, resumable, resumed, f"{root}/resumed")
+    return results
+
+
+def two_ranks(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """hsdp's checkpoints from 2x2 ranks, continued on 1 node of 2 (the same global batch)."""
+    cases = {
+        "hsdp-full": [*RESUMABLE, "sync=hsdp", "sync.shard=2", "data.batch_size=32"],
+        "hsdp-sharded": [*RESUMABLE, "sync=hsdp", "sync.shard=2", "data.batch_size=32", *SHARDED],
+    }
+    return {name: train(rank, world_size, o, f"{root}/{name}") for name, o in cases.items()}
+
+
+@pytest.fixture(scope="module")
+def single(corpus: list[str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("single")
+    (results,) = run_on_ranks(single_cases, 1, root / "rank", corpus, str(root))
+    return results
+
+
+@pytest.fixture(scope="module")
+def four(corpus: list[str], tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], Path]:
+    root = tmp_path_factory.mktemp("four")
+    return run_on_ranks(four_ranks, 4, root / "ranks", corpus, str(root), timeout_s=900), root
+
+
+@pytest.mark.parametrize("sync", STRATEGIES)
+@pytest.mark.parametrize("optim", ["sgd", "adamw", "recipe"])
+def test_four_ranks_as_two_nodes_equal_one_process_with_four_times_the_batch(
+    four: tuple[list[dict[str, Any]], Path], single: dict[str, Any], sync: str, optim: str
+) -> None:
+    ranks = case_results(four[0], f"{sync}-{optim}")
+    assert_same_model([r["params"] for r in ranks], single[optim]["params"])  # bit-identical replicas, <= 1e-5
+
+
+def test_several_buckets_pipelined_across_the_two_levels(
+    four: tuple[list[dict[str, Any]], Path], single: dict[str, Any]
+) -> None:
+    ranks = case_results(four[0], "hierarchical-small-buckets")
+    assert_same_model([r["params"] for r in ranks], single["sgd"]["params"])
+
+
+def inter_node_bytes(four: tuple[list[dict[str, Any]], Path], sync: str) -> list[float]:
+    return [rank["rows"][-1]["comm/inter_node_bytes_per_step"] for rank in case_results(four[0], f"link-{sync}")]
+
+
+def test_only_a_shard_of_the_gradients_crosses_between_nodes(four: tuple[list[dict[str, Any]], Path]) -> None:
+    """2 nodes of 2: the flat ring sends each rank's 2(4-1)/4 of the gradients over the slow link;
+    hierarchical its shard's 2(2-1)/2 of a half: a third, under the 1/shard the two levels promise.
+    hsdp against fsdp likewise (fsdp's gathers and reduce-scatters all span the nodes)."""
+    for two_level, flat in (("hierarchical", "ddp"), ("hsdp", "fsdp")):
+        ours, theirs = inter_node_bytes(four, two_level), inter_node_bytes(four, flat)
+        assert all(0 < b <= f / 2 for b, f in zip(ours, theirs, strict=True)), (two_level, ours, flat, theirs)
+
+
+def test_hsdp_resumes_both_formats_on_another_world_size(
+    four: tuple[list[dict[str, Any]], Path], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    results, root = four
+    runs = tmp_path_factory.mktemp("two")
+    for name in ("hsdp-full", "hsdp-sharded"):  # the 4-rank runs, cut back to step 4, continued on 2 ranks
+        (root / "resumed" / name).rename(runs / name)
+    continued = run_on_ranks(two_ranks, 2, runs / "ranks", str(runs))
+    for name in ("hsdp-full", "hsdp-sharded"):
+        straight = case_results(results, name)[0]["params"]
+        for rank in continued:
+            assert max_abs_diff(rank[name]["params"], straight) <= 1e-5, name
+
+
+def test_a_mesh_the_ranks_cannot_form_is_refused_naming_both_keys() -> None:
+    for sync in STRATEGIES:
+        with pytest.raises(ConfigError, match=r"sync.replicate=3 x sync.shard=2 is invalid on 4 rank\(s\): .*1, 2, 4"):
+            check_overrides([f"sync={sync}", "sync.replicate=3", "sync.shard=2"], world_size=4)
+        with pytest.raises(ConfigError, match=r"sync.replicate=null x sync.shard=3 is invalid on 4 rank\(s\)"):
+            check_overrides([f"sync={sync}", "sync.shard=3"], world_size=4)
+        check_overrides([f"sync={sync}", "sync.replicate=2", "sync.shard=2"], world_size=4)
