@@ -72,6 +72,9 @@ STRATEGIES = {  # name -> (overrides, whether it shards: checked at 4 ranks too)
     "zero": (["sync=zero"], True),
     "zero stage=3": (["sync=zero", "sync.stage=3"], True),
     "fsdp": (["sync=fsdp"], True),
+    # nodes of 2 ranks: at 2 ranks one node (hierarchical: every bucket's half kept; hsdp: fsdp), at 4 two
+    "hierarchical shard=2": (["sync=hierarchical", "sync.shard=2"], False),
+    "hsdp shard=2": (["sync=hsdp", "sync.shard=2"], True),
 }
 QUICK = {"models": ["mlp"], "strategies": ["ddp", "zero", "fsdp"], "world_sizes": [1, 2]}
 
@@ -84,6 +87,8 @@ def cases(world_size: int, models: list[str], strategies: list[str]) -> dict[str
         for name in strategies:
             overrides, shards = STRATEGIES[name]
             if (name == "none" and world_size > 1) or (world_size > 2 and not shards):
+                continue
+            if "sync.shard=2" in overrides and world_size % 2:  # nodes of 2: one rank forms none
                 continue
             chosen[f"{model} | {name}"] = [*RUN, *MODELS[model], *overrides]
     return chosen

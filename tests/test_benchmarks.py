@@ -367,3 +367,15 @@ def test_memory_check_quick_run(tmp_path: Path) -> None:
     assert "largest error:" in proc.stdout
     # make gpu-check's reader of the same JSON (there the measured total is the CUDA allocator's)
     assert memory_numbers(out).startswith("6 cases; total predicted vs measured: worst "), memory_numbers(out)
+
+
+@pytest.mark.slow
+def test_two_levels_quick_run(tmp_path: Path) -> None:
+    """ddp and hierarchical on 2 emulated nodes of 2: the verdicts hold (exit 0), one row each."""
+    proc = forked([str(BENCHMARKS / "two_levels.py"), "--quick", "--out", str(tmp_path / "out")], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = table(proc.stdout)
+    assert [row[0] for row in rows] == ["ddp", "hierarchical"], proc.stdout
+    (ddp, hierarchical) = rows
+    assert number(hierarchical[4]) <= number(ddp[4]) / 2, proc.stdout  # MB/step across nodes
+    assert "hierarchical vs ddp: 0.33x the bytes across nodes" in proc.stdout, proc.stdout
