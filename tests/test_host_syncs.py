@@ -31,6 +31,8 @@ STRATEGIES = {
     "zero-2": ["sync=zero"],
     "zero-3": ["sync=zero", "sync.stage=3"],
     "fsdp": ["sync=fsdp"],
+    "hierarchical": ["sync=hierarchical", "sync.shard=2"],  # one node of 2: every collective of its three
+    "hsdp": ["sync=hsdp"],  # 2 nodes of 1: each unit's shard all-reduced through FSDP2's hook
 }
 PRECISIONS = {"fp32": [], "fp16": ["trainer.precision=fp16"]}
 CLIPS = {"noclip": [], "clip": ["trainer.max_grad_norm=1.0"]}
