@@ -430,3 +430,13 @@ def test_gpt2_small_uses_no_memory_to_speak_of() -> None:
 
     gpt2, mlp = peak_mib([*GPT2_SMALL, "--ranks", "64", "--all"]), peak_mib(["--ranks", "64", "--all"])
     assert gpt2 - mlp < 150, (gpt2, mlp)
+
+
+def test_all_composes_every_option_with_the_runs_other_groups(capsys: pytest.CaptureFixture[str]) -> None:
+    """sync.shard's default is network.gpus_per_node: in nodes of 2, hsdp at 4 ranks keeps half of
+    every parameter (fsdp a quarter), whichever option the overrides chose."""
+    code, out, err = run_tool(["network=1gbe", "network.gpus_per_node=2", "--ranks", "4", "--all", "--json"], capsys)
+    assert code == 0, err
+    rows = {row["strategy"]: row["bytes"]["parameters"] for row in json.loads(out)["strategies"]}
+    assert rows["hsdp"] == pytest.approx(rows["none"] / 2, rel=0.01)
+    assert rows["fsdp"] == pytest.approx(rows["none"] / 4, rel=0.02)

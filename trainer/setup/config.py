@@ -7,6 +7,7 @@ trainer/setup/build.py, train.py and the tests handle DictConfig.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,12 +62,14 @@ def compose_config(overrides: list[str], run_stamp: str = "composed") -> DictCon
         return compose("config", overrides=overrides)
 
 
-def sync_options() -> dict[str, DictConfig]:
+def sync_options(context: Sequence[str] = ()) -> dict[str, DictConfig]:
     """conf/sync/'s options by name, in file order, each the sync node train.py would see under
-    sync=<name> alone: composed by Hydra (an option's defaults list, sync=hsdp's fsdp, merged in),
-    its interpolations (`${network.gpus_per_node}`) resolving against the whole config."""
+    sync=<name>: composed by Hydra (an option's defaults list, sync=hsdp's fsdp, merged in) with the
+    `context` overrides that are not the sync group's (network=1gbe network.gpus_per_node=2), so its
+    interpolations (`${network.gpus_per_node}`) resolve as the run's would."""
     names = sorted(path.stem for path in (CONF_DIR / "sync").glob("*.yaml"))
-    return {name: compose_config([f"sync={name}"]).sync for name in names}
+    others = [o for o in context if o.lstrip("+~").split("=", 1)[0].split(".", 1)[0] != "sync"]
+    return {name: compose_config([*others, f"sync={name}"]).sync for name in names}
 
 
 def plain_config(cfg: DictConfig) -> dict[str, Any]:

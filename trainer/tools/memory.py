@@ -190,7 +190,10 @@ def run(args: argparse.Namespace) -> Report:
         return predict(label, strategy.footprint(plan), state, activations, args.ranks, batch)
 
     notes: list[str] = []
-    rows = list(_chosen(cfg, settings, predicted)) if not args.all else list(_every(cfg, settings, predicted, notes))
+    if args.all:
+        rows = list(_every(cfg, settings, predicted, notes, args.overrides))
+    else:
+        rows = list(_chosen(cfg, settings, predicted))
     numel = sum(p.numel() for p in model.parameters())
     param_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / MIB
     k = settings.grad_accum_steps
@@ -234,9 +237,9 @@ def _show(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def _name_of(node: DictConfig) -> tuple[str, DictConfig]:
+def _name_of(node: DictConfig, context: Sequence[str] = ()) -> tuple[str, DictConfig]:
     """The option this sync node came from (the one building the same _target_)."""
-    for name, default in sync_options().items():
+    for name, default in sync_options(context).items():
         if default.get("_target_") == node.get("_target_"):
             return name, default
     return str(node.get("_target_")), node
@@ -252,10 +255,13 @@ def _chosen(cfg: DictConfig, settings: TrainSettings, predicted: Predict) -> Ite
     yield predicted(_label(name, cfg.sync, default), strategy), _plain(cfg.sync)
 
 
-def _every(cfg: DictConfig, settings: TrainSettings, predicted: Predict, notes: list[str]) -> Iterator[Row]:
-    """Every option of conf/sync/ (the chosen one with the overrides' keys), and its variants."""
-    chosen, _ = _name_of(cfg.sync)
-    for name, default in sync_options().items():
+def _every(
+    cfg: DictConfig, settings: TrainSettings, predicted: Predict, notes: list[str], context: Sequence[str]
+) -> Iterator[Row]:
+    """Every option of conf/sync/ (the chosen one with the overrides' keys; every one composed with the
+    overrides of the other groups, which its interpolations may read), and its variants."""
+    chosen, _ = _name_of(cfg.sync, context)
+    for name, default in sync_options(context).items():
         node = cfg.sync if name == chosen else default
         yield from _variants(cfg, name, node, default, settings, predicted, notes)
 
