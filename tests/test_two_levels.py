@@ -14,7 +14,16 @@ import torch
 
 from tests.dist_helpers import run_on_ranks
 from tests.test_world_change import CUT, cut_back_to_step_4
-from tests.train_helpers import SIX_STEPS, assert_same_model, build, case_results, max_abs_diff, params_of, train_each
+from tests.train_helpers import (
+    SIX_STEPS,
+    assert_same_model,
+    bit_identical,
+    build,
+    case_results,
+    max_abs_diff,
+    params_of,
+    train_each,
+)
 from trainer.errors import ConfigError
 from trainer.setup.precheck import check_overrides
 
@@ -33,6 +42,8 @@ LINK = [*QUIET, "data.num_samples=64", "network=1gbe", "network.gpus_per_node=2"
 LINK += ["trainer.log_every_n_steps=4"]
 RESUMABLE = [*QUIET, "data.num_samples=512", "trainer.log_every_n_steps=2", *CUT]  # 12 steps of global batch 64
 SHARDED = ["trainer.checkpoint_format=sharded"]
+FP16 = ["trainer.precision=fp16", "trainer.log_every_n_steps=1"]
+HUGE_SCALE = 2.0**30  # the first steps overflow for certain
 
 
 def train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dict[str, Any]:
@@ -40,6 +51,17 @@ def train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dic
     trainer.fit()
     rows = [row for row in trainer._rows.rows if "comm/bytes_per_step" in row]
     return {"params": params_of(trainer), "rows": rows}
+
+
+def train_fp16(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dict[str, Any]:
+    """fp16 from a loss scale that must overflow at first: every rank must back off alike."""
+    trainer = build(rank, world_size, overrides, run_dir)
+    scaler = trainer.runner.scaler
+    assert scaler is not None
+    trainer.runner.scaler = type(scaler)(device="cpu", init_scale=HUGE_SCALE)
+    trainer.fit()
+    rows = trainer._rows.rows
+    return {"params": params_of(trainer), "scales": [r.get("train/grad_scale") for r in rows]}
 
 
 def single_cases(rank: int, world_size: int, gpt: list[str], root: str) -> dict[str, Any]:
@@ -70,6 +92,8 @@ def four_ranks(rank: int, world_size: int, gpt: list[str], root: str) -> dict[st
     for sync in ("ddp", "fsdp", *STRATEGIES):  # the emulated two-tier link: 2 nodes of 2
         cases[f"link-{sync}"] = [*LINK, f"sync={sync}", "data.batch_size=4"]
     results = train_each(rank, world_size, train, cases, f"{root}/runs")
+    fp16 = {f"{sync}-fp16": [*MLP, f"sync={sync}", *TWO_BY_TWO, *FP16] for sync in STRATEGIES}
+    results |= train_each(rank, world_size, train_fp16, fp16, f"{root}/fp16")
     resumed = {
         "hsdp-full": ["sync=hsdp", "sync.shard=2", "data.batch_size=16"],
         "hsdp-sharded": ["sync=hsdp", "sync.shard=2", "data.batch_size=16", *SHARDED],
@@ -114,6 +138,17 @@ def test_several_buckets_pipelined_across_the_two_levels(
 ) -> None:
     ranks = case_results(four[0], "hierarchical-small-buckets")
     assert_same_model([r["params"] for r in ranks], single["sgd"]["params"])
+
+
+@pytest.mark.parametrize("sync", STRATEGIES)
+def test_fp16_backs_off_alike_on_every_rank(four: tuple[list[dict[str, Any]], Path], sync: str) -> None:
+    """An overflow in some rank's gradient skips the step on all 4 (hsdp's shards agree through one
+    small all_reduce), the scale halves alike, and the replicas stay bit-identical."""
+    ranks = case_results(four[0], f"{sync}-fp16")
+    assert all(r["scales"] == ranks[0]["scales"] for r in ranks), [r["scales"] for r in ranks]
+    assert ranks[0]["scales"][0] == HUGE_SCALE / 2 and ranks[0]["scales"][-1] < HUGE_SCALE / 2
+    assert all(bit_identical(r["params"], ranks[0]["params"]) for r in ranks)
+    assert all(torch.isfinite(t).all() for t in ranks[0]["params"].values())
 
 
 def inter_node_bytes(four: tuple[list[dict[str, Any]], Path], sync: str) -> list[float]:
