@@ -94,10 +94,10 @@ def one_variant(rank: int, kwargs: dict[str, Any], time_scale: float, steps: int
     optimizer = sync.build_optimizer(net, lambda p: torch.optim.SGD(p, lr=0.01))
     in_backward = {"on": False}
     if kwargs["stage"] == 3:  # backward's waits for the unit before (_settle, called from _reduce)
-        if in_flight:
+        wait = Stopwatch(sync, "_settle", lambda: in_backward["on"])
+        if in_flight:  # backward never settles (the timed call is skipped, not a no-op timed: 0 exactly)
             settle = sync._settle
             sync._settle = lambda: None if in_backward["on"] else settle()  # type: ignore[method-assign]
-        wait = Stopwatch(sync, "_settle", lambda: in_backward["on"])
     else:  # the forward's one wait for every gather
         wait = Stopwatch(sync, "wait_for_parameters")
     gen = torch.Generator().manual_seed(rank)
