@@ -6,6 +6,8 @@ trainer/setup/build.py, train.py and the tests handle DictConfig.
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -67,8 +69,15 @@ def sync_options(context: Sequence[str] = ()) -> dict[str, DictConfig]:
     sync=<name>: composed by Hydra (an option's defaults list, sync=hsdp's fsdp, merged in) with the
     `context` overrides that are not the sync group's (network=1gbe network.gpus_per_node=2), so its
     interpolations (`${network.gpus_per_node}`) resolve as the run's would."""
+    others = tuple(o for o in context if o.lstrip("+~").split("=", 1)[0].split(".", 1)[0] != "sync")
+    return {name: copy.deepcopy(node) for name, node in _composed_sync_options(others).items()}
+
+
+@functools.lru_cache(maxsize=8)
+def _composed_sync_options(others: tuple[str, ...]) -> dict[str, DictConfig]:
+    """sync_options' compositions, once per context in a process (a tool asks several times, and each
+    composition costs Hydra ~0.1 s); callers get copies."""
     names = sorted(path.stem for path in (CONF_DIR / "sync").glob("*.yaml"))
-    others = [o for o in context if o.lstrip("+~").split("=", 1)[0].split(".", 1)[0] != "sync"]
     return {name: compose_config([*others, f"sync={name}"]).sync for name in names}
 
 
