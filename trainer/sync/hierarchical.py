@@ -55,7 +55,7 @@ class HierarchicalSync(SyncStrategy):
         self.bucket_cap_mb, self.replicate, self.shard = float(bucket_cap_mb), replicate, shard
         self.find_unused_parameters = find_unused_parameters
         self._node: Any = None  # this rank's node: the ranks that split each bucket
-        self._peers: Any = None  # the rank holding the same shard in every node
+        self._peers: Any = None  # the ranks holding this rank's shard, one in each node
         self._flat: FlatGrads | None = None
         self._arrivals: Arrivals | None = None
 
