@@ -91,7 +91,7 @@ def row_parts(framework: Framework) -> list[tuple[str, Any, str]]:
     """The row's parts, timed where they run: (label, the object holding it, its attribute)."""
     trainer = framework.trainer
     return [
-        ("the sampled step's gradient norm (train/grad_norm)", trainer.sync, "grad_norm"),
+        ("the sampled step's gradient norm (train/grad_norm)", trainer.sync, "grad_norm_later"),
         ("the window's totals (its one host sync)", trainer._window, "totals"),
         ("the non-finite agreement (trainer.on_nonfinite=raise)", trainer._nonfinite, "at_row"),
         ("the row (TrainRows.log)", trainer._rows, "log"),

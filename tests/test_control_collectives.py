@@ -61,6 +61,16 @@ def _control(rank: int, world_size: int) -> dict[str, Any]:
     agreed = emulated.agree(torch.tensor([float(rank + 1)]))
     seconds = time.perf_counter() - started
     emulated.observer.end_step()
+    # An agreement waited for after the step (the sampled step's gradient norm, read by the row).
+    later = Comm()
+    later.observer.every = 1
+    later.observer.begin_step(1)
+    value = torch.tensor([float(rank + 1)])
+    work = later.agree_later(value)
+    later.observer.end_step()
+    assert work is not None
+    taken_before_the_wait = later.observer.take()  # the row takes the step once the backend is done
+    work.wait()
     return {
         "at_wrap": at_wrap,
         "step": step,
@@ -68,7 +78,21 @@ def _control(rank: int, world_size: int) -> dict[str, Any]:
         "seconds": seconds,
         "link_s": link.seconds("all_reduce", 4),
         "emulated": emulated.observer.take(),
+        "later": taken_before_the_wait,
+        "agreed_later": value.item(),
     }
+
+
+def _alone(rank: int, world_size: int) -> dict[str, Any]:
+    comm = Comm()
+    comm.observer.every = 1
+    comm.observer.begin_step(1)
+    value = torch.tensor([5.0])
+    comm.agree(value, torch.distributed.ReduceOp.MAX)
+    comm.agree_from(value, 0)
+    work = comm.agree_later(value)
+    comm.observer.end_step()
+    return {"row": comm.observer.take(), "value": value.item(), "work": work}
 
 
 @pytest.fixture(scope="module")
@@ -101,3 +125,17 @@ def test_an_emulated_link_carries_control_collectives(control: list[dict[str, An
         emulated = rank["emulated"]
         assert (emulated["comm/control_bytes_per_step"], emulated["comm/control_collectives_per_step"]) == (4, 1)
         assert rank["link_s"] >= 0.02 and rank["seconds"] >= rank["link_s"]  # the link's 20 ms latency, at least
+
+
+def test_an_agreement_waited_for_after_the_step_is_counted_in_it(control: list[dict[str, Any]]) -> None:
+    for rank in control:
+        assert rank["agreed_later"] == 3.0
+        later = rank["later"]
+        assert (later["comm/control_bytes_per_step"], later["comm/control_collectives_per_step"]) == (4, 1)
+        assert "time/comm_s" not in later  # nothing of a control collective is timed
+
+
+def test_one_rank_has_nothing_to_agree_and_sends_nothing(tmp_path: Path) -> None:
+    (alone,) = run_on_ranks(_alone, 1, tmp_path / "run")
+    assert alone["value"] == 5.0 and alone["work"] is None
+    assert not any(key.startswith("comm/") for key in alone["row"]), alone["row"]

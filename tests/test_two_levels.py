@@ -50,7 +50,8 @@ def train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dic
     trainer = build(rank, world_size, overrides, run_dir)
     trainer.fit()
     rows = [row for row in trainer._rows.rows if "comm/bytes_per_step" in row]
-    return {"params": params_of(trainer), "rows": rows}
+    norms = [row.get("train/grad_norm") for row in trainer._rows.rows]
+    return {"params": params_of(trainer), "rows": rows, "norms": norms}
 
 
 def train_fp16(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dict[str, Any]:
@@ -131,6 +132,14 @@ def test_four_ranks_as_two_nodes_equal_one_process_with_four_times_the_batch(
 ) -> None:
     ranks = case_results(four[0], f"{sync}-{optim}")
     assert_same_model([r["params"] for r in ranks], single[optim]["params"])  # bit-identical replicas, <= 1e-5
+    # The logged norm of the averaged gradient is one process's on every rank (hsdp's shards are
+    # held once per node: its world's sum of squares counts each twice). sgd and adamw log it
+    # from the sampled step alone (its agreement waited for by the row), the recipe clips with it.
+    theirs = single[optim]["norms"]
+    assert theirs and all(n is not None for n in theirs)
+    for rank in ranks:
+        assert len(rank["norms"]) == len(theirs)
+        assert all(abs(a - b) <= 1e-5 * b for a, b in zip(rank["norms"], theirs, strict=True)), (rank["norms"], theirs)
 
 
 def test_several_buckets_pipelined_across_the_two_levels(

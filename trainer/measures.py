@@ -51,7 +51,7 @@ here turn them into the numbers of a row. Nothing else computes a row's time, by
   micro-batch). Held: parameters and optimizer state as the sampled step ends, gradients and
   communication buffers as its sync phase ends (averaged, before the optimizer uses them),
   activations as the forward ends (the peak of the micro-batches); peak: the most at any probe of
-  the sampled step (the ends of its forward, backward, sync and optimizer phases, each
+  the sampled step (the ends of its backward, sync and optimizer phases, each
   collective's launch and the end of each wait for one). The step's total (`memory/peak_mb`): on
   CUDA the allocator's own peak over the sampled step; elsewhere, with no allocator statistics,
   the sum of the kinds' peaks: an upper bound on what these kinds held at once (temporaries
@@ -223,7 +223,12 @@ def memory_row(held: dict[str, int], peaks: dict[str, int], allocator_peak: int 
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: its local shard
+    """A DTensor's local shard (its _local_tensor: to_local() runs an autograd Function, µs each, and
+    the probe asks per gradient); any other tensor as it is."""
+    if type(tensor) is torch.Tensor:
+        return tensor
+    local = getattr(tensor, "_local_tensor", None)
+    return tensor if local is None else local
 
 
 def _storages(tensors: Iterable[torch.Tensor]) -> dict[int, torch.UntypedStorage]:
@@ -233,48 +238,58 @@ def _storages(tensors: Iterable[torch.Tensor]) -> dict[int, torch.UntypedStorage
     return {storage._cdata: storage for storage in storages}
 
 
+def _nbytes(storages: Iterable[torch.UntypedStorage]) -> int:
+    return sum([s.nbytes() for s in storages])
+
+
 class MemoryProbe:
     """Bytes held now per kind (module docstring); `held`: what the strategy holds beyond these.
 
     The parameters are listed once (a walk of the model's modules costs more than a probe; they are
-    the same objects for the whole run), the optimizer state's storages at begin() of each sampled
-    step (a resumed run loads new ones); each call reads their sizes now, and the gradients', which
-    come and go within the step. `gathers`: the strategy's model parameters, where they are not the
-    optimizer's own, are full copies it gathers per unit (zero stage 3): communication buffers."""
+    the same objects for the whole run), the optimizer state's storages when its state is new (its
+    first step, a resumed run's loaded state); each call reads their sizes now, and the gradients',
+    which come and go within the step. `gathers`: the strategy's model parameters, where they are
+    not the optimizer's own, are full copies it gathers per unit (zero stage 3): communication
+    buffers. It runs a few times per sampled step, so it is written for speed (docs/performance.md)."""
 
     def __init__(
         self, model: nn.Module, optimizer: Optimizer, held: Callable[[], dict[str, int]], gathers: bool = False
     ) -> None:
         self.model, self.optimizer, self.held, self.gathers = model, optimizer, held, gathers
-        self._owners: list[torch.Tensor] = []
-        self._parameters: dict[int, torch.UntypedStorage] = {}
-        self._gathered: dict[int, torch.UntypedStorage] = {}
-        self._state: dict[int, torch.UntypedStorage] = {}
-        self._state_entries = 0
+        self._owners: list[torch.Tensor] = []  # each parameter once: the model's and the optimizer's
+        self._parameters: list[torch.UntypedStorage] = []
+        self._gathered: list[torch.UntypedStorage] = []
+        self._parameter_ids: set[int] = set()
+        self._state: list[torch.UntypedStorage] = []
+        self._state_of: tuple[int, int] = (0, -1)  # the state dict listed (its identity) and its entries then
 
     def begin(self) -> None:
         if not self._owners:
             stepped = [p for group in self.optimizer.param_groups for p in group["params"]]
-            self._owners = [*self.model.parameters(), *stepped]
-            self._parameters = _storages(stepped if self.gathers else self._owners)
+            self._owners = list({id(p): p for p in [*self.model.parameters(), *stepped]}.values())
+            parameters = _storages(stepped if self.gathers else self._owners)
+            gathered: dict[int, torch.UntypedStorage] = {}
             if self.gathers:
-                self._gathered = {
-                    k: s for k, s in _storages(self.model.parameters()).items() if k not in self._parameters
-                }
+                gathered = {k: s for k, s in _storages(self.model.parameters()).items() if k not in parameters}
+            self._parameters, self._gathered = list(parameters.values()), list(gathered.values())
+            self._parameter_ids = set(parameters) | set(gathered)
         self._list_state()
 
     def parameter_storages(self) -> set[int]:
         """Every storage a parameter lives in (the activations' count leaves them out)."""
-        return set(self._parameters) | set(self._gathered)
+        return self._parameter_ids
 
     def _list_state(self) -> None:
-        state = self.optimizer.state.values()
-        self._state = _storages(v for s in state for v in s.values() if isinstance(v, torch.Tensor))
-        self._state_entries = len(self.optimizer.state)
+        """The optimizer state's storages, listed again only when the state is another dict (a
+        load_state_dict replaces it) or has more entries (a step made a parameter's)."""
+        state = self.optimizer.state
+        if (id(state), len(state)) != self._state_of:
+            tensors = (v for s in state.values() for v in s.values() if isinstance(v, torch.Tensor))
+            self._state = list(_storages(tensors).values())
+            self._state_of = (id(state), len(state))
 
     def __call__(self) -> dict[str, int]:
-        if len(self.optimizer.state) != self._state_entries:  # the first step made its state
-            self._list_state()
+        self._list_state()
         grads = {}
         for owner in self._owners:
             grad = owner.grad
@@ -282,10 +297,10 @@ class MemoryProbe:
                 storage = _local(grad).untyped_storage()
                 grads[storage._cdata] = storage.nbytes()
         held = {
-            "parameters": sum(s.nbytes() for s in self._parameters.values()),
+            "parameters": _nbytes(self._parameters),
             "gradients": sum(grads.values()),
-            "optimizer_state": sum(s.nbytes() for s in self._state.values()),
-            "comm_buffers": sum(s.nbytes() for s in self._gathered.values()),
+            "optimizer_state": _nbytes(self._state),
+            "comm_buffers": _nbytes(self._gathered),
         }
         for kind, nbytes in self.held().items():
             held[kind] = held.get(kind, 0) + nbytes
@@ -317,15 +332,18 @@ class SavedForBackward:
         self.peak = max(self.peak, sum(self._seen.values()))
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        # Called for every tensor the forward saves, inside autograd: the common case (a plain tensor,
+        # its base plain too) takes a few attribute reads; a Parameter's own isinstance runs Python.
         base = tensor if tensor._base is None else tensor._base  # a linear saves its weight's transpose
-        if isinstance(base, nn.Parameter):  # a parameter (or FSDP2's unsharded one): counted as such
-            return tensor
+        if type(base) is not torch.Tensor and isinstance(base, nn.Parameter):  # (or FSDP2's unsharded one)
+            return tensor  # a parameter: counted as such
         try:
-            storage = _local(tensor).untyped_storage()
+            storage = (tensor if type(tensor) is torch.Tensor else _local(tensor)).untyped_storage()
         except (RuntimeError, NotImplementedError):  # a tensor without a storage of its own (sparse, nested)
             return tensor
-        if storage._cdata not in self.excluded:
-            self._seen[storage._cdata] = storage.nbytes()
+        key = storage._cdata
+        if key not in self.excluded:
+            self._seen[key] = storage.nbytes()
         return tensor
 
 

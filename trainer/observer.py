@@ -55,12 +55,14 @@ class _Record:
     completed: Mark | None = None  # where the backend (or the emulated link) completed it
     wait_began: Mark | None = None
     waited: Mark | None = None  # when the training thread's wait returned
-    noted: Future[Any] | None = None  # done once the completion above is noted (the group's hooks)
+    noted: Future[Any] | None = None  # done once the completion above is noted
     across_nodes: bool | None = None  # its group spans emulated nodes (None: the link has none)
 
     @property
     def back(self) -> bool:
-        return self.waited is not None or (self.hooked and self.completed is not None)
+        # A control collective may be waited for after the row took the step (the sampled step's
+        # norm agreement, waited for by the row): its completion is enough, nothing of it is timed.
+        return self.waited is not None or ((self.hooked or self.control) and self.completed is not None)
 
 
 @dataclass
@@ -86,7 +88,11 @@ _KINDS = {
     "ALLGATHER": "all_gather",
     "REDUCE_SCATTER": "reduce_scatter",
 }
-_PROBED = ("forward", "backward", "sync", "optimizer")  # marks after which memory is probed (and at each collective)
+# Marks after which memory is probed (and at each collective's launch and wait). Not the forward's
+# end: the activations' peak is counted by the saved-tensor hooks whenever the next probe runs, the
+# parameters and optimizer state do not change in a forward, and a unit gathered for it is seen at
+# its gather's launch (each probe costs µs on a sub-millisecond step).
+_PROBED = ("backward", "sync", "optimizer")
 _HOOK_ID = 0xDD1AB  # our hooks' id on the default group: registering again replaces the last observer's
 
 
@@ -102,8 +108,9 @@ class Observer:
 
     Collectives torch launches from C++ without a Python hook of ours (DDP's reducer) reach it
     through the default process group's own pre- and post-collective hooks, registered for the
-    sampled step only (on a torch without them, such collectives are not seen and their keys are
-    left out, docs/metrics.md); those the communication object launches it reports itself.
+    sampled step only, and only for a strategy that has such (`torch_collectives`; on a torch
+    without the hooks, such collectives are not seen and their keys are left out, docs/metrics.md);
+    those the communication object launches it reports itself.
     """
 
     def __init__(self, device: torch.device, every: int = 0, emulated: bool = False) -> None:
@@ -112,11 +119,16 @@ class Observer:
         self.emulated = emulated  # network=<preset>: rows carry the link's ideal
         self.last_step: int | None = None  # the run's last step (the loop sets it): its last two are sampled
         self.probe: Probe | None = None  # set by the loop once the model and optimizer exist
+        # The default group's hooks, for collectives torch launches past the communication object
+        # (DDP's reducer): registered on the sampled step where the strategy has such (each
+        # registration and removal costs µs); the loop sets it from the strategy.
+        self.watch_group = True
         self.sampling = False  # the current step is watched
         self.profiled = 0  # steps a profiler recorded since the last row (trainer/loop/profiling.py counts them)
         self._sample: _Sample | None = None
         self._samples: list[_Sample] = []  # ended, possibly with collectives still in flight
         self._group: Any = None  # the default group while its hooks are ours
+        self._world: tuple[Any, int] | None = None  # the default group (None: no hooks) and its size, once known
         self._group_size = 1
         self._launching: dict[int, _Record] = {}  # op id -> its record, between the group's two hooks
         self._launching_in_torch = False
@@ -141,7 +153,8 @@ class Observer:
             self.saved.peak = 0
             if self.device.type == "cuda":
                 measures.reset_cuda_peak(self.device)  # host-side allocator statistics: no sync
-            self._hook_group()
+            if self.watch_group:
+                self._hook_group()
 
     def mark(self, phase: str) -> None:
         """The phase `phase` of the step just ended."""
@@ -173,7 +186,8 @@ class Observer:
             held["activations"] = self.saved.peak
         peaks = self._sample.peaks
         for kind, nbytes in held.items():
-            peaks[kind] = max(peaks.get(kind, 0), nbytes)
+            if nbytes > peaks.get(kind, -1):
+                peaks[kind] = nbytes
         return held
 
     # The communication object's reports (only while sampling).
@@ -212,12 +226,16 @@ class Observer:
     # The default group's own hooks: torch's collectives from C++ (DDP's reducer), on the sampled step.
 
     def _hook_group(self) -> None:
-        group = dist.group.WORLD if dist.is_initialized() else None
-        if group is None or not hasattr(group, "register_pre_hook"):
+        if self._world is None:  # looked up once: the default group is the run's (each lookup costs µs)
+            group = dist.group.WORLD if dist.is_initialized() else None
+            hooks = group is not None and hasattr(group, "register_pre_hook")
+            self._world = (group, dist.get_world_size(group)) if hooks else (None, 1)
+        group, size = self._world
+        if group is None:
             return
         group.register_pre_hook(_HOOK_ID, self._group_pre)
         group.register_post_hook(_HOOK_ID, self._group_post)
-        self._group, self._group_size = group, dist.get_world_size(group)
+        self._group, self._group_size = group, size
 
     def _unhook_group(self) -> None:
         if self._group is not None:
@@ -258,7 +276,7 @@ class Observer:
         closed samples are dropped, open ones kept for the next row."""
         for sample in self._samples:  # torch waited for these inside the step: only our note may lag
             for record in sample.records:
-                if sample.ended and not record.back and record.noted is not None:
+                if sample.ended and not record.back and record.noted is not None and (record.hooked or record.control):
                     record.noted.wait()
         closed = [s for s in self._samples if s.closed]
         if not closed:
@@ -288,8 +306,11 @@ class Observer:
             if r.hooked:  # torch waited for it: from its launch if it blocked, else from the end of
                 assert r.completed is not None  # backward's computation (its last bucket's launch)
                 needed, completed = (launched if r.blocking else hooks_done), at(r.completed)
+            elif r.waited is None:  # a control collective not waited for yet (`back`): never exposed
+                assert r.control and r.completed is not None
+                needed = completed = at(r.completed)
             else:
-                assert r.wait_began is not None and r.waited is not None
+                assert r.wait_began is not None
                 needed, waited = at(r.wait_began), at(r.waited)
                 # The backend's completion; gloo's reduce_scatter has no future, its wait's end bounds it.
                 completed = min(at(r.completed), waited) if r.completed is not None else waited
@@ -316,7 +337,7 @@ class _Watched(dist.Work):
         super().__init__()
         self._work, self._record, self._observer = work, record, observer
         with suppress(RuntimeError):  # gloo's reduce_scatter has no future: the wait's end bounds it
-            work.get_future().then(self._completed)
+            record.noted = work.get_future().then(self._completed)
 
     def _completed(self, done: Future[Any]) -> Any:
         self._record.completed = self._observer.clock.now()

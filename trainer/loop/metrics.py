@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.optim import Optimizer
 
+from trainer.sync.base import NormLater
+
 
 class Window:
     """What the steps between two logged rows produced, kept on the device so unlogged steps never sync.
@@ -26,6 +28,8 @@ class Window:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        # Stacked with the row's values: torch.stack promotes them all to float64 (a count or a step stays exact).
+        self._float64 = torch.zeros((), dtype=torch.float64, device=device)
         self.reset()
 
     def reset(self) -> None:
@@ -33,11 +37,9 @@ class Window:
         self._loss_steps: list[int] = []  # the optimizer step (1-based) each loss belongs to
         self._predictions: list[torch.Tensor] = []  # the sampled step's
         self._targets: list[torch.Tensor] = []
-        self._grad_norms: list[
-            torch.Tensor
-        ] = []  # every step's with max_grad_norm (or fp16, skip), else the sampled one
+        self._grad_norms: list[torch.Tensor] = []  # every step's with max_grad_norm (or fp16, skip)
         self._norm_steps: list[int] = []
-        self._sampled_norm: torch.Tensor | None = None
+        self._sampled_norm: NormLater | None = None  # the sampled step's, for the row to finish
         self._found_inf: list[torch.Tensor] = []  # fp16 or on_nonfinite=skip: per step, 1.0 where not finite
         self._found_steps: list[int] = []
         self.grad_norm: float | None = None  # the sampled step's, before clipping: set by totals()
@@ -69,7 +71,13 @@ class Window:
             self._grad_norms.append(norm)
             self._norm_steps.append(step)
         if sampled:
-            self._sampled_norm = norm
+            self.add_norm_later(NormLater([norm]))
+
+    def add_norm_later(self, norm: NormLater) -> None:
+        """The sampled step's gradient norm, for the row to finish on the host (trainer/sync/base.py)."""
+        if self._sampled_norm is not None and self._sampled_norm.pending is not None:
+            self._sampled_norm.pending.wait()  # an earlier sampled step's (sampling more often than rows)
+        self._sampled_norm = norm
 
     def add_found_inf(self, found_inf: torch.Tensor, step: int) -> None:
         """A step's agreed flag: 1.0 where its gradients were not finite (the step was skipped)."""
@@ -78,44 +86,55 @@ class Window:
 
     def totals(self, **extra: torch.Tensor | None) -> tuple[float, int, int]:
         """(sum of the micro-batches' losses, the sampled step's correct predictions, first step whose
-        loss or gradient norm was not finite or -1): the row's one host read, a handful of kernels.
-        It also reads the row's other tensors, `extra` (fp16's loss scale, the ranks' previous
-        non-finite answers), whose values land in self.extra by name, the sampled step's gradient norm
-        (self.grad_norm) and the skipped steps (self.not_finite_steps)."""
+        loss or gradient norm was not finite or -1): the row's one host read, of one stack of the
+        window's scalars (a kernel or two: each costs µs on a sub-millisecond step, so the losses and
+        norms go to the host as they are and are summed there). It also reads the row's other
+        tensors, `extra` (fp16's loss scale, the ranks' previous non-finite answers), whose values
+        land in self.extra by name, the sampled step's gradient norm (self.grad_norm) and the skipped
+        steps (self.not_finite_steps)."""
         given = {name: tensor.flatten() for name, tensor in extra.items() if tensor is not None}
-        zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        losses = torch.stack(self._losses).float() if self._losses else None
-        norms = torch.stack(self._grad_norms).double() if self._grad_norms else None
-        found = torch.stack(self._found_inf).double() if self._found_inf else zero.new_zeros(0)
-        correct = (torch.cat(self._predictions) == torch.cat(self._targets)).sum() if self._predictions else zero
-        parts = [
-            losses.sum().double() if losses is not None else zero,
-            correct.double(),
-            norms.sum() if norms is not None else zero,
-            self._sampled_norm.double() if self._sampled_norm is not None else zero,
-            found,
-            *(t.to(device=self.device, dtype=torch.float64) for t in given.values()),
-        ]
-        loss_sum, count, norm_sum, sampled_norm, *rest = torch.cat([p.flatten() for p in parts]).tolist()
-        flags, rest = rest[: found.numel()], rest[found.numel() :]
+        sampled = self._sampled_norm if self._sampled_norm is not None else NormLater([])
+        if sampled.pending is not None:
+            sampled.pending.wait()  # the agreement of the sampled step's norm, launched there
+        pieces = [*sampled.norms, *sampled.squares]
+        scalars = [*self._losses, *self._grad_norms, *pieces, *self._found_inf, self._float64]
+        if self._predictions:
+            predicted, targets = _joined(self._predictions), _joined(self._targets)
+            scalars.append((predicted == targets).sum())
+        stacked = torch.stack(scalars)
+        values = (torch.cat([stacked, *given.values()]) if given else stacked).tolist()
+        losses, values = _split(values, len(self._losses))
+        norms, values = _split(values, len(self._grad_norms))
+        norm_values, values = _split(values, len(sampled.norms))
+        square_values, values = _split(values, len(sampled.squares))
+        flags, values = _split(values, len(self._found_inf))
+        count, values = _split(values, 2 if self._predictions else 1)  # the float64 zero, then the count
         self.not_finite_steps = [step for step, flag in zip(self._found_steps, flags, strict=True) if flag]
         self.extra = {}
         for name, tensor in given.items():
-            self.extra[name], rest = rest[: tensor.numel()], rest[tensor.numel() :]
+            self.extra[name], values = _split(values, tensor.numel())
         # An overflowed step's norm (fp16, on_nonfinite=skip) is not a gradient's: not reported.
-        self.grad_norm = sampled_norm if self._sampled_norm is not None and math.isfinite(sampled_norm) else None
-        bad = []  # rare: only now look for the step (a finite sum can't hide one)
-        if losses is not None and not math.isfinite(loss_sum):
-            bad.append(first_nonfinite(losses, self._loss_steps))
-        if norms is not None and not math.isfinite(norm_sum) and not self._found_inf:  # fp16, skip: expected
+        norm = sampled.finish(norm_values, square_values) if self._sampled_norm is not None else None
+        self.grad_norm = norm if norm is not None and math.isfinite(norm) else None
+        bad = [first_nonfinite(losses, self._loss_steps)]
+        if not self._found_inf:  # fp16, skip: a non-finite norm is expected, and the step was skipped
             bad.append(first_nonfinite(norms, self._norm_steps))
-        return loss_sum, int(count), min(bad) if bad else -1
+        bad = [step for step in bad if step >= 0]
+        return sum(losses), int(count[-1]), min(bad) if bad else -1
 
 
-def first_nonfinite(values: torch.Tensor, steps: list[int]) -> int:
+def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)  # no copy for one micro-batch
+
+
+def _split(values: list[float], n: int) -> tuple[list[float], list[float]]:
+    """The first n values, and the rest."""
+    return values[:n], values[n:]
+
+
+def first_nonfinite(values: list[float], steps: list[int]) -> int:
     """The step of the first value that is not finite (-1: none)."""
-    finite = torch.isfinite(values).tolist()
-    return next((step for step, ok in zip(steps, finite, strict=True) if not ok), -1)
+    return next((step for step, value in zip(steps, values, strict=True) if not math.isfinite(value)), -1)
 
 
 @torch.no_grad()

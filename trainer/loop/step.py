@@ -123,9 +123,11 @@ class StepRunner:
         if scaler is not None:  # fp16: the true gradients first
             scaler.unscale(optimizer_grads(optimizer))
         norm = None
-        if max_norm is not None or sampled or self.checks_finite:
+        if max_norm is not None or self.checks_finite:
             norm = self.sync.grad_norm(optimizer)  # the same on every rank: also the agreement on an overflow
             self.window.add_grad_norm(norm, step, sampled, every_step=max_norm is not None)
+        elif sampled:  # for the row only: finished there, on the host
+            self.window.add_norm_later(self.sync.grad_norm_later(optimizer))
         found_inf = None
         if self.checks_finite:
             assert norm is not None

@@ -33,6 +33,7 @@ class NonFiniteCheck:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._pending: tuple[torch.Tensor, dist.Work] | None = None
+        self._world_size: int | None = None
 
     def previous(self) -> torch.Tensor | None:
         """The previous row's answers (every rank's first bad step), waited for but not read: the
@@ -48,11 +49,13 @@ class NonFiniteCheck:
         """Raise for the previous row's answers (read), then send this row's first bad step (-1: none)."""
         if previous:
             _raise_if_bad([int(step) for step in previous])
-        if dist.get_world_size() == 1:
+        if self._world_size is None:  # the run's group: looked up once (a lookup costs µs at every row)
+            self._world_size = dist.get_world_size()
+        if self._world_size == 1:
             _raise_if_bad([first_bad_step])
             return
         mine = torch.tensor([first_bad_step], dtype=torch.int64, device=self.device)
-        gathered = torch.empty(dist.get_world_size(), dtype=torch.int64, device=self.device)
+        gathered = torch.empty(self._world_size, dtype=torch.int64, device=self.device)
         work = all_gather_tensor(gathered, mine, async_op=True)  # torch 2.14 deprecates the older name
         assert work is not None, "async_op=True returns the collective's Work"
         self._pending = (gathered, work)

@@ -15,13 +15,16 @@ unsharded model's terms: a checkpoint looks the same whichever strategy wrote it
 
 from __future__ import annotations
 
+import math
 import typing
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
@@ -78,7 +81,8 @@ class SyncStrategy(ABC):
     parameters after each step (the trainer's replica check compares them; a strategy whose ranks
     hold shards sets it False). `grads_sharded` says the gradients its optimizer reads are this
     rank's shard of the averaged gradient (zero, fsdp), so their global norm needs a reduction
-    across ranks. `trains_one_model` says the ranks train one model between them (False for
+    across ranks (`norm_copies`: how many times that reduction counts each element, hsdp's once per
+    node). `trains_one_model` says the ranks train one model between them (False for
     sync=none, where each trains its own): only then does a checkpoint continue at another world size.
     """
 
@@ -86,8 +90,10 @@ class SyncStrategy(ABC):
     key_attributes: dict[str, str] = {}  # a key stored under another name (`wrap`, which is a method here)
     keeps_replicas_equal: bool = True  # the trainer's replica check applies
     grads_sharded: bool = False  # each rank's optimizer reads its own disjoint shard of the gradient
+    norm_copies: int = 1  # grads_sharded: ranks holding each shard (the world's sum of squares counts it so often)
     gathers_parameters: bool = False  # the model's parameters are full copies gathered per unit, not the optimizer's
     trains_one_model: bool = True  # the ranks train one model (sync=none: one each)
+    torch_collectives: bool = False  # torch launches some of its collectives from C++, past self.comm (DDP's reducer)
     tuner: CapTuner | None = None  # bucket_cap_mb=auto: tries caps, then rebuild() with the fastest
 
     def __init__(self) -> None:
@@ -155,7 +161,20 @@ class SyncStrategy(ABC):
             return norm
         squares = norm.to(torch.float32) ** 2
         self.comm.agree(squares)  # a control collective: a few bytes, not gradient traffic
-        return squares.sqrt()
+        return squares.sqrt() if self.norm_copies == 1 else (squares / self.norm_copies).sqrt()
+
+    def grad_norm_later(self, optimizer: Optimizer) -> NormLater:
+        """grad_norm(), for the row to finish on the host where nothing on the device needs it (the
+        sampled step's norm, without a clip or a finite check): each gradient's norm where every
+        rank holds the whole averaged gradient (two kernels fewer on the step); where the ranks
+        hold shards, this rank's sum of squares with its agreement launched, waited for by the row
+        (the step does not wait for the other ranks, which its unsampled steps never do)."""
+        grads = optimizer_grads(optimizer)
+        if not self.grads_sharded:
+            return NormLater(norm_pieces(grads) if grads else [])
+        device = optimizer.param_groups[0]["params"][0].device
+        squares = (total_norm(grads) if grads else torch.zeros((), device=device)).to(torch.float32) ** 2
+        return NormLater([], [squares], self.comm.agree_later(squares), self.norm_copies)
 
     def scale_grads(self, optimizer: Optimizer, factor: torch.Tensor) -> None:
         """Multiply the gradients optimizer_step is about to use by `factor` (a 0-dim tensor: no host sync)."""
@@ -272,15 +291,40 @@ def _literals(hint: Any) -> set[Any]:
     return set().union(*(_literals(arg) for arg in typing.get_args(hint)))
 
 
+@dataclass
+class NormLater:
+    """A gradient norm left for the host to finish: sqrt((sum of norms² + sum of squares) / copies),
+    once `pending` (the squares' agreement across ranks) is waited for."""
+
+    norms: list[torch.Tensor]
+    squares: list[torch.Tensor] = field(default_factory=list)
+    pending: dist.Work | None = None
+    copies: int = 1
+
+    def finish(self, norms: list[float], squares: list[float]) -> float:
+        """The norm from the values of `norms` and `squares`, read on the host."""
+        if not squares and self.copies == 1:
+            return math.hypot(*norms)  # one norm: itself, exactly
+        return math.sqrt((sum(n * n for n in norms) + sum(squares)) / self.copies)
+
+
+def norm_pieces(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """0-dim tensors whose root-sum-of-squares is the L2 norm of all these tensors together: each
+    one's norm, in one foreach call where they share a device (torch's get_total_norm groups them
+    in Python first), else the total itself."""
+    if len({t.device for t in tensors}) > 1:
+        return [torch.nn.utils.get_total_norm(tensors)]
+    return list(torch._foreach_norm(tensors))
+
+
 def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The L2 norm of all these tensors together, as torch.nn.utils.get_total_norm computes it;
-    one foreach call where they share a device and dtype (torch's groups them in Python first)."""
-    if len({(t.device, t.dtype) for t in tensors}) > 1:
-        return torch.nn.utils.get_total_norm(tensors)
-    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors)))
+    """The L2 norm of all these tensors together, as torch.nn.utils.get_total_norm computes it."""
+    pieces = norm_pieces(tensors)
+    return pieces[0] if len(pieces) == 1 else torch.linalg.vector_norm(torch.stack(pieces))
 
 
 def optimizer_grads(optimizer: Optimizer) -> list[torch.Tensor]:
     """The gradients the optimizer reads, as plain tensors (a DTensor's local shard)."""
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    return [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    # A DTensor's _local_tensor is what to_local() returns a view of, without its autograd Function (µs each).
+    return [g if type(g) is torch.Tensor else getattr(g, "_local_tensor", g) for g in grads]

@@ -86,6 +86,7 @@ class Comm:
         # A strategy built alone (a test) gets an observer that samples nothing; the builder gives the run's.
         self.observer = observer or Observer(torch.device("cpu"))
         self.recording = False  # the profiler records: each launch is named in its trace
+        self._alone: bool | None = None  # a world of one rank (known at the first agreement)
 
     # The collectives a strategy averages and gathers with.
 
@@ -114,17 +115,35 @@ class Comm:
     ) -> dist.Work:
         return self._launch("broadcast", tensor, bucket, group, dist.broadcast, tensor, src=src)
 
-    # Control collectives: a few bytes that keep the ranks in step, waited for at once.
+    # Control collectives: a few bytes that keep the ranks in step, waited for at once (or where needed).
 
     def agree(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
         """`tensor` all-reduced with `op` in place (every rank must call it); reported as control traffic."""
-        self._launch("all_reduce", tensor, "control", None, dist.all_reduce, tensor, op=op, control=True).wait()
+        work = self.agree_later(tensor, op)
+        if work is not None:
+            work.wait()
         return tensor
+
+    def agree_later(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> dist.Work | None:
+        """agree(), launched now and waited for by the caller where it needs the value (the row, for
+        the sampled step's gradient norm): the step goes on meanwhile. None: nothing to wait for."""
+        if self.alone():
+            return None
+        return self._launch("all_reduce", tensor, "control", None, dist.all_reduce, tensor, op=op, control=True)
 
     def agree_from(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         """Every rank takes `src`'s `tensor` (a decision one rank made); reported as control traffic."""
-        self._launch("broadcast", tensor, "control", None, dist.broadcast, tensor, src=src, control=True).wait()
+        if not self.alone():
+            self._launch("broadcast", tensor, "control", None, dist.broadcast, tensor, src=src, control=True).wait()
         return tensor
+
+    def alone(self) -> bool:
+        """A world of one rank: an agreement is the tensor itself, and is not sent (a launch and a
+        wait cost ~100 µs on gloo for nothing: on every step where a one-rank run clips a sharded
+        strategy's gradient)."""
+        if self._alone is None:
+            self._alone = dist.get_world_size() == 1
+        return self._alone
 
     def broadcast_parameters(self, model: nn.Module) -> None:
         """Same seed is not enough to trust: every replica starts from rank 0's parameters and buffers."""

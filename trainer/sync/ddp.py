@@ -52,6 +52,7 @@ class DDPSync(SyncStrategy):
     """Gradients are all-reduced in buckets during backward, overlapping communication with compute."""
 
     name = "ddp"
+    torch_collectives = True  # DDP's reducer all-reduces its buckets from C++ (unless a hook sends them)
 
     def __init__(
         self,

@@ -154,6 +154,7 @@ class FSDPSync(SyncStrategy):
         self.mixed_precision = mixed_precision
         self._unit_bytes: list[int] = []  # each unit's padded parameters, gathered in full
         self._fsdp_units: list[Any] = []  # the FSDPModules, the root last
+        self._fsdp_params: list[Any] | None = None  # their FSDPParams, for held() (listed at its first call)
         self._reduce_scatters: list[CommReduceScatter] = []
         self._sharded_bytes = 0  # what one rank stores of them
         self._world_size = 1
@@ -347,16 +348,17 @@ class FSDPSync(SyncStrategy):
         grads = {
             id(rs): rs.reducing.untyped_storage().nbytes() for rs in self._reduce_scatters if rs.reducing is not None
         }
-        for unit in self._fsdp_units:
-            group = unit._get_fsdp_state()._fsdp_param_group  # torch 2.14's FSDP2 layout
-            for param in group.fsdp_params if group is not None else ():
-                unsharded = getattr(param, "_unsharded_param", None)
-                for tensor in [*param.all_gather_outputs, *([unsharded] if unsharded is not None else [])]:
-                    storage = tensor.untyped_storage()
-                    buffers[storage._cdata] = storage.nbytes()
-                if unsharded is not None and unsharded.grad is not None:
-                    storage = unsharded.grad.untyped_storage()
-                    grads[storage._cdata] = storage.nbytes()
+        if self._fsdp_params is None:  # listed once: looking up a unit's FSDP state costs µs per unit
+            groups = [unit._get_fsdp_state()._fsdp_param_group for unit in self._fsdp_units]  # torch 2.14's FSDP2
+            self._fsdp_params = [param for group in groups if group is not None for param in group.fsdp_params]
+        for param in self._fsdp_params:
+            unsharded = getattr(param, "_unsharded_param", None)
+            for tensor in [*param.all_gather_outputs, *([unsharded] if unsharded is not None else [])]:
+                storage = tensor.untyped_storage()
+                buffers[storage._cdata] = storage.nbytes()
+            if unsharded is not None and unsharded.grad is not None:
+                storage = unsharded.grad.untyped_storage()
+                grads[storage._cdata] = storage.nbytes()
         return {"comm_buffers": sum(buffers.values()), "gradients": sum(grads.values())}
 
     def schedule(self) -> Schedule:

@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
-from torch.optim import Optimizer
 
 from trainer.comm_schedule import Hop, Schedule, ShardedUnits
 from trainer.sync import mesh
@@ -63,6 +62,7 @@ class HSDPSync(FSDPSync):
         """FSDP2 splits each unit across the mesh's shard dimension: the ranks of this node."""
         two_level = mesh.two_level_mesh(self.replicate, self.shard, dist.get_world_size(), device)
         (self._nodes, _), self._peers = two_level.shape, mesh.groups(two_level)[1]
+        self.norm_copies = self._nodes  # every shard is held by one rank in each node
         return two_level["shard"]
 
     def connect(self, unit: FSDPModule, label: str) -> None:
@@ -73,10 +73,6 @@ class HSDPSync(FSDPSync):
         """After the unit's reduce-scatter: the node's average of this rank's shard, averaged over the nodes."""
         self.comm.all_reduce(shard, label, group=self._peers).wait()
         shard.div_(self._nodes)
-
-    def grad_norm(self, optimizer: Optimizer) -> torch.Tensor:
-        """Every shard is held by one rank in each node: the world's sum of squares counts it once per node."""
-        return (super().grad_norm(optimizer) ** 2 / self._nodes).sqrt()
 
     def schedule(self) -> Schedule:
         """fsdp's units, gathered and reduce-scattered inside the node; each reduced shard all_reduced
