@@ -4,6 +4,7 @@
     torchrun --nproc_per_node=1 benchmarks/overhead.py link [flags]     # network=<preset>: per collective, per step
     torchrun --nproc_per_node=2 benchmarks/overhead.py row [flags]      # a logged row, in rounds and taken apart
     python benchmarks/overhead.py pieces [flags]                        # the step path's bookkeeping, µs per piece
+    torchrun --nproc_per_node=1 benchmarks/overhead.py sampled [flags]  # the sampled step in place, phase by phase
     torchrun --nproc_per_node=2 benchmarks/overhead.py clip [flags]     # trainer.max_grad_norm, per strategy
     python benchmarks/overhead.py command [flags]                       # how long a bad command takes to refuse
     python benchmarks/overhead.py <section> --help                      # a section's own flags
@@ -28,6 +29,7 @@ SECTIONS = {
     "link": "benchmarks.overhead_link",
     "row": "benchmarks.overhead_row",
     "pieces": "benchmarks.overhead_pieces",
+    "sampled": "benchmarks.overhead_sampled",
     "clip": "benchmarks.overhead_clip",
     "command": "benchmarks.overhead_command",
 }

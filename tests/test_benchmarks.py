@@ -184,6 +184,25 @@ def test_overhead_row_section(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_overhead_sampled_section(tmp_path: Path) -> None:
+    """The sampled step taken apart in place: every phase and mark of both kinds of step, the
+    marks' probes only on the sampled one (an unsampled mark does nothing but test a flag)."""
+    proc = overhead(["sampled", "--quick", "--strategies", "none,zero"], tmp_path, nproc=1)
+    assert proc.stdout.startswith("mlp-tiny on cpu, world size 1: medians over 200 steps")
+    for strategy in ("none", "zero"):
+        section = proc.stdout.split(f"| {strategy}: interval |")[1].split("\n\n")[0]
+        rows = {cells[0]: [number(cell) for cell in cells[1:]] for cells in table(section)}
+        phases = [f"the {phase} phase" for phase in ("data", "forward", "backward", "sync", "optimizer")]
+        marks = [f"{phase}'s mark" for phase in ("data", "forward", "backward", "sync", "optimizer")]
+        assert set(phases + marks + ["the begin report", "the end report"]) <= set(rows), rows
+        unsampled, sampled, _ = rows["backward's mark"]  # a probe on the sampled step only
+        assert unsampled < sampled, rows
+        extra = rows["**the sampled step's extra**"]
+        assert extra[2] == pytest.approx(extra[1] - extra[0], abs=1.0), rows
+        assert f"{strategy}: the sampled step adds" in proc.stdout
+
+
+@pytest.mark.slow
 def test_overhead_pieces_section(tmp_path: Path) -> None:
     """Each piece of the step path timed, in the order the docs list them; gpu_check's reader of
     this table finds them all. Under torchrun with one rank, as one process would run it."""
