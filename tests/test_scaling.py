@@ -305,14 +305,15 @@ def test_fsdp_units_follow_sync_wrap() -> None:
         fsdp_units(profile, "blocks")
 
 
-def _summary(path: Path, strategy: str, ranks: list[dict[str, float]]) -> Path:
-    """A summary.json as train.py writes it, with only what read_profile reads."""
+def _summary(path: Path, strategy: str, ranks: list[dict[str, float]], **facts: typing.Any) -> Path:
+    """A summary.json as train.py writes it, with only what read_profile reads (and `facts`, the
+    strategy's sync facts)."""
     path.mkdir(parents=True)
     rows = [{"rank": r, **{f"median_time/{k}_s": v for k, v in times.items()}} for r, times in enumerate(ranks)]
     summary = {
         "world_size": len(ranks),
         "device": "cpu",
-        "sync": {"strategy": strategy},
+        "sync": {"strategy": strategy, **facts},
         "global_batch_size": 64 * len(ranks),
         "model": {"parameter_tensors": [{"name": "net.0.weight", "bytes": 4096}]},
         "ranks": rows,
@@ -338,6 +339,11 @@ def test_a_strategys_own_run_profiles_its_compute_without_its_waits(tmp_path: Pa
         _summary(tmp_path / "zero", "zero", [{**phases, "sync": 0.01, "comm_exposed": 0.03}] * 2), sharded
     )
     assert zero.phase_s == pytest.approx({**{k: 0.8 * v for k, v in phases.items()}, "optimizer": 2 * 0.8 * 0.01})
+    # hsdp on 4 ranks as 2 nodes of 2: each node's 2 ranks split the optimizer step, not all 4.
+    hsdp = read_profile(
+        _summary(tmp_path / "hsdp", "hsdp", [{**phases, "sync": 0.01}] * 4, mesh_replicate_x_shard=[2, 2]), {"hsdp"}
+    )
+    assert hsdp.phase_s["optimizer"] == pytest.approx(2 * 0.01)
     # No communication measured (sync=none, one rank): the phases as they are.
     alone = read_profile(_summary(tmp_path / "none", "none", [phases]))
     assert alone.phase_s == pytest.approx(phases) and alone.caveat() is None

@@ -12,9 +12,9 @@ beyond its sync phase (`time/comm_exposed_s` less `time/sync_s`) is taken out of
 proportion, so that what is left is the run's compute: its model's, plus the strategy's own work
 (DDP's copies into and out of its buckets, a sharded step's bookkeeping) and whatever the real
 collectives running meanwhile took from it. A sharded strategy's optimizer phase (one whose
-schedule() shards the optimizer: zero, fsdp) steps 1/N of the parameters; it is scaled back to the
-whole model's step, which the model divides again. The run's ranks are taken to be one node, as on
-this machine, where a node's shard is the world's.
+schedule() shards the optimizer: zero, fsdp, hsdp) steps 1/N of the parameters, N the ranks that
+split it (every rank; hsdp's shard dimension, as its sync facts name it); it is scaled back to the
+whole model's step, which the model divides again.
 """
 
 from __future__ import annotations
@@ -105,18 +105,29 @@ def read_profile(run_dir: Path, sharded: Container[str] = ()) -> RunProfile:
         )
     ranks = summary["ranks"]
     world_size, strategy = int(summary["world_size"]), str(summary["sync"].get("strategy", "?"))
+    shards = _shards(summary["sync"], world_size, strategy in sharded)
     return RunProfile(
         run_dir=run_dir,
         world_size=world_size,
         device=str(summary["device"]),
         strategy=strategy,
         batch_per_rank=int(summary["global_batch_size"]) // world_size,
-        phase_s=_compute_phases(ranks, path, world_size, sharded=strategy in sharded),
+        phase_s=_compute_phases(ranks, path, world_size, shards=shards),
         tensors=tuple(Tensor(t["name"], int(t["bytes"]), t.get("block")) for t in layout),
     )
 
 
-def _compute_phases(ranks: list[dict[str, Any]], path: Path, world_size: int, *, sharded: bool) -> dict[str, float]:
+def _shards(sync: dict[str, Any], world_size: int, sharded: bool) -> int:
+    """The ranks that split the optimizer step: 1 unless sharded; the mesh's shard dimension where the
+    run had one (hsdp's sync facts: a unit is split inside a node, each node steps the whole
+    model), else every rank."""
+    if not sharded:
+        return 1
+    mesh = sync.get("mesh_replicate_x_shard")
+    return int(mesh[1]) if isinstance(mesh, list) and len(mesh) == 2 else world_size
+
+
+def _compute_phases(ranks: list[dict[str, Any]], path: Path, world_size: int, *, shards: int) -> dict[str, float]:
     """The phases' compute: the waits for communication inside them taken out (module docstring)."""
     phases = {p: _mean(ranks, f"median_time/{p}_s", path) for p in PHASES}
     if world_size == 1:  # nothing was sent: what a strategy timed as waiting is its own work on one rank
@@ -125,8 +136,7 @@ def _compute_phases(ranks: list[dict[str, Any]], path: Path, world_size: int, *,
     total = sum(phases.values())
     if waited > 0 and total > 0:
         phases = {p: v * max(0.0, 1.0 - waited / total) for p, v in phases.items()}
-    if sharded:
-        phases["optimizer"] *= world_size
+    phases["optimizer"] *= shards  # a sharded optimizer stepped 1/shards of the model
     return phases
 
 
