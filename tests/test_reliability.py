@@ -201,6 +201,10 @@ def test_resume_refuses_another_world_size_or_training_config(
     assert "optim.lr: checkpoint 0.1, now 0.5" in r0["changed"]["error"]
     assert "error" not in r0["fine"]
     assert "error" not in r0["fresh"]
+    # resume=never trains from step 0 again in the same dir: its JSONL holds that run's rows, each step
+    # once (not appended after the first run's, which would log every step twice).
+    steps = [row["step"] for row in train_rows(root / "run" / "metrics" / "rank0.jsonl")]
+    assert steps and steps == sorted(set(steps)), steps
 
 
 def test_corrupt_or_unsafe_checkpoints_are_refused_and_auto_falls_back(tmp_path: Path) -> None:

@@ -169,7 +169,9 @@ class Trainer:
             # indices of the micro-batches already trained on (no data is read to get there).
             self._sampler.skip_next(state.batches_into_epoch * self.data.batch_size)
             return
-        if self.ctx.attempt > 0 or not s.checkpoint:  # training starts over at step 0, as before in this run dir
+        # Training starts over at step 0, as before in this run dir (a restart, trainer.resume=never):
+        # the JSONL drops the earlier attempt's (or run's) rows, so each step is there once.
+        if self.ctx.attempt > 0 or choice == "never":
             self._loggers_from = 0
             resumed_at(self.loggers, 0)  # the JSONL drops the earlier attempt's (or run's) rows: each step once
         line = resume.start_over_line(self.ctx.attempt, s.checkpoint, self.run_dir)
