@@ -162,6 +162,21 @@ def test_logger_none_never_imports_wandb(tmp_path: Path) -> None:
     assert proc.stdout.split() == ["2", "False"]
 
 
+def test_checking_a_command_imports_only_the_chosen_strategy() -> None:
+    # What the launcher and every rank run before training: fsdp's module brings torch's DTensor and
+    # distributed checkpoint (most of a second per process), which sync=ddp has no use for.
+    code = (
+        "import sys; from trainer.setup import precheck;"
+        "precheck.check_command_line(['sync=ddp'], rank=0, world_size=2);"
+        "print(sorted(m for m in sys.modules if m.startswith('trainer.sync.') and m.count('.') == 2"
+        " and m.split('.')[-1] in ('ddp', 'fsdp', 'hsdp', 'zero', 'zero3', 'manual')),"
+        " 'torch.distributed.tensor' in sys.modules)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "['trainer.sync.ddp'] False"
+
+
 STRATEGY_FILES = ("manual", "bucketed", "zero", "zero3")
 # What a strategy may say beside its algorithm: the facts of what it built (for the sync line), what
 # it holds (for the observer's memory probe) and keeps (for the memory predictor), its name, and the

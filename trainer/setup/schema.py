@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import inspect
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, make_dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -149,14 +149,33 @@ def signature_schema(target: Callable[..., Any]) -> type:
     return schema
 
 
-def signature_schemas(group_dir: Path) -> dict[str, type]:
-    """Each <option>.yaml's schema, read from the signature of the _target_ it builds."""
-    schemas = {}
-    for path in sorted(group_dir.glob("*.yaml")):
-        yaml = OmegaConf.load(path)
-        assert isinstance(yaml, DictConfig), path
-        schemas[path.stem] = signature_schema(hydra.utils.get_object(str(yaml._target_)))
-    return schemas
+class SignatureSchemas(Mapping[str, type]):
+    """Each <option>.yaml's schema, read from the signature of the _target_ it builds, when first
+    asked for: a strategy's module is imported then, not before. Checking `sync=ddp` imports no other
+    strategy (fsdp's brings torch's DTensor and distributed checkpoint, most of a second of start-up
+    in every process that checks a config: the launcher and each rank)."""
+
+    def __init__(self, group_dir: Path) -> None:
+        self._paths = {path.stem: path for path in sorted(group_dir.glob("*.yaml"))}
+        self._built: dict[str, type] = {}
+
+    def __getitem__(self, option: str) -> type:
+        if option not in self._built:
+            yaml = OmegaConf.load(self._paths[option])  # KeyError for an option with no YAML
+            assert isinstance(yaml, DictConfig), self._paths[option]
+            self._built[option] = signature_schema(hydra.utils.get_object(str(yaml._target_)))
+        return self._built[option]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._paths)
+
+    def __len__(self) -> int:
+        return len(self._paths)
+
+
+def signature_schemas(group_dir: Path) -> SignatureSchemas:
+    """Each <option>.yaml's schema, read from the signature of the _target_ it builds (on first use)."""
+    return SignatureSchemas(group_dir)
 
 
 # optim: every keyword handed to torch's optimizer, in torch's own bounds (lr > 0: zero trains nothing)
@@ -213,7 +232,7 @@ class Network(Target):
     time_scale: Annotated[float, Field(gt=0, description="every link time is multiplied by it")]
 
 
-SCHEMAS: dict[str, dict[str, type]] = {
+SCHEMAS: dict[str, Mapping[str, type]] = {
     "model": {"mlp": MLP, "cnn": CNN, "resnet18": ResNet18, "gpt": GPT},
     "data": {"synthetic": Synthetic, "fake": Fake, "mnist": Mnist, "cifar10": Cifar10, "text": Text},
     "sync": signature_schemas(CONF_DIR / "sync"),

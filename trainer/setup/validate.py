@@ -25,18 +25,22 @@ from trainer.setup.schema import SCHEMAS
 def schema_of(group: str, node: DictConfig) -> type | None:
     """The schema a group's node is checked against: its option's, found by what it builds (the
     trainer's is TrainSettings); None for a target no option builds (a plain `~optim +optim._target_=...`)."""
-    return TrainSettings if group == "trainer" else _by_target().get((group, str(node.get("_target_"))))
+    if group == "trainer":
+        return TrainSettings
+    option = _by_target().get((group, str(node.get("_target_"))))
+    return None if option is None else SCHEMAS[group][option]
 
 
 @functools.cache
-def _by_target() -> dict[tuple[str, str], type]:
-    """(group, _target_) -> schema, from each option's YAML: its _target_ is declared there only."""
+def _by_target() -> dict[tuple[str, str], str]:
+    """(group, _target_) -> option, from each option's YAML: its _target_ is declared there only (its
+    schema is built when asked for: a sync option's imports its strategy's module)."""
     found = {}
     for group, options in SCHEMAS.items():
-        for option, schema in options.items():
+        for option in options:
             yaml = OmegaConf.load(CONF_DIR / group / f"{option}.yaml")
             if isinstance(yaml, DictConfig) and "_target_" in yaml:
-                found[(group, str(yaml._target_))] = schema
+                found[(group, str(yaml._target_))] = option
     return found
 
 
