@@ -14,19 +14,28 @@ others receive it through torchrun's store, so all ranks write into one run dire
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
-import hydra
-from omegaconf import DictConfig
+from trainer.reliability.exits import ctrl_c_held, exit_cleanly, stopped_by_ctrl_c
 
-from trainer.logger.base import MetricLogger
-from trainer.loop.summary import log_final_report
-from trainer.reliability.exits import exit_cleanly
-from trainer.setup import config as conf
-from trainer.setup import dist, precheck
-from trainer.setup.build import add_loggers, build_parts, build_trainer, check_device, prepare_data
-from trainer.setup.preflight import bytes_needed, check_output_dir
+# Ctrl-C while a rank starts up or shuts down, outside the job's own handling (exit_cleanly, in
+# main): rank 0 says it in one line, every rank exits 130, no traceback. The imports (torch's: a
+# second or two) hold it until they are done.
+OUTSIDE = "interrupted by Ctrl-C (SIGINT) while starting up or shutting down, outside training (exit code 130)"
+SAYS = OUTSIDE if os.environ.get("RANK", "0") == "0" else None
+
+with ctrl_c_held(SAYS):
+    import hydra
+    from omegaconf import DictConfig
+
+    from trainer.logger.base import MetricLogger
+    from trainer.loop.summary import log_final_report
+    from trainer.setup import config as conf
+    from trainer.setup import dist, precheck
+    from trainer.setup.build import add_loggers, build_parts, build_trainer, check_device, prepare_data
+    from trainer.setup.preflight import bytes_needed, check_output_dir
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
@@ -61,9 +70,10 @@ def main(cfg: DictConfig) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    launch = dist.read_launch_env()
-    store = dist.job_store(launch)
-    # Bad input stops every rank here (exit 2), before Hydra's app creates the run dir.
-    precheck.check_command_line(sys.argv[1:], launch.rank, dist.rank0_signal(store, launch), launch.world_size)
-    conf.set_run_stamp(dist.agree_on_run_stamp(store, launch))
-    main()
+    with stopped_by_ctrl_c(SAYS):
+        launch = dist.read_launch_env()
+        store = dist.job_store(launch)
+        # Bad input stops every rank here (exit 2), before Hydra's app creates the run dir.
+        precheck.check_command_line(sys.argv[1:], launch.rank, dist.rank0_signal(store, launch), launch.world_size)
+        conf.set_run_stamp(dist.agree_on_run_stamp(store, launch))
+        main()

@@ -6,6 +6,7 @@ How long a refusal takes is measured side by side in `benchmarks/overhead.py com
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -137,3 +138,27 @@ def test_sigterm_to_the_launcher_is_one_line_and_exit_143(tmp_path: Path) -> Non
     _assert_stopped_quietly(text, line)
     for rank in (0, 1):  # each rank says where it stopped (a launcher may have stopped only some)
         assert f"[rank{rank}] terminated by signal (exit code 143) at step " in text, text
+
+
+def test_ctrl_c_while_the_launcher_imports_torch_is_one_line_and_exit_130(tmp_path: Path) -> None:
+    # Half a second in, the launcher is importing torch (a second or more): no worker, no traceback.
+    cmd = [sys.executable, "-m", "trainer.tools.launch", "--standalone", "--nproc_per_node=2", TRAIN, CPU]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        env={**env(), "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)  # the launcher alone: no worker has started
+        text = proc.communicate(timeout=60)[0]
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # a Ctrl-C lost in torch's import: the job started
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, text
+    assert text.strip().splitlines() == ["launch: interrupted by Ctrl-C (SIGINT) before any worker started"], text
+    assert not (tmp_path / "outputs").exists()

@@ -103,3 +103,22 @@ def test_ctrl_c_on_a_single_process_exits_130(tmp_path: Path) -> None:
     text = proc.communicate(timeout=60)[0]
     assert proc.returncode == 130, text
     assert "Traceback" not in text and "interrupted at step" in text
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_a_rank_starts_up_is_one_line_and_exit_130(tmp_path: Path) -> None:
+    # Half a second in, the rank is importing torch: the Ctrl-C is taken once the imports are done.
+    args = [*BASE, CPU, "trainer.max_steps=100000", f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = subprocess.Popen(
+        [sys.executable, TRAIN, *args], env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        text = proc.communicate(timeout=60)[0]
+    finally:
+        proc.kill()  # a Ctrl-C lost in torch's import would leave it training
+    assert proc.returncode == 130, text
+    assert text.strip().splitlines() == [
+        "interrupted by Ctrl-C (SIGINT) while starting up or shutting down, outside training (exit code 130)"
+    ], text

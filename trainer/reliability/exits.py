@@ -149,3 +149,33 @@ def exit_cleanly(loggers: Sequence[MetricLogger], speaks: Callable[[], bool] | N
             logger.close(code)
         for stop, handler in previous.items():
             signal.signal(stop, handler)
+
+
+@contextmanager
+def ctrl_c_held(says: str | None) -> Iterator[None]:
+    """Ctrl-C held while the block runs (SIGINT blocked), then taken: `says` on stderr (None: nothing)
+    and exit 130, the code a shell gives Ctrl-C.
+
+    For start-up's imports: torch's take a second or two, and a SIGINT that lands in its C code may
+    be swallowed there (the job then starts anyway) or leave Python set to kill itself by SIGINT
+    at exit, after a KeyboardInterrupt traceback from wherever the import was. Held, it is raised
+    where the block ends (CPython's pthread_sigmask raises a pending signal's exception itself).
+    """
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        with stopped_by_ctrl_c(says):
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+@contextmanager
+def stopped_by_ctrl_c(says: str | None) -> Iterator[None]:
+    """A Ctrl-C in the block, where no training runs (exit_cleanly handles the job's own): `says`
+    on stderr (None: nothing), exit 130, no traceback."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        if says is not None:
+            print(says, file=sys.stderr, flush=True)
+        raise SystemExit(128 + signal.SIGINT) from None

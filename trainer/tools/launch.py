@@ -25,9 +25,13 @@ import os
 import signal
 import sys
 from pathlib import Path
+from types import ModuleType
+
+from trainer.reliability.exits import ctrl_c_held
 
 TRAIN_PY = Path(__file__).resolve().parents[2] / "train.py"
 BAD_INPUT = 2
+BEFORE_WORKERS = "launch: interrupted by Ctrl-C (SIGINT) before any worker started"
 
 
 def _is_train_py(script: str, is_module: bool) -> bool:
@@ -86,7 +90,12 @@ def _quiet_torchrun() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from torch.distributed import run as torchrun
+    with ctrl_c_held(BEFORE_WORKERS):  # importing torch takes a second or two: a Ctrl-C in it, one line
+        from torch.distributed import run as torchrun
+    return _launch(torchrun, argv)
+
+
+def _launch(torchrun: ModuleType, argv: list[str] | None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -120,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         print(_stopped(stop.sigval), file=sys.stderr, flush=True)
         return 128 + stop.sigval
     except KeyboardInterrupt:  # before torchrun's handler is installed: no worker has started
-        print("launch: interrupted by Ctrl-C (SIGINT) before any worker started", file=sys.stderr, flush=True)
+        print(BEFORE_WORKERS, file=sys.stderr, flush=True)
         return 128 + signal.SIGINT
     return 0
 
