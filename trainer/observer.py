@@ -223,6 +223,11 @@ class Observer:
         record.completed = self.clock.now()
         return done.value()
 
+    def _noted(self, record: _Record, done: Future[Any]) -> None:
+        """_completed() for a future nobody reads: the record keeps it until the row, and a value would
+        keep the collective's buffers alive that long (a released bucket, a unit's flat gathers)."""
+        record.completed = self.clock.now()
+
     # The default group's own hooks: torch's collectives from C++ (DDP's reducer), on the sampled step.
 
     def _hook_group(self) -> None:
@@ -265,7 +270,7 @@ class Observer:
         if record is None:
             return
         try:
-            record.noted = args.work.get_future().then(partial(self._completed, record))
+            record.noted = args.work.get_future().then(partial(self._noted, record))
         except RuntimeError:  # a backend's Work without a future (gloo's reduce_scatter): done once it returns
             record.completed, record.blocking = self.clock.now(), True
 
@@ -339,9 +344,9 @@ class _Watched(dist.Work):
         with suppress(RuntimeError):  # gloo's reduce_scatter has no future: the wait's end bounds it
             record.noted = work.get_future().then(self._completed)
 
-    def _completed(self, done: Future[Any]) -> Any:
+    def _completed(self, done: Future[Any]) -> None:
+        # No value: the record keeps this future until the row, which must not keep the buffers alive.
         self._record.completed = self._observer.clock.now()
-        return done.value()
 
     def wait(self, timeout: Any = None) -> bool:
         clock = self._observer.clock
