@@ -3,13 +3,15 @@
     python benchmarks/memory_check.py            # every case (~2 min on 2 CPU cores)
     python benchmarks/memory_check.py --quick    # a smoke run: the mlp, 1 and 2 ranks, three strategies
     python benchmarks/memory_check.py --device cuda --ranks 1    # make gpu-check's: against the allocator
+    python benchmarks/memory_check.py --recipes bf16 --ranks 2,4 --strategies "zero,zero stage=3"  # a subset
 
 For each world size (1, 2, then 4 for the strategies that shard), gloo ranks are spawned once and
 train each case for 3 steps as train.py builds it (a row every step, so every step is sampled);
 rank 0's `memory/<kind>_peak_mb` (the most over the rows) is the measured side (docs/metrics.md,
 Memory). The predicted side is `python -m trainer.tools.memory` with the same overrides and
 `--ranks N` (docs/memory.md). The models: the default mlp, and a small gpt (experiment=gpt_tiny's
-shape, char-level text) with and without activation checkpointing, all with AdamW.
+shape, char-level text) with and without activation checkpointing, all with AdamW; each in fp32 and
+with 16-bit parameters and an fp32 master copy (trainer.param_dtype=bf16, the recipes).
 
 The table gives each kind as predicted / measured MiB and the relative error (predicted - measured)
 / measured; a kind both sides put at 0 reads "0". The last line: the largest error over every
@@ -76,21 +78,26 @@ STRATEGIES = {  # name -> (overrides, whether it shards: checked at 4 ranks too)
     "hierarchical shard=2": (["sync=hierarchical", "sync.shard=2"], False),
     "hsdp shard=2": (["sync=hsdp", "sync.shard=2"], True),
 }
-QUICK = {"models": ["mlp"], "strategies": ["ddp", "zero", "fsdp"], "world_sizes": [1, 2]}
+# The precision recipes: fp32, and 16-bit parameters and gradients with an fp32 master copy (the
+# reduction in fp32, trainer.reduce_dtype's default).
+RECIPES = {"fp32": [], "bf16": ["trainer.param_dtype=bf16"]}
+QUICK = {"models": ["mlp"], "strategies": ["ddp", "zero", "fsdp"], "world_sizes": [1, 2], "recipes": ["fp32"]}
 
 
-def cases(world_size: int, models: list[str], strategies: list[str]) -> dict[str, list[str]]:
+def cases(world_size: int, models: list[str], strategies: list[str], recipes: list[str]) -> dict[str, list[str]]:
     """The cases run at this world size: `none` alone at 1 rank (more ranks of it are more copies),
     the sharding strategies at 4."""
     chosen = {}
-    for model in models:
-        for name in strategies:
-            overrides, shards = STRATEGIES[name]
-            if (name == "none" and world_size > 1) or (world_size > 2 and not shards):
-                continue
-            if "sync.shard=2" in overrides and world_size % 2:  # nodes of 2: one rank forms none
-                continue
-            chosen[f"{model} | {name}"] = [*RUN, *MODELS[model], *overrides]
+    for recipe in recipes:
+        for model in models:
+            for name in strategies:
+                overrides, shards = STRATEGIES[name]
+                if (name == "none" and world_size > 1) or (world_size > 2 and not shards):
+                    continue
+                if "sync.shard=2" in overrides and world_size % 2:  # nodes of 2: one rank forms none
+                    continue
+                label = model if recipe == "fp32" else f"{model}, {recipe}"
+                chosen[f"{label} | {name}"] = [*RUN, *MODELS[model], *overrides, *RECIPES[recipe]]
     return chosen
 
 
@@ -142,11 +149,18 @@ def main() -> int:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: nccl, a GPU per rank")
     parser.add_argument("--ranks", help="only these world sizes, comma-separated (default 1,2,4)")
     parser.add_argument("--json", type=Path, help="also write every case's predicted and measured MiB here")
+    parser.add_argument("--recipes", help=f"only these, comma-separated (default {','.join(RECIPES)})")
+    parser.add_argument("--strategies", help="only these, comma-separated (default: every one)")
+    parser.add_argument("--models", help=f"only these, comma-separated (default {','.join(MODELS)})")
     args = parser.parse_args()
     models = QUICK["models"] if args.quick else list(MODELS)
     strategies = QUICK["strategies"] if args.quick else list(STRATEGIES)
     world_sizes = QUICK["world_sizes"] if args.quick else [1, 2, 4]
     world_sizes = [int(n) for n in args.ranks.split(",")] if args.ranks else world_sizes
+    recipes = QUICK["recipes"] if args.quick else list(RECIPES)
+    recipes = args.recipes.split(",") if args.recipes else recipes
+    strategies = [s.strip() for s in args.strategies.split(",")] if args.strategies else strategies
+    models = [m.strip() for m in args.models.split(",")] if args.models else models
     keys = [f"memory/{kind}_peak_mb" for kind in MEMORY_KINDS] + ["memory/peak_mb"]
     names = [kind.replace("_", " ") for kind in MEMORY_KINDS] + ["total"]
     on = "nccl, total: the CUDA allocator's peak" if args.device == "cuda" else "gloo"
@@ -155,7 +169,9 @@ def main() -> int:
     print("|---|---|---|" + "---|" * len(names))
     everything, worst, over = [], 0.0, []
     for world_size in world_sizes:
-        chosen = cases(world_size, models, strategies)
+        chosen = cases(world_size, models, strategies, recipes)
+        if not chosen:
+            continue
         with tempfile.TemporaryDirectory() as tmp:
             spawned = (world_size, str(Path(tmp) / "store"), tmp, chosen, args.device)
             mp.spawn(rank_main, args=spawned, nprocs=world_size)

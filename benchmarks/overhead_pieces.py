@@ -68,6 +68,13 @@ def measure(framework: Framework, number: int) -> list[tuple[str, float]]:
     def launch() -> None:  # the communication object around a collective, unsampled (the collective a no-op)
         comm._launch("all_reduce", tensor, 0, None, _no_collective, tensor)
 
+    def sixteen_bits() -> None:  # trainer.param_dtype's calls on the step, with fp32 parameters: nothing to do
+        masters = trainer.sync.masters
+        masters.take_grads()
+        masters.refresh()
+        masters.zero_grad()
+        comm._wire(tensor)  # once per reduction
+
     def hooks() -> None:
         with trainer.step_boundary:
             faults.maybe_fire(fault, 0, trainer.step, 0, trainer.model)
@@ -107,6 +114,7 @@ def measure(framework: Framework, number: int) -> list[tuple[str, float]]:
         ("SIGTERM boundary + fault hooks", host_us(hooks, device, number)),
         ("between-step checks (nothing due)", host_us(between_steps, device, number)),
         ("sync.after_step (no tuner)", host_us(trainer.sync.after_step, device, number)),
+        ("16-bit parameters' calls (fp32 here: none to copy)", host_us(sixteen_bits, device, number)),
     ]
     sampled_us, row_us = sampled_and_row_us(max(1, number // every // 10))
     pieces.append((f"the sampled step's observing, per step (1 in {every})", sampled_us / every))
@@ -118,7 +126,7 @@ def _no_collective(*args: object, **kwargs: object) -> None:
     """Stands in for a torch collective: what is left is the communication object's own work."""
 
 
-UNSAMPLED = 7  # the first pieces: what an unsampled step pays
+UNSAMPLED = 8  # the first pieces: what an unsampled step pays
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -45,7 +45,13 @@ from trainer.sync.network import Network  # noqa: E402
 from trainer.sync.zero import zero_sync  # noqa: E402
 
 WIDTH, LAYERS, BATCH, STEPS, WARMUP = 512, 8, 64, 12, 3
-SHARED = {"bucket_cap_mb": 1.0, "find_unused_parameters": False, "wrap": "module", "reshard_after_forward": True}
+SHARED = {
+    "bucket_cap_mb": 1.0,
+    "num_buckets_staged": 2,
+    "find_unused_parameters": False,
+    "wrap": "module",
+    "reshard_after_forward": True,
+}
 VARIANTS = {  # sync=zero's own builder, as the config calls it
     "zero stage 2": {**SHARED, "stage": 2, "prefetch": 1},
     "zero stage 1": {**SHARED, "stage": 1, "prefetch": 1},

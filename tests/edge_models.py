@@ -2,9 +2,10 @@
 
 Tied: an nn.ModuleList of blocks between an embedding and a head that share one weight (a GPT's
 shape). Reused: a layer applied twice under checkpointing, and once more outside it. Branchy: a
-branch that some ranks (or none) use. Each case trains 3 AdamW steps (weight decay 0.1) on 2 gloo
-ranks x 4 samples; the reference trains one process on the same 8 samples, its loss the mean of
-the ranks' losses (what averaging the ranks' gradients computes).
+branch that some ranks (or none) use. Gated: the branch inside a block that every rank runs. Each
+case trains 3 AdamW steps (weight decay 0.1) on 2 gloo ranks x 4 samples; the reference trains one
+process on the same 8 samples, its loss the mean of the ranks' losses (what averaging the ranks'
+gradients computes).
 """
 
 from __future__ import annotations
@@ -83,6 +84,42 @@ class Branchy(nn.Module):
         return self.out(h)
 
 
+class GatedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.main = nn.Linear(DIM, DIM)
+        self.branch = nn.Linear(DIM, DIM)
+        self.use_branch = True
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(self.main(h))
+        return y + self.branch(h) if self.use_branch else y
+
+
+class Gated(nn.Module):
+    """Four blocks (zero stage 3's units under wrap=block) that every rank runs; block `gated` is
+    gated: a rank that does not use the branch leaves out the block's branch layer (some of the
+    block's parameters get a gradient), or with `discard` drops the whole block's output (none does).
+    Two blocks before it: backward gathers one while reducing the next (prefetch 1)."""
+
+    def __init__(self, discard: bool = False, gated: int = 2) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(6, DIM)
+        self.blocks = nn.ModuleList(GatedBlock() for _ in range(4))
+        self.out = nn.Linear(DIM, 3)
+        self.discard, self.gated = discard, gated
+        self.use_branch = False  # set per rank by the case
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.trunk(x))
+        for i, block in enumerate(self.blocks):
+            gated = i == self.gated and not self.use_branch
+            block.use_branch = not gated or self.discard
+            y = block(h)
+            h = h if gated and self.discard else h + y
+        return self.out(h)
+
+
 class Frozen(nn.Module):
     """A frozen layer run twice without grad inside the training forward (a teacher's features)."""
 
@@ -104,6 +141,9 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "branchy": Branchy,
     "branchy-mixed": Branchy,
     "branchy-last": partial(Branchy, last=True),
+    "gated": Gated,
+    "gated-discard": partial(Gated, discard=True),
+    "gated-first-discard": partial(Gated, discard=True, gated=0),  # the last unit backward reaches
     "frozen": Frozen,  # a dtype boundary: the branch is float32 in a float64 model
 }
 
@@ -160,7 +200,7 @@ def reference(case: Case, ranks: tuple[int, ...] = (0, 1)) -> dict[str, torch.Te
     for step in range(case.steps):
         losses = []
         for rank in ranks:
-            if isinstance(model, Branchy):
+            if isinstance(model, (Branchy, Gated)):
                 model.use_branch = case.uses_branch(rank, step)
             x, y = batch(case.model, step, rank)
             losses.append(F.cross_entropy(model(x), y))
@@ -180,7 +220,7 @@ def train(rank: int, case: Case, alone: bool = False) -> dict[str, Any]:
         module = sync.wrap(model)
         optimizer = sync.build_optimizer(model, partial(optimizer_for, kind=case.optimizer))
         for step in range(case.steps):
-            if isinstance(model, Branchy):
+            if isinstance(model, (Branchy, Gated)):
                 model.use_branch = case.uses_branch(rank, step)
             x, y = batch(case.model, step, rank)
             F.cross_entropy(module(x), y).backward()

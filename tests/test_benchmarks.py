@@ -218,6 +218,7 @@ def test_overhead_pieces_section(tmp_path: Path) -> None:
         "SIGTERM boundary + fault hooks",
         "between-step checks (nothing due)",
         "sync.after_step (no tuner)",
+        "16-bit parameters' calls (fp32 here: none to copy)",
         "an unsampled step",
         "the sampled step's observing, per step (1 in 10)",
         "a logged row, per step (1 in 10)",

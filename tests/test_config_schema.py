@@ -351,8 +351,8 @@ def test_the_sync_schemas_choices_are_the_strategies_own() -> None:
     from trainer.sync.ddp import DDPSync
     from trainer.sync.ddp_hooks import CommHook
     from trainer.sync.flat import Collective
-    from trainer.sync.fsdp import MIXED_PRECISION, FSDPSync
-    from trainer.sync.fsdp_units import MixedPrecision, Wrap
+    from trainer.sync.fsdp import FSDPSync
+    from trainer.sync.fsdp_units import Wrap
     from trainer.sync.manual import ManualSync
 
     def choices(cls: type, name: str) -> tuple[object, ...]:
@@ -360,5 +360,4 @@ def test_the_sync_schemas_choices_are_the_strategies_own() -> None:
 
     assert choices(ManualSync, "collective") == choices(BucketedSync, "collective") == typing.get_args(Collective)
     assert choices(DDPSync, "comm_hook") == typing.get_args(CommHook)
-    assert choices(FSDPSync, "mixed_precision") == tuple(MIXED_PRECISION) == typing.get_args(MixedPrecision)
     assert choices(FSDPSync, "wrap") == typing.get_args(Wrap)

@@ -1,7 +1,8 @@
 """The equivalence promise at its edges, on 2 real gloo ranks against one process in float64:
 tied weights under every strategy, a layer reused under reentrant checkpointing, a parameter unused
-on every rank or on one, every grouping of manual, zero after a plain optimizer.zero_grad(), and the
-timed collective's future. One launch serves every case (torch start-up is the cost)."""
+on every rank or on one (zero stage 3: also inside a unit every rank runs, or a unit whose output
+one rank drops), every grouping of manual, zero after a plain optimizer.zero_grad(), and the timed
+collective's future. One launch serves every case (torch start-up is the cost)."""
 
 from __future__ import annotations
 
@@ -147,6 +148,25 @@ CASES |= _schedules({k: v for k, v in FUP.items() if k not in SHARDED_FUP}, EVER
 CASES |= _schedules(SHARDED_FUP, EVERY, ("sgd",))
 CASES |= _schedules(SHARDED_FUP, ("some-later", "some-first"), ("adamw",))
 CASES |= _schedules({"zero3-unit": partial(ZERO3, wrap="module", **FIND)}, ("all-later", "all-first"), ("sgd",))
+# zero stage 3 reduces each unit as its backward ends, from step 1 on, find_unused_parameters too. The
+# gated block is a unit every rank runs: without the branch a rank reduces it on the gradients that
+# came; with its output dropped (discarded) none comes, and its turn is taken where backward reaches
+# the next unit, so that the ranks' collectives pair up. The first block is the last unit backward
+# reaches: dropped there, its turn comes after backward, before any control collective.
+GATED = {
+    "zero3-gated": (partial(ZERO3, wrap="block", **FIND), "gated"),
+    "zero3-discarded": (partial(ZERO3, wrap="block", **FIND), "gated-discard"),
+    "zero3-first-discarded": (partial(ZERO3, wrap="block", **FIND), "gated-first-discard"),
+    "zero3-native-first-discarded": (partial(NATIVE_ZERO3, wrap="block", prefetch=0, **FIND), "gated-first-discard"),
+}
+CASES |= {f"unused-one-{n}": Case(m, s, branch_ranks=(1,)) for n, (s, m) in GATED.items()}
+CASES |= {f"unused-all-{n}": Case(m, s) for n, (s, m) in GATED.items()}
+CASES |= {
+    f"sometimes-{sched}-{n}-{o}": Case(m, s, (0, 1), branch_steps=SCHEDULES[sched], optimizer=o, steps=4)
+    for n, (s, m) in GATED.items()
+    for sched, optimizers in (("some-later", OPTIMIZERS), ("some-first", OPTIMIZERS), ("all-later", ("sgd",)))
+    for o in optimizers
+}
 FSDP_EVERY_FORWARD = {
     "fsdp-fup": partial(FSDP, **FIND),  # the branch is a unit (Branchy has no ModuleList)
     "fsdp-root-fup": partial(FSDP, wrap="block", **FIND),  # every parameter in the root unit
@@ -180,6 +200,20 @@ REFUSED = {
     "unused-all-zero3-noflag": (Case("branchy", partial(ZERO3, wrap="block")), "'branch.weight'"),
     # the shared layer is a unit run under reentrant checkpoints: its backward reruns it unannounced
     "reused-zero3": (Case("reused", ZERO3), "zero unit shared"),
+    # a unit every rank runs, its branch left out or its output dropped on one rank: reduced during
+    # backward where it got its gradients, refused after it on every rank alike
+    "unused-one-zero3-gated-noflag": (
+        Case("gated", partial(ZERO3, wrap="block"), branch_ranks=(1,)),
+        "'blocks.2.branch.weight' (used on 1 of 2 ranks)",
+    ),
+    "unused-one-zero3-discarded-noflag": (
+        Case("gated-discard", partial(ZERO3, wrap="block"), branch_ranks=(1,)),
+        "'blocks.2.main.weight' (used on 1 of 2 ranks)",
+    ),
+    "unused-one-zero3-first-discarded-noflag-no-prefetch": (
+        Case("gated-first-discard", partial(ZERO3, wrap="block", prefetch=0), branch_ranks=(0,)),
+        "'blocks.0.main.weight' (used on 1 of 2 ranks)",
+    ),
     "unused-all-hierarchical-noflag": (Case("branchy", HIERARCHICAL), "'branch.weight'"),
     "reused-hsdp": (Case("reused", partial(HSDP, shard=2)), "'shared.weight'"),  # fsdp's refusal
 }

@@ -32,6 +32,10 @@ CASES = {
     "zero-sgd": ["sync=zero", "optim=sgd"],
     "zero3-adamw-fused": ["sync=zero", "sync.stage=3", "optim=adamw", "optim.fused=true"],
     "fsdp-adamw-fused": ["sync=fsdp", "optim=adamw", "optim.fused=true"],
+    # 16-bit parameters and gradients (trainer.param_dtype=fp16): the shards are the fp32 master copy's
+    "zero-fp16-params": ["sync=zero", "optim=adamw", "optim.fused=true", "trainer.param_dtype=fp16"],
+    "zero3-fp16-params": ["sync=zero", "sync.stage=3", "optim=sgd", "trainer.param_dtype=fp16"],
+    "fsdp-fp16-params": ["sync=fsdp", "optim=adamw", "optim.fused=true", "trainer.param_dtype=fp16"],
 }
 
 

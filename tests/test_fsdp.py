@@ -262,14 +262,13 @@ def test_counted_communication_is_what_fsdp_sent(
 
 
 def test_bad_values_are_refused_with_the_key() -> None:
-    with pytest.raises(ConfigError, match=r"sync\.mixed_precision='fp8' is invalid: accepted: none, bf16"):
-        check_overrides(["sync=fsdp", "sync.mixed_precision=fp8"])
+    # FSDP2's policy is trainer.param_dtype's now (every strategy's), and runs on the CPU too
+    with pytest.raises(ConfigError, match=r"mixed_precision' is not a config key\. It moved: trainer\.param_dtype"):
+        check_overrides(["sync=fsdp", "sync.mixed_precision=bf16"])
     with pytest.raises(ConfigError, match=r"sync\.reshard_after_forward=sometimes is invalid"):
         check_overrides(["sync=fsdp", "sync.reshard_after_forward=sometimes"])  # train.py's check of its command line
-    cfg = compose_config(["sync=fsdp", "sync.mixed_precision=bf16"])
-    parts = build_parts(cfg)
-    with pytest.raises(ConfigError, match=r"sync\.mixed_precision=bf16 cannot run on cpu.*trainer\.device=cuda"):
-        check_device(parts, torch.device("cpu"))
+    cfg = compose_config(["sync=fsdp", "trainer.param_dtype=bf16"])
+    check_device(build_parts(cfg), torch.device("cpu"))
     with pytest.raises(ConfigError, match=r"sync\.wrap='layer' is invalid: accepted: auto.*block.*module"):
         check_overrides(["sync=fsdp", "sync.wrap=layer"])
 

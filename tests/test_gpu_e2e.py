@@ -136,11 +136,16 @@ def test_resume_on_cuda_is_bit_identical(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "overrides",
-    [["sync=zero", "optim=adamw"], ["sync=fsdp"], ["sync=fsdp", "sync.mixed_precision=bf16"]],
-    ids=["zero", "fsdp", "fsdp-bf16"],
+    [
+        ["sync=zero", "optim=adamw"],
+        ["sync=fsdp"],
+        ["sync=fsdp", "trainer.param_dtype=bf16"],
+        ["sync=zero", "optim=adamw", "trainer.param_dtype=bf16"],
+    ],
+    ids=["zero", "fsdp", "fsdp-bf16", "zero-bf16"],
 )
 def test_sharded_strategies_on_nccl(tmp_path: Path, overrides: list[str]) -> None:
-    """zero and fsdp (bf16 mixed precision: CUDA only) on every visible GPU up to 2: they train, the
+    """zero and fsdp (with 16-bit parameters too) on every visible GPU up to 2: they train, the
     optimizer state is reported, and last.pt holds the full plain model (the checkpoint contract)."""
     nproc = min(gpu_count(), 2)
     run_dir, summary = train_on_cuda(tmp_path, nproc, *overrides, "trainer.checkpoint_every_n_steps=10")

@@ -1,4 +1,4 @@
-"""An unsampled step reads nothing on the host: every strategy, fp32 and fp16, the clip on and off.
+"""An unsampled step reads nothing on the host: every strategy, fp32, fp16 and 16-bit parameters, the clip on and off.
 
 trainer/tools/host_syncs.py counts every host read (item, tolist, bool/float/int of a tensor,
 cpu(), numpy(), a device tensor's to("cpu")) and every CUDA synchronisation in the steps the
@@ -34,7 +34,8 @@ STRATEGIES = {
     "hierarchical": ["sync=hierarchical", "sync.shard=2"],  # one node of 2: every collective of its three
     "hsdp": ["sync=hsdp"],  # 2 nodes of 1: each unit's shard all-reduced through FSDP2's hook
 }
-PRECISIONS = {"fp32": [], "fp16": ["trainer.precision=fp16"]}
+# fp16-params: 16-bit parameters with fp32 master copies, an fp32 reduction (a cast copy per bucket)
+PRECISIONS = {"fp32": [], "fp16": ["trainer.precision=fp16"], "fp16-params": ["trainer.param_dtype=fp16"]}
 CLIPS = {"noclip": [], "clip": ["trainer.max_grad_norm=1.0"]}
 COMMON = ["optim=adamw", "optim.fused=true", "model.hidden_sizes=[32,32]"]
 CASES = {
@@ -42,6 +43,7 @@ CASES = {
     for s, so in STRATEGIES.items()
     for p, po in PRECISIONS.items()
     for c, co in CLIPS.items()
+    if p != "fp16-params" or c == "clip"  # 16-bit parameters: the path with every piece (scaler, norm, clip)
 }
 
 

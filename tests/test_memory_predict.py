@@ -39,6 +39,21 @@ from trainer.sync.none import NoSync
 from trainer.sync.zero import zero_sync
 from trainer.tools import memory as tool
 
+# The ZeRO paper's figure 1 (README, docs/memory.md): 7.46 B parameters, 16-bit, reduced in 16 bits as the paper's.
+FIGURE_1 = [
+    "model=gpt",
+    "data=text",
+    "data.tokenizer=bpe",
+    "data.vocab_size=50257",
+    "model.n_layer=36",
+    "model.n_head=32",
+    "model.n_embd=4096",
+    "model.block_size=1024",
+    "data.batch_size=1",
+    "optim=adamw",
+    "trainer.param_dtype=bf16",
+    "trainer.reduce_dtype=bf16",
+]
 GPT2_SMALL = [
     "model=gpt",
     "data=text",
@@ -155,28 +170,29 @@ BY_HAND = {
     ),
     # The flat parameter buffer (padded) and the shard; stage 1: the gradient the same way.
     "zero stage 1": (
-        functools.partial(zero_sync, 1, 25.0, False, "auto", 1, True),
+        functools.partial(zero_sync, 1, 25.0, 2, False, "auto", 1, True),
         {1: table(304, 304, 152, 0), 2: table(228, 228, 76, 0), 4: table(200, 200, 40, 0)},
     ),
-    # Stage 2: the gradient's shard, and the full buckets staged until after backward.
+    # Stage 2: the gradient's shard, and num_buckets_staged (2) buckets staged at once: here one bucket.
     "zero stage 2": (
-        functools.partial(zero_sync, 2, 25.0, False, "auto", 1, True),
+        functools.partial(zero_sync, 2, 25.0, 2, False, "auto", 1, True),
         {1: table(304, 152, 152, 152), 2: table(228, 76, 76, 152), 4: table(200, 40, 40, 160)},
     ),
     # Stage 3: units net.1 (20 elements) and net.3 (18; padded to 20 at 4), the root empty. Gradients:
-    # the shard and every unit's full ones (step 1 reduces after backward); comm: two units gathered
-    # (prefetch 1) and one's bucket.
+    # the shard and one unit's full ones (net.1's 80 bytes: each unit is reduced as its backward ends,
+    # from step 1 on); comm: two units gathered (prefetch 1) and one's bucket.
     "zero stage 3": (
-        functools.partial(zero_sync, 3, 25.0, False, "auto", 1, True),
-        {1: table(152, 304, 152, 232), 2: table(76, 228, 76, 232), 4: table(40, 192, 40, 240)},
+        functools.partial(zero_sync, 3, 25.0, 2, False, "auto", 1, True),
+        {1: table(152, 232, 152, 232), 2: table(76, 156, 76, 232), 4: table(40, 120, 40, 240)},
     ),
     # FSDP2 pads dim 0 per parameter: at 2, w1 (5,3) -> 18, b1 6, w2 (3,5) -> 20, b2 4 (48); at 4:
     # 24, 8, 20, 4 (56). Gradients: backward reduces net.3 first, then net.1 (its flattened gradients,
-    # 24 elements at 2, 32 at 4) beside net.3's shard (12 elements, 6); comm: two units in backward.
-    # One rank: the units still copied whole in their turn, nothing reduced (the gradient is the shard).
+    # 24 elements at 2, 32 at 4, and the shard their sum lands in, 12 and 8) beside net.3's shard (12
+    # elements, 6); comm: two units in backward. One rank: the units still copied whole in their turn,
+    # nothing reduced (the gradient is the shard).
     "fsdp": (
         functools.partial(from_yaml, "fsdp"),
-        {1: REPLICA | {"comm_buffers": 152}, 2: table(96, 144, 96, 192), 4: table(56, 152, 56, 224)},
+        {1: REPLICA | {"comm_buffers": 152}, 2: table(96, 192, 96, 192), 4: table(56, 184, 56, 224)},
     ),
 }
 
@@ -190,12 +206,61 @@ def test_each_strategy_keeps_what_was_worked_out_by_hand(name: str, n: int) -> N
 
 def test_zero3_without_resharding_keeps_every_unit() -> None:
     """reshard_after_forward=false: both units stay gathered from forward to backward (+ one bucket)."""
-    assert kinds(zero_sync(3, 25.0, False, "auto", 1, False), 4)["comm_buffers"] == 80 + 80 + 80
+    assert kinds(zero_sync(3, 25.0, 2, False, "auto", 1, False), 4)["comm_buffers"] == 80 + 80 + 80
+
+
+@pytest.mark.parametrize("find_unused", [False, True])
+def test_zero3_holds_one_units_gradients_unless_accumulating(find_unused: bool) -> None:
+    """Each unit is reduced as its backward ends, from step 1 on and with find_unused_parameters: at 4
+    ranks the shard (40 bytes) and net.1's 20 full gradients (80), never both units' (152); while
+    micro-batches accumulate, every unit's full gradients beside the shard."""
+    strategy = zero_sync(3, 25.0, 2, find_unused, "auto", 1, True)
+    assert kinds(strategy, 4) == table(40, 40 + 80, 40, 240)
+    assert kinds(strategy, 4, accumulating=True) == table(40, 40 + 152, 40, 240)
+
+
+# A bucket per tensor (bucket_cap_mb 1 byte), last layer first: b2 3, w2 15, b1 5, w1 15 elements,
+# padded to 4, 16, 6, 16 at 2 ranks (bytes 16, 64, 24, 64) and 4, 16, 8, 16 at 4 (16, 64, 32, 64).
+PER_TENSOR = 1 / 2**20
+
+
+@pytest.mark.parametrize(
+    ("num_buckets_staged", "n", "comm"),
+    [
+        (1, 2, 64),  # the largest bucket
+        (2, 2, 24 + 64),  # b1's and w1's, the most two consecutive buckets hold
+        (3, 2, 64 + 24 + 64),
+        (4, 2, 16 + 64 + 24 + 64),  # every bucket
+        (9, 2, 16 + 64 + 24 + 64),
+        (2, 4, 32 + 64),
+    ],
+)
+def test_zero_stage_2_stages_its_consecutive_buckets_at_once(num_buckets_staged: int, n: int, comm: int) -> None:
+    """Stage 2 frees a bucket once its reduction lands: at most num_buckets_staged consecutive ones."""
+    strategy = zero_sync(2, PER_TENSOR, num_buckets_staged, False, "auto", 1, True)
+    assert kinds(strategy, n)["comm_buffers"] == comm
+    assert kinds(strategy, n, accumulating=True)["comm_buffers"] == comm  # the last micro-batch's hooks stage them
+
+
+def test_zero_stage_2_stages_a_later_groups_buckets_until_their_turn() -> None:
+    """optim.weight_decay_on=matrices: the weights' buckets (w2, w1: 64 bytes each at 2 ranks) come
+    first, num_buckets_staged at once; the biases' (b2 16, b1 24), whose gradients arrive among the
+    weights' but whose turn is after them, all staged until then."""
+    model = small_mlp()
+    plan = Plan(model, 2, DecayGroups(torch.optim.SGD, "matrices").groups(model.parameters()), False)
+    for k, weights in ((1, 64), (2, 64 + 64)):
+        footprint = zero_sync(2, PER_TENSOR, k, False, "auto", 1, True).footprint(plan)
+        assert held_peaks(footprint)["comm_buffers"] == weights + 16 + 24
+
+
+def test_zero_stage_2_with_find_unused_parameters_stages_every_bucket() -> None:
+    """find_unused_parameters=true starts every bucket after backward: all of them staged at once."""
+    assert kinds(zero_sync(2, PER_TENSOR, 1, True, "auto", 1, True), 2)["comm_buffers"] == 16 + 64 + 24 + 64
 
 
 def test_accumulating_keeps_the_full_gradients() -> None:
     """Under no_sync the full .grad accumulate: zero stage 2 holds them beside its shard, fsdp every unit's."""
-    assert kinds(zero_sync(2, 25.0, False, "auto", 1, True), 4, accumulating=True)["gradients"] == 40 + 152
+    assert kinds(zero_sync(2, 25.0, 2, False, "auto", 1, True), 4, accumulating=True)["gradients"] == 40 + 152
     assert kinds(from_yaml("fsdp"), 4, accumulating=True)["gradients"] == 56 + 152
 
 
@@ -221,10 +286,10 @@ def test_gpt2_small_sharded_terms() -> None:
     plan = Plan(model, 64, DecayGroups(torch.optim.AdamW).groups(model.parameters()), False)
     psi = sum(p.numel() for p in model.parameters())
     assert psi == 124_439_808
-    for strategy in (zero_sync(3, 25.0, False, "auto", 1, True), from_yaml("fsdp")):
+    for strategy in (zero_sync(3, 25.0, 2, False, "auto", 1, True), from_yaml("fsdp")):
         parameters = held_peaks(strategy.footprint(plan))["parameters"]
         assert 4 * psi / 64 <= parameters <= 1.001 * 4 * psi / 64
-    parameters = held_peaks(zero_sync(2, 25.0, False, "auto", 1, True).footprint(plan))["parameters"]
+    parameters = held_peaks(zero_sync(2, 25.0, 2, False, "auto", 1, True).footprint(plan))["parameters"]
     assert parameters == pytest.approx(4 * psi * (1 + 1 / 64), rel=1e-4)
 
 
@@ -411,6 +476,41 @@ def test_gpt2_small_at_64_ranks_for_every_strategy_in_seconds(capsys: pytest.Cap
     assert rows["fsdp"]["optimizer_state"] == pytest.approx(2 * psi4 / 64, rel=1e-2)
     per_sample = report["activations"]["per_sample_bytes"]
     assert 500 * 2**20 < per_sample < 1000 * 2**20  # fp32, 1024 tokens, flash attention: no T x T scores
+    # ZeRO by the paper (issue 72): stage 2's peak with its buffers is its fp32 term (4 + 4 + 8 bytes, the
+    # gradients and optimizer state divided), its num_buckets_staged buckets (the embedding's, 150 MiB, and a
+    # 25 MiB one) and the optimizer's own shard of the parameters beside the full buffer (4 bytes / 64);
+    # stage 3's is at most fsdp's.
+    states = {
+        name: sum(kinds[k] for k in ("parameters", "gradients", "optimizer_state")) for name, kinds in rows.items()
+    }
+    term = zero_model_states(124_439_808, 64, 2, 4, 4, 8)
+    assert rows["zero"]["comm_buffers"] < 170 * 2**20  # two buckets, not the whole 475 MiB gradient
+    assert states["zero"] + rows["zero"]["comm_buffers"] <= term + rows["zero"]["comm_buffers"] + psi4 / 64 + 2**20
+    with_buffers = {name: states[name] + rows[name]["comm_buffers"] for name in rows}
+    assert with_buffers["zero stage=3"] <= with_buffers["fsdp"]
+    assert states["zero stage=3"] < 200 * 2**20  # the shard, the optimizer's, and one unit's gradients (the root's)
+
+
+def test_zero_paper_figure_1_from_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's command: a 7.46 B-parameter gpt (36 blocks of 4096) with 16-bit parameters and AdamW at
+    64 ranks, the ZeRO stages as this lab runs them: the model states of the paper's figure 1 (120, 31.4,
+    16.6, 1.9 GB for 7.5 B), each within 5 %, and what is kept beyond them apart."""
+    code, out, err = run_tool([*FIGURE_1, "--ranks", "64", "--ladder", "--json"], capsys)
+    assert code == 0, err
+    report = json.loads(out)
+    rows = report["strategies"]
+    assert [row["strategy"] for row in rows] == ["ddp", "zero stage=1", "zero stage=2", "zero stage=3"]
+    for row, figure in zip(rows, (120.0, 31.4, 16.6, 1.9), strict=True):
+        assert row["model_states_bytes"] / 1e9 == pytest.approx(figure, rel=0.05), row
+        paper = zero_model_states(report["model"]["parameters"], 64, rows.index(row), 2, 2, 12)
+        assert row["paper_model_states_bytes"] == pytest.approx(paper)
+    # What the terms leave out is shown apart: ddp's fp32 copy of every 16-bit gradient (4 bytes each),
+    # stage 3's units gathered in 16 bits and the root's full gradient before its reduce-scatter.
+    psi = report["model"]["parameters"]
+    assert rows[0]["gradients_beyond_bytes"] == pytest.approx(4 * psi, rel=1e-3)
+    assert rows[3]["gradients_beyond_bytes"] > 0 and rows[3]["bytes"]["comm_buffers"] > 0
+    code, out, err = run_tool([*FIGURE_1, "--ranks", "64", "--ladder"], capsys)  # the table: GB, a row per stage
+    assert code == 0 and "paper's terms" in out and "2 + 2 + 12 bytes each" in out, out
 
 
 def test_gpt2_small_uses_no_memory_to_speak_of() -> None:

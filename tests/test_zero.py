@@ -35,6 +35,7 @@ from tests.train_helpers import (
 from trainer.errors import ConfigError
 from trainer.loop.metrics import optimizer_state_mb
 from trainer.reliability.checkpoint import load_checkpoint
+from trainer.scaling.memory import window
 from trainer.setup.build import build_parts
 from trainer.setup.precheck import check_overrides
 from trainer.sync.zero import ZeroSync
@@ -57,6 +58,7 @@ TINY = "sync.bucket_cap_mb=0.001"
 TINY_GRADS = [10, 310, 31, 992, 32, 1024]
 TINY_BUCKETS = [10, 310, 32, 992, 32, 1024]  # padded to a multiple of 2
 S1 = "sync.stage=1"
+EVERY_STEP = "trainer.log_every_n_steps=1"  # every step sampled, the first included
 
 CASES = {
     "sgd": [*ZERO, "optim=sgd"],
@@ -66,6 +68,12 @@ CASES = {
     "tiny-sgd": [*ZERO, "optim=sgd", TINY],
     "tiny-adamw": [*ZERO, "optim=adamw", TINY],
     "tiny-adamw-accum": [*ACCUM, "optim=adamw", TINY],
+    # Stage 2 with 1 and 2 buckets alive at once (the one filling and those being reduced).
+    "tiny-k1-adamw": [*ZERO, "optim=adamw", TINY, "sync.num_buckets_staged=1", EVERY_STEP],
+    "tiny-k2-sgd": [*ZERO, "optim=sgd", TINY, "sync.num_buckets_staged=2", EVERY_STEP],
+    # Two optimizer groups: the weights' 3 buckets (310 | 992 | 1024), then the biases' one (10 + 31 +
+    # 32 elements, padded to 74), whose gradients arrive among the weights'.
+    "tiny-k2-matrices-adamw": [*ZERO, "optim=adamw", TINY, "optim.weight_decay_on=matrices", EVERY_STEP],
     "s1-sgd": [*ZERO, "optim=sgd", S1],
     "s1-adamw": [*ZERO, "optim=adamw", S1],
     "s1-adamw-accum": [*ACCUM, "optim=adamw", S1],
@@ -94,6 +102,11 @@ def _train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> di
         "checkpoint": load_checkpoint(Path(run_dir) / "checkpoints" / "last.pt")["optimizer"],
         "describe": trainer.sync.describe(),
         "row": trainer._rows.rows[-1],  # the last row: the run's last steps are sampled
+        "comm_buffers_peaks": {  # per sampled step, the observer's memory/comm_buffers_peak_mb
+            row["observer/sampled_step"]: row["memory/comm_buffers_peak_mb"]
+            for row in trainer._rows.rows
+            if "memory/comm_buffers_peak_mb" in row
+        },
     }
 
 
@@ -268,6 +281,7 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, torc
     """One process on the doubled batch, per optimizer: the references (one spawn for both)."""
     root = tmp_path_factory.mktemp("single")
     refs = {optim: ["sync=none", "data.batch_size=16", f"optim={optim}"] for optim in ("sgd", "adamw")}
+    refs["adamw-matrices"] = [*refs["adamw"], "optim.weight_decay_on=matrices"]
     (results,) = run_on_ranks(train_each, 1, root / "rank", _train, refs, str(root / "runs"))
     return {optim: case_results([results], optim)[0]["params"] for optim in refs}
 
@@ -277,14 +291,15 @@ def test_two_ranks_equal_one_process_with_twice_the_batch(
     ranks: list[dict[str, Any]], single: dict[str, dict[str, torch.Tensor]], case: str
 ) -> None:
     rank0, rank1 = _cases(ranks, case)
-    reference = single["adamw" if "adamw" in case else "sgd"]
+    reference = single["adamw-matrices" if "matrices" in case else "adamw" if "adamw" in case else "sgd"]
     assert_same_model([rank0["params"], rank1["params"]], reference)
     assert max_abs_diff(rank0["params"], initial_params()) > 1e-3, "nothing was trained"
     info = rank0["describe"]
     assert info["strategy"] == "zero" and info["world_size"] == 2 and info["numel"] == NUMEL
     assert info["stage"] == (1 if case.startswith("s1") else 2)
     assert info["padded_numel"] == NUMEL + 1 and info["shard_numel"] == (NUMEL + 1) // 2
-    assert info["bucket_sizes_bytes"] == [4 * n for n in (TINY_GRADS if "tiny" in case else [NUMEL])]
+    grads = [310, 992, 1024, 10 + 31 + 32] if "matrices" in case else TINY_GRADS if "tiny" in case else [NUMEL]
+    assert info["bucket_sizes_bytes"] == [4 * n for n in grads]
 
 
 @pytest.mark.parametrize("case", ["adamw", "tiny-adamw", "s1-adamw", "s1-tiny-sgd"])
@@ -302,6 +317,28 @@ def test_gradient_memory_is_the_shard_under_stage_2(ranks: list[dict[str, Any]],
             largest = max(TINY_BUCKETS if "tiny" in case else [NUMEL + 1]) * 4
             buffers = rank["row"]["memory/comm_buffers_peak_mb"] * 2**20
             assert largest <= buffers <= padded  # at least one full bucket, at most all
+
+
+@pytest.mark.parametrize(
+    ("case", "k", "buckets", "out_of_turn"),
+    [
+        ("tiny-k1-adamw", 1, TINY_BUCKETS, 0),
+        ("tiny-k2-sgd", 2, TINY_BUCKETS, 0),
+        ("tiny-k2-matrices-adamw", 2, [310, 992, 1024], 74),
+    ],
+)
+def test_stage_2_holds_at_most_its_staged_buckets_in_backward(
+    ranks: list[dict[str, Any]], case: str, k: int, buckets: list[int], out_of_turn: int
+) -> None:
+    """Each bucket is freed once its reduction has landed in the shard, during backward, from step 1
+    on: the observer's comm_buffers peak of every step is the most k consecutive buckets hold (the
+    predictor's window), not the whole gradient (2400 elements); a second optimizer group's bucket,
+    whose turn comes after the first group's, stays staged beside them."""
+    held = window([4 * n for n in buckets], k) + 4 * out_of_turn
+    for rank in _cases(ranks, case):
+        peaks = rank["comm_buffers_peaks"]
+        assert 1 in peaks and len(peaks) >= 4, peaks
+        assert {step: mb * 2**20 for step, mb in peaks.items()} == dict.fromkeys(peaks, held)
 
 
 def initial_params() -> dict[str, torch.Tensor]:
@@ -377,10 +414,12 @@ def test_strategy_mechanism(ranks: list[dict[str, Any]], mechanism: str) -> None
         assert rank["memory"]["memory/gradients_mb"] * 2**20 == 4 * (12 if stage == 2 else 12 + 24)
         assert "got no gradient on this rank" in rank["refused"] and "'0.weight'" in rank["refused"], rank["refused"]
         assert "sync.find_unused_parameters=true" in rank["refused"]
-    # Step 1 learns the hook counts: every bucket starts after backward. Then, all during backward;
-    # in step 3 no first layer got a gradient: its buckets (the last two) wait for after_backward.
+    # Stage 2 starts every bucket during backward from step 1 (taking one gradient per parameter);
+    # stage 1 learns the hook counts first, so its step 1 starts them after backward. In step 3 no
+    # first layer got a gradient: its buckets (the last two) wait for after_backward.
     for rank in (rank0, rank1):
-        assert rank["launched"] == [0, len(buckets), len(buckets) - 2 if len(buckets) > 1 else 0]
+        first = len(buckets) if stage == 2 else 0
+        assert rank["launched"] == [first, len(buckets), len(buckets) - 2 if len(buckets) > 1 else 0]
 
 
 def test_the_trainer_waits_for_the_gathers_before_it_reads_the_parameters(ranks: list[dict[str, Any]]) -> None:

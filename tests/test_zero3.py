@@ -1,8 +1,9 @@
 """sync=zero sync.stage=3 (trainer/sync/zero3.py) on real gloo ranks: the MLP trains what one process
 trains (sgd, adamw, accumulation, prefetch 0 and 2, parameters kept after forward), the ranks'
-gathered parameters are bit-identical, each rank holds ZeRO-3's share of memory, the collectives
-counted are the ones its units need, resume is bit-identical from both checkpoint formats, and what
-it cannot run is refused. The GPT recipe and its tied head (test_recipe.py, test_gpt_equivalence.py),
+gathered parameters are bit-identical, each rank holds ZeRO-3's share of memory (from step 1 on:
+each unit's gradients are reduced as its backward ends, during backward), the collectives counted
+are the ones its units need, resume is bit-identical from both checkpoint formats, and what it
+cannot run is refused. The GPT recipe and its tied head (test_recipe.py, test_gpt_equivalence.py),
 resume at another world size (test_world_change.py), unused and reused layers (test_edges.py) and
 the timeline (test_timeline.py) run it beside the other strategies."""
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +19,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from models.mlp import MLP
 from tests.compose import compose_config
 from tests.dist_helpers import run_on_ranks
+from tests.sync_helpers import class_from_yaml
 from tests.test_zero import COMMON, NUMEL, initial_params
 from tests.text_helpers import tiny_gpt, write_corpus
 from tests.train_helpers import (
@@ -32,6 +36,8 @@ from tests.train_helpers import (
 )
 from trainer.errors import ConfigError
 from trainer.setup.build import build_parts, check_device
+from trainer.sync.comm import Comm
+from trainer.sync.zero3 import Zero3Sync
 
 S3 = ["sync=zero", "sync.stage=3", "data.batch_size=8"]
 ACCUM = ["sync=zero", "sync.stage=3", "data.batch_size=4", "trainer.grad_accum_steps=2"]
@@ -51,6 +57,8 @@ CASES = {
 # parameters' elements, each bucket padded to a multiple of 2.
 UNITS = [32 * 32 + 32, 32 * 31 + 31 + 1, 31 * 10 + 10]
 SHARD_BYTES = 4 * sum(UNITS) // 2
+# Five units (32 -> 64 -> 64 -> 64 -> 64 -> 10), every step sampled: step 1's gradient memory.
+DEEP = [*S3, "optim=adamw", "sync.wrap=module", "model.hidden_sizes=[64,64,64,64]", "trainer.log_every_n_steps=1"]
 
 
 def _common(overrides: list[str]) -> list[str]:
@@ -103,7 +111,12 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     # The tied-head GPT (its embedding and head one parameter under two names, in the root unit),
     # resumed from a sharded checkpoint: each name written and read as this rank's range.
     gpt = tiny_gpt(write_corpus(root / "corpus.txt", 1150), root / "tokens")
-    cases = {**CASES, "resume-gpt-sharded": [*gpt, *CASES["resume-sharded"], "model.activation_checkpointing=true"]}
+    cases = {
+        **CASES,
+        "resume-gpt-sharded": [*gpt, *CASES["resume-sharded"], "model.activation_checkpointing=true"],
+        "deep": [*DEEP, "trainer.max_steps=2"],
+        "deep-unused": [*DEEP, "trainer.max_steps=2", "sync.find_unused_parameters=true"],
+    }
     return run_on_ranks(train_each, 2, root / "ranks", _case, cases, str(root / "runs"), timeout_s=600)
 
 
@@ -160,15 +173,83 @@ def test_gathered_parameters_are_the_units_in_use(ranks: list[dict[str, Any]], c
     for rank in case_results(ranks, case):
         for row in rank["rows"]:
             # The parameters are the shard; the gathered units are communication buffers (docs/metrics.md),
-            # with, from step 2 on, a unit's bucket while it is reduced (step 1 reduces after backward).
+            # with a unit's bucket while it is reduced (from step 1 on: each unit as its backward ends).
             assert row["memory/parameters_peak_mb"] * 2**20 == SHARD_BYTES, case
-            gathered, first = sum(largest[:units]), row is rank["rows"][0]
+            gathered = sum(largest[:units])
             buffers = row["memory/comm_buffers_peak_mb"] * 2**20
-            assert buffers == gathered if first else gathered <= buffers <= gathered + largest[0], (case, buffers)
-            # gradients: a unit's full ones until reduced; in the first row, step 1's, which reduces
-            # after backward, every gradient at once
+            assert gathered <= buffers <= gathered + largest[0], (case, buffers)
+            # gradients: a unit's full ones until reduced, in the first row (step 1's) as in the others
             grads = row["memory/gradients_peak_mb"] * 2**20 - SHARD_BYTES
-            assert largest[-1] <= grads <= (4 * NUMEL if first else largest[0]), (case, grads)
+            assert largest[-1] <= grads <= largest[0], (case, grads)
+
+
+@pytest.mark.parametrize("case", ["deep", "deep-unused"])
+def test_step_1_holds_one_units_gradients_not_every_units(ranks: list[dict[str, Any]], case: str) -> None:
+    """Each unit's gradients are reduced and dropped as its backward ends, from the first step on (and
+    with find_unused_parameters): step 1's gradient peak is the shard and one 64 x 64 layer's full
+    gradients, under a third of the whole gradient, as in step 2."""
+    for rank in case_results(ranks, case):
+        info = rank["describe"]
+        assert info["num_units"] == 6  # five Linear layers and the (empty) root
+        whole, shard = sum(info["unit_bytes"]), 4 * info["shard_numel"]
+        assert [row["observer/sampled_step"] for row in rank["rows"]] == [1, 2]
+        for row in rank["rows"]:
+            grads = row["memory/gradients_peak_mb"] * 2**20 - shard
+            assert grads == 4 * (64 * 64 + 64) < whole / 3, (case, row["observer/sampled_step"], grads, whole)
+
+
+class _Phases(Comm):
+    """The communication object, noting the phase of the step in which each gradient reduction starts
+    (on gloo an all_reduce; control collectives are launched apart, by agree())."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase = "forward"
+        self.reductions: list[str] = []
+
+    def all_reduce(self, tensor: torch.Tensor, bucket: int | str | None = None, group: Any = None) -> dist.Work:
+        self.reductions.append(self.phase)
+        return super().all_reduce(tensor, bucket, group)
+
+
+def _reduction_phases(rank: int, world_size: int) -> dict[str, list[list[str]]]:
+    """Two steps by hand of a four-unit mlp (wrap=module): per setting, per step, the phase in which
+    each unit's reduction started."""
+    phases = {}
+    settings: dict[str, dict[str, Any]] = {
+        "default": {},
+        "no-prefetch": {"prefetch": 0},
+        "find-unused": {"find_unused_parameters": True},
+    }
+    for name, keys in settings.items():
+        torch.manual_seed(0)
+        model = MLP([16, 16, 16], (8,), 4)
+        sync = class_from_yaml(Zero3Sync, "zero", wrap="module", **keys)
+        sync.comm = comm = _Phases()
+        sync.wrap(model)
+        optimizer = sync.build_optimizer(model, partial(torch.optim.SGD, lr=0.1))
+        steps = []
+        for step in range(2):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+            comm.phase = "forward"
+            loss = model(x).square().mean()
+            comm.phase = "backward"
+            loss.backward()
+            comm.phase = "after_backward"
+            sync.after_backward(model)
+            sync.optimizer_step(optimizer)
+            steps.append(comm.reductions)
+            comm.reductions = []
+        phases[name] = steps
+    return phases
+
+
+def test_units_are_reduced_during_backward_from_step_1(tmp_path: Path) -> None:
+    """Step 1 too (it learns backward's order in its forward): each unit's reduction starts during
+    backward, as that unit's backward ends; none is left for after_backward (the root holds nothing)."""
+    for rank in run_on_ranks(_reduction_phases, 2, tmp_path / "ranks", timeout_s=300):
+        for name, steps in rank.items():
+            assert steps == [["backward"] * 4] * 2, (name, steps)
 
 
 def test_counted_collectives_are_each_units_gathers_and_reduction(ranks: list[dict[str, Any]]) -> None:

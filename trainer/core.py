@@ -89,6 +89,14 @@ class TrainSettings:
     ]
     max_grad_norm: Annotated[float | None, Field(gt=0, description="clip the averaged gradient's L2 norm; null: off")]
     device: Literal["auto", "cpu", "cuda"]
+    # param_dtype before precision, whose default follows it: a bad value is refused under the key typed
+    param_dtype: Annotated[
+        Literal["fp32", "bf16", "fp16"],
+        Field(description="the parameters forward and backward read, and their gradients; 16-bit: an fp32 master copy"),
+    ]
+    reduce_dtype: Annotated[
+        Literal["fp32", "bf16", "fp16"], Field(description="the gradients' reduction on the wire: fp32 or param_dtype")
+    ]
     precision: Annotated[
         Literal["fp32", "bf16", "fp16"], Field(description="bf16 and fp16 autocast; fp16 with a gradient scaler")
     ]

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
 from torch import nn
 
 Kind = Literal["parameters", "gradients", "comm_buffers"]  # the predictor sizes optimizer state and activations
@@ -28,12 +29,16 @@ Kind = Literal["parameters", "gradients", "comm_buffers"]  # the predictor sizes
 @dataclass(frozen=True)
 class Held:
     """Buffers of one kind: each piece's bytes, at most `at_once` consecutive pieces alive together
-    (0: all of them), alive in the moments `during` (none named: the whole step)."""
+    (0: all of them), alive in the moments `during` (none named: the whole step). `beyond`:
+    gradients the ZeRO paper's model states do not count: the fp32 copy of a 16-bit gradient that
+    the optimizer reads (torch's optimizers step an fp32 parameter with a gradient of its dtype), a
+    unit's full gradients before they are reduced to this rank's shard."""
 
     kind: Kind
     sizes: tuple[int, ...]
     at_once: int = 0
     during: tuple[str, ...] = ()
+    beyond: bool = False
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,8 @@ class Plan:
     world_size: int
     groups: list[tuple[list[nn.Parameter], bool]]
     accumulating: bool
+    param_dtype: torch.dtype = torch.float32  # trainer.param_dtype (the model's parameters are in it)
+    reduce_dtype: torch.dtype = torch.float32  # trainer.reduce_dtype
 
     @property
     def trainable(self) -> list[nn.Parameter]:
@@ -77,6 +84,21 @@ def whole(kind: Kind, tensors: Iterable[nn.Parameter], *during: str) -> Held:
 
 def replicated(plan: Plan, *held: Held) -> Footprint:
     """A replica: every parameter whole, the optimizer over every trainable one, and `held` beyond
-    that (by default each trainable parameter's .grad)."""
+    that (by default each trainable parameter's .grad); 16-bit parameters: their fp32 copies, stepped,
+    and from the sync to the optimizer step's end the copies' fp32 gradients (trainer/sync/master.py)."""
     held = held or (whole("gradients", plan.trainable),)
-    return Footprint((whole("parameters", plan.model.parameters()), *held), tuple(p.numel() for p in plan.trainable))
+    copies: tuple[Held, ...] = ()
+    if plan.param_dtype != torch.float32:
+        fp32 = tuple(p.numel() * torch.float32.itemsize for p in plan.trainable)
+        copies = (Held("parameters", fp32), Held("gradients", fp32, 0, ("after",), beyond=True))
+    parameters = whole("parameters", plan.model.parameters())
+    return Footprint((parameters, *held, *copies), tuple(p.numel() for p in plan.trainable))
+
+
+def wire(plan: Plan, sizes: Iterable[int], at_once: int = 0, during: tuple[str, ...] = ()) -> tuple[Held, ...]:
+    """The copies the communication object sends 16-bit gradient buckets of these sizes in, where
+    trainer.reduce_dtype is wider (trainer/sync/comm.py): communication buffers while in flight."""
+    if plan.param_dtype == torch.float32 or plan.reduce_dtype == plan.param_dtype:
+        return ()
+    scale = plan.reduce_dtype.itemsize // plan.param_dtype.itemsize
+    return (Held("comm_buffers", tuple(n * scale for n in sizes), at_once, during),)

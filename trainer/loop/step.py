@@ -108,6 +108,7 @@ class StepRunner:
                 (loss if self.scaler is None else self.scaler.scale(loss)).backward()
                 observer.mark("backward")
         sync.after_backward(self.train_model)
+        sync.masters.take_grads()  # 16-bit parameters: the optimizer's fp32 copies take the averages
         observer.mark("sync")
         self.optimize(step, sampled)
         observer.mark("optimizer")

@@ -58,6 +58,7 @@ from trainer.reliability.guards import NonFiniteCheck, check_replicas
 from trainer.reliability.save_cost import SaveCost
 from trainer.reliability.sharded import InFlight, checkpoint_group
 from trainer.sync.base import SyncStrategy
+from trainer.sync.master import DTYPES, cast_parameters
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,9 @@ class Trainer:
         self.settings = settings
         self.ctx = ctx
         self.model = model.to(ctx.device)  # unwrapped: evaluation and checkpoints use it
+        # trainer.param_dtype=bf16|fp16: the strategy wraps, buckets and reduces 16-bit parameters and
+        # gradients; the optimizer steps fp32 copies (trainer/sync/master.py)
+        cast_parameters(self.model, DTYPES[settings.param_dtype])
         self.sync = sync
         if settings.compile:  # in place, before the strategy wraps it: state_dict keys stay the model's
             compile_model(self.model)
@@ -123,7 +127,7 @@ class Trainer:
         # The one instrument, which the builder gave the strategy's communication object: it watches
         # the sampled step (trainer/observer.py), memory included.
         self.observer = sync.comm.observer
-        self.observer.probe = MemoryProbe(self.model, self.optimizer, self.sync.held, self.sync.gathers_parameters)
+        self.observer.probe = MemoryProbe(self.model, self.optimizer, self._held, self.sync.gathers_parameters)
         self.observer.watch_group = sync.torch_collectives  # the process group's hooks: only where they see something
         self.observer.last_step = self.total_steps
         self._window = Window(ctx.device)
@@ -153,6 +157,11 @@ class Trainer:
         # checkpoint_async: the save in flight, its collectives on a gloo group of their own (every rank makes it)
         timeout = dt.timedelta(seconds=settings.collective_timeout_s)
         self._saves = InFlight(checkpoint_group(timeout)) if settings.checkpoint_async else None
+
+    def _held(self) -> dict[str, int]:
+        """What the strategy and its communication object hold beyond the model's and optimizer's tensors."""
+        held, wire = self.sync.held(), self.sync.comm.held()
+        return held if not wire else {k: held.get(k, 0) + wire.get(k, 0) for k in held.keys() | wire.keys()}
 
     def resume_from_checkpoint(self) -> None:
         """trainer.resume: continue from a checkpoint if there is one (every rank, a collective)."""

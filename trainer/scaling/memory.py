@@ -141,16 +141,25 @@ def count_activations(build: Callable[[], nn.Module], sample: Sample, precision:
 
 @dataclass(frozen=True)
 class Prediction:
-    """One strategy's peak bytes per rank, by kind, at `ranks` ranks and per-rank micro-batch `batch`."""
+    """One strategy's peak bytes per rank, by kind, at `ranks` ranks and per-rank micro-batch `batch`.
+    `beyond`: how much of the gradients' peak the ZeRO paper's terms leave out (footprint.Held.beyond:
+    fp32 copies of 16-bit gradients, units' full gradients before their reduction)."""
 
     label: str
     ranks: int
     batch: int
     kinds: dict[str, int]
+    beyond: int = 0
 
     @property
     def total(self) -> int:
         return sum(self.kinds.values())
+
+    @property
+    def model_states(self) -> int:
+        """The ZeRO paper's model states as this strategy holds them: parameters, gradients (their
+        beyond the paper's terms left out) and optimizer state, each at its peak."""
+        return self.kinds["parameters"] + self.kinds["gradients"] - self.beyond + self.kinds["optimizer_state"]
 
 
 def predict(
@@ -160,7 +169,9 @@ def predict(
         "optimizer_state": state.nbytes(footprint.stepped),
         "activations": activations.at(batch),
     }
-    return Prediction(label, ranks, batch, {kind: kinds[kind] for kind in MEMORY_KINDS})
+    within = held_peaks(Footprint(tuple(h for h in footprint.held if not h.beyond), footprint.stepped))
+    beyond = kinds["gradients"] - within["gradients"]
+    return Prediction(label, ranks, batch, {kind: kinds[kind] for kind in MEMORY_KINDS}, beyond)
 
 
 def largest_batch(prediction: Prediction, activations: Activations, device_bytes: int) -> int | None:

@@ -32,6 +32,7 @@ from trainer.observer import Observer
 from trainer.setup.validate import check_group, check_pairing, per_rank_batch
 from trainer.sync.base import DecayGroups, SyncStrategy
 from trainer.sync.comm import Comm
+from trainer.sync.master import DTYPES
 from trainer.sync.network import EmulatedLink
 
 log = logging.getLogger(__name__)
@@ -263,7 +264,9 @@ def build_trainer(
     observer = (ProfiledObserver if parts.settings.profile else Observer)(
         ctx.device, parts.settings.sample_every_n_steps, emulated=parts.link is not None
     )
-    parts.sync.comm = Comm(parts.link, observer)
+    # trainer.reduce_dtype: a gradient reduction in another dtype than its buffer's runs on a copy
+    reduce_dtype = DTYPES[parts.settings.reduce_dtype] if parts.settings.param_dtype != "fp32" else None
+    parts.sync.comm = Comm(parts.link, observer, reduce_dtype)
     trainer = Trainer(
         settings=parts.settings,
         ctx=ctx,

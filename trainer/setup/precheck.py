@@ -131,6 +131,13 @@ def _in_defaults(group: str) -> bool:
     return group in _compose([], hydra_cfg=True).hydra.runtime.choices
 
 
+# Keys that moved: where the reader finds what the old key did.
+MOVED = {
+    "sync.mixed_precision": "trainer.param_dtype=bf16 (16-bit parameters with an fp32 master copy, FSDP2's "
+    "MixedPrecisionPolicy under fsdp and hsdp) and trainer.reduce_dtype",
+}
+
+
 def unknown_key_message(key: str, cfg: DictConfig | None) -> str | None:
     """ "'trainer.max_step' is not a config key. Did you mean trainer.max_steps? Keys under 'trainer': ...", or None.
 
@@ -143,6 +150,8 @@ def unknown_key_message(key: str, cfg: DictConfig | None) -> str | None:
     accepted = sorted(str(k) for k in parent if not str(k).startswith("_"))
     close = difflib.get_close_matches(leaf, accepted, n=1)
     hint = f" Did you mean {parent_key}.{close[0]}?" if close else ""
+    if key in MOVED:
+        hint = f" It moved: {MOVED[key]}."
     listed = ", ".join(accepted) if accepted else "(none)"
     return f"'{key}' is not a config key.{hint} Keys under '{parent_key}': {listed}."
 

@@ -281,8 +281,16 @@ def check_rules(cfg: DictConfig) -> None:
             "needs trainer.checkpoint_format=sharded (DCP's async save writes a part per rank; "
             f"trainer.checkpoint_format={get('trainer.checkpoint_format')} writes one file from rank 0)",
         )
+    check_recipe(get("trainer.precision"), get("trainer.param_dtype"), get("trainer.reduce_dtype"))
     hook = get("sync.comm_hook")  # sync=ddp's
     if hook is not None and hook != "none":
+        check(
+            get("trainer.param_dtype") == "fp32",
+            "sync.comm_hook",
+            hook,
+            f"with trainer.param_dtype={get('trainer.param_dtype')} the reduction's dtype is trainer.reduce_dtype's; "
+            "torch's hooks pick their own: use comm_hook=none, or trainer.param_dtype=fp32",
+        )
         check(
             not get("sync.time_buckets"),
             "sync.comm_hook",
@@ -305,6 +313,33 @@ def check_rules(cfg: DictConfig) -> None:
             True,
             f"needs optim.momentum > 0 and optim.dampening=0 (have {momentum} and {dampening})",
         )
+
+
+def check_recipe(precision: str | None, param_dtype: str | None, reduce_dtype: str | None) -> None:
+    """16-bit parameters compute in their own dtype (autocast of it, the scaler with fp16), and their
+    gradients are reduced in fp32 or in those 16 bits: a third dtype would be another recipe."""
+    if param_dtype is None or param_dtype == "fp32":
+        check(
+            reduce_dtype in (None, "fp32"),
+            "trainer.reduce_dtype",
+            reduce_dtype,
+            "with trainer.param_dtype=fp32 the gradients are fp32: accepted: fp32 (a 16-bit reduction comes with "
+            "trainer.param_dtype=bf16 or fp16)",
+        )
+        return
+    check(
+        precision == param_dtype,
+        "trainer.precision",
+        precision,
+        f"with trainer.param_dtype={param_dtype} the forward computes in {param_dtype}: accepted: {param_dtype} "
+        "(its default follows trainer.param_dtype)",
+    )
+    check(
+        reduce_dtype in ("fp32", param_dtype),
+        "trainer.reduce_dtype",
+        reduce_dtype,
+        f"accepted: fp32, {param_dtype} (trainer.param_dtype's)",
+    )
 
 
 def per_rank_batch(global_batch: int, world_size: int, grad_accum_steps: int) -> int:

@@ -33,6 +33,7 @@ from trainer.core import TrainSettings
 from trainer.footprint import Footprint, Plan, replicated
 from trainer.sync.autotune import CapTuner
 from trainer.sync.comm import Comm
+from trainer.sync.master import Masters
 from trainer.sync.sharded_state import Read, load_state_parts, state_parts
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
@@ -98,6 +99,9 @@ class SyncStrategy(ABC):
 
     def __init__(self) -> None:
         self.comm = Comm()  # the builder gives it the link and the observer before wrap()
+        # 16-bit parameters (trainer.param_dtype): the fp32 copies build_optimizer() has the optimizer
+        # step, for a strategy whose optimizer steps the model's parameters (trainer/sync/master.py)
+        self.masters = Masters()
 
     @abstractmethod
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -116,8 +120,9 @@ class SyncStrategy(ABC):
         before any process group exists, by precheck (the launcher, every rank) and by the builder."""
 
     def build_optimizer(self, model: nn.Module, factory: OptimizerFactory) -> Optimizer:
-        """The optimizer over what this rank updates, after wrap(): by default every parameter."""
-        return factory(model.parameters())
+        """The optimizer over what this rank updates, after wrap(): by default every parameter (a
+        16-bit one's fp32 copy)."""
+        return factory(self.masters.stepped(model.parameters()))
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
         """Context for micro-batches whose gradients must only accumulate locally."""
@@ -127,8 +132,10 @@ class SyncStrategy(ABC):
         """Runs after the last micro-batch's backward, before optimizer.step()."""
 
     def optimizer_step(self, optimizer: Optimizer) -> None:
-        """The optimizer step on the averaged gradients (ZeRO then gathers the updated shards)."""
+        """The optimizer step on the averaged gradients (ZeRO then gathers the updated shards; 16-bit
+        parameters are rounded from their stepped fp32 copies)."""
         optimizer.step()
+        self.masters.refresh()
 
     def wait_for_parameters(self) -> None:
         """Wait for whatever this strategy still writes into the parameters (zero's gathers after
@@ -185,28 +192,29 @@ class SyncStrategy(ABC):
     def full_model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The whole model's state_dict on every rank: a sharded tensor (fsdp's DTensor) gathered, so
         every rank must call it. For comparing models (tests, tools), not for checkpoints."""
-        state = model.state_dict()
+        state = self.masters.model_state(model)  # 16-bit parameters: their fp32 copies
         return {name: t.full_tensor() if hasattr(t, "full_tensor") else t for name, t in state.items()}
 
     def state_dicts(self, model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
         """(model state, optimizer state) of the full unsharded model, for a checkpoint.
 
         Every rank calls it (a sharded strategy gathers); only global rank 0's result is written,
-        so other ranks may return empty dicts.
+        so other ranks may return empty dicts. 16-bit parameters: their fp32 copies' values.
         """
-        return model.state_dict(), optimizer.state_dict()
+        return self.masters.model_state(model), optimizer.state_dict()
 
     def load_state_dicts(
         self, model: nn.Module, optimizer: Optimizer, model_state: dict[str, Any], optimizer_state: dict[str, Any]
     ) -> None:
         """Load what state_dicts returned (every rank holds the full dicts, read from the file)."""
         model.load_state_dict(model_state)
+        self.masters.load_model_state(model, model_state)
         optimizer.load_state_dict(optimizer_state)
 
     def sharded_state(self, model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """This rank's part of a sharded checkpoint (flat keys: model/<name>, optim/<name>/<key>; a
         shard where ranks hold parts), and the param groups by name. Every rank calls it."""
-        return state_parts(model, optimizer)
+        return state_parts(model, optimizer, self.masters)
 
     def load_sharded_state(
         self,
@@ -218,7 +226,7 @@ class SyncStrategy(ABC):
     ) -> None:
         """Load this rank's part of a sharded checkpoint, at any world size: lay out what this rank
         holds from `saved` (the checkpoint's metadata by flat key), `read` fills it (a collective)."""
-        load_state_parts(model, optimizer, saved, read, groups)
+        load_state_parts(model, optimizer, saved, read, groups, self.masters)
 
     def zero_grad(self, optimizer: Optimizer) -> None:
         """After optimizer.step(): clear the gradients for the next step.
@@ -227,6 +235,7 @@ class SyncStrategy(ABC):
         so that autograd keeps accumulating into them (set_to_none would drop the views).
         """
         optimizer.zero_grad(set_to_none=True)
+        self.masters.zero_grad()
 
     def rebuild(self, cap_mb: float) -> None:
         """Remake the buckets with this cap (bucket_cap_mb=auto's tuner calls it between steps)."""

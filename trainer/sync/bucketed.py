@@ -38,7 +38,7 @@ from torch.utils.hooks import RemovableHandle
 
 from trainer.comm_schedule import Buckets, Hop, Schedule
 from trainer.errors import ConfigError
-from trainer.footprint import Footprint, Plan, replicated
+from trainer.footprint import Footprint, Plan
 from trainer.sync.autotune import CandidatesMb, CapMb, CapTuner, StepsPerTrial, WarmupSteps
 from trainer.sync.base import SyncStrategy
 from trainer.sync.buckets import InOrder
@@ -216,8 +216,8 @@ class BucketedSync(SyncStrategy):
     def footprint(self, plan: Plan) -> Footprint:
         """Its buckets (bucket_cap_mb=auto: the largest candidate's), padded, and their shards."""
         cap_mb = max(self.auto_candidates_mb) if self.bucket_cap_mb == "auto" else float(self.bucket_cap_mb)
-        groups = group_by_size(reversed(plan.trainable), int(cap_mb * 2**20))
-        return replicated(plan, *FlatGrads.footprint(list(groups), plan.world_size, self.collective == "rs_ag"))
+        groups = list(group_by_size(reversed(plan.trainable), int(cap_mb * 2**20)))
+        return FlatGrads.replica(plan, groups, plan.world_size, self.collective == "rs_ag")  # all in flight at once
 
     def held(self) -> dict[str, int]:
         return self._flat.held() if self._flat is not None else {}

@@ -11,6 +11,12 @@ the rest, so that nothing of it sits between the algorithm's lines:
   earlier than the link would have finished it, charged by the ranks of the group it runs on.
 On any other step a collective is the torch.distributed call and nothing else.
 
+It also sends every gradient reduction (all_reduce, reduce_scatter) in trainer.reduce_dtype
+(`reduce_dtype`): where a strategy's buffer is in another dtype (16-bit gradients reduced in fp32,
+or an fp32 shard receiving a 16-bit reduce_scatter), the collective runs on a copy in that dtype,
+and the result lands in the strategy's buffer when the Work is waited for (`held()`: the copies
+alive). Gathers and broadcasts move parameters and keep their dtype; agreements are control.
+
 Collectives are launched asynchronously (SUM for reductions) and return a Work to wait for.
 Control collectives (`agree`, `agree_from`: a few bytes that keep the ranks in step) are waited
 for at once and reported apart from the data the strategy moves.
@@ -81,8 +87,12 @@ class Comm:
     """torch.distributed's collectives for one strategy: launched, and reported, named and emulated
     where asked. `bucket` names a collective in a trace: a bucket's index, or a label (`fsdp unit blocks.2`)."""
 
-    def __init__(self, link: Link | None = None, observer: Observer | None = None) -> None:
+    def __init__(
+        self, link: Link | None = None, observer: Observer | None = None, reduce_dtype: torch.dtype | None = None
+    ) -> None:
         self.link = link  # network=<preset>
+        self.reduce_dtype = reduce_dtype  # trainer.reduce_dtype; None: each buffer's own
+        self._wire_bytes = 0  # the copies in reduce_dtype in flight
         # A strategy built alone (a test) gets an observer that samples nothing; the builder gives the run's.
         self.observer = observer or Observer(torch.device("cpu"))
         self.recording = False  # the profiler records: each launch is named in its trace
@@ -91,7 +101,9 @@ class Comm:
     # The collectives a strategy averages and gathers with.
 
     def all_reduce(self, tensor: torch.Tensor, bucket: int | str | None = None, group: Any = None) -> dist.Work:
-        return self._launch("all_reduce", tensor, bucket, group, dist.all_reduce, tensor, op=dist.ReduceOp.SUM)
+        wire = self._wire(tensor)
+        work = self._launch("all_reduce", wire, bucket, group, dist.all_reduce, wire, op=dist.ReduceOp.SUM)
+        return work if wire is tensor else self._landing(work, tensor, wire)
 
     def reduce_scatter(
         self,
@@ -102,7 +114,13 @@ class Comm:
         group: Any = None,
     ) -> dist.Work:
         """This rank's 1/N of the sum of `full` (a padded buffer) into `shard`."""
-        return self._launch("reduce_scatter", full, bucket, group, reduce_scatter_tensor, shard, full, op=op)
+        wire = self._wire(full)
+        out = shard
+        if shard.dtype != wire.dtype:  # e.g. an fp32 gradient shard receiving a 16-bit reduce_scatter
+            out = shard.new_empty(shard.shape, dtype=wire.dtype)
+            self._wire_bytes += out.numel() * out.element_size()
+        work = self._launch("reduce_scatter", wire, bucket, group, reduce_scatter_tensor, out, wire, op=op)
+        return work if out is shard and wire is full else self._landing(work, shard, out, wire)
 
     def all_gather(
         self, full: torch.Tensor, shard: torch.Tensor, bucket: int | str | None = None, group: Any = None
@@ -114,6 +132,26 @@ class Comm:
         self, tensor: torch.Tensor, src: int, bucket: int | str | None = None, group: Any = None
     ) -> dist.Work:
         return self._launch("broadcast", tensor, bucket, group, dist.broadcast, tensor, src=src)
+
+    def _wire(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What a reduction sends: `tensor`, or a copy of it in reduce_dtype (counted in held())."""
+        if self.reduce_dtype is None or tensor.dtype == self.reduce_dtype or not tensor.is_floating_point():
+            return tensor
+        self._wire_bytes += tensor.numel() * self.reduce_dtype.itemsize
+        return tensor.to(self.reduce_dtype)
+
+    def _landing(self, work: dist.Work, into: torch.Tensor, out: torch.Tensor, *keep: torch.Tensor) -> dist.Work:
+        """The Work whose wait() also copies the result `out` into the strategy's `into`."""
+        nbytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in (out, *keep) if t is not into}.values())
+        return _Landing(work, into, out, keep, lambda: self._landed(nbytes))
+
+    def _landed(self, nbytes: int) -> None:
+        self._wire_bytes -= nbytes
+
+    def held(self) -> dict[str, int]:
+        """Bytes this object holds now: the reductions' copies in reduce_dtype in flight (communication
+        buffers, for the memory probe)."""
+        return {"comm_buffers": self._wire_bytes} if self._wire_bytes else {}
 
     # Control collectives: a few bytes that keep the ranks in step, waited for at once (or where needed).
 
@@ -155,9 +193,21 @@ class Comm:
 
     def all_reduce_future(self, tensor: torch.Tensor, bucket: int | str | None = None) -> Future[torch.Tensor]:
         """all_reduce(SUM) of `tensor`, as the future of the summed tensor (a DDP hook's result)."""
+        wire = self._wire(tensor)
         if not (self.observer.sampling or self.recording or self.link is not None):
-            return dist.all_reduce(tensor, async_op=True).get_future().then(_first)
-        return self.hooked(lambda: self._all_reduce_started(tensor, bucket), bucket)
+            future = dist.all_reduce(wire, async_op=True).get_future().then(_first)
+        else:
+            future = self.hooked(lambda: self._all_reduce_started(wire, bucket), bucket)
+        if wire is tensor:
+            return future
+        nbytes = wire.numel() * wire.element_size()
+
+        def land(done: Future[Any]) -> torch.Tensor:
+            tensor.copy_(done.value())
+            self._landed(nbytes)
+            return tensor
+
+        return future.then(land)
 
     def _all_reduce_started(self, tensor: torch.Tensor, bucket: int | str | None) -> tuple[Future[Any], str, int, int]:
         nbytes = _nbytes(tensor)
@@ -225,3 +275,34 @@ class Comm:
             if link is not None:
                 work = link.delayed(work, kind, nbytes, self.recording, ranks)  # recording: its completion marked
         return work if record is None else observer.watch(work, record)
+
+
+class _Landing(dist.Work):
+    """A reduction sent in reduce_dtype: waiting for it also puts its result into the strategy's buffer."""
+
+    def __init__(
+        self,
+        work: dist.Work,
+        into: torch.Tensor,
+        out: torch.Tensor,
+        keep: tuple[torch.Tensor, ...],
+        landed: Callable[[], None],
+    ) -> None:
+        super().__init__()
+        self._work, self._into, self._out, self._keep, self._landed = work, into, out, keep, landed
+        self._done = False
+
+    def wait(self, timeout: Any = None) -> bool:
+        self._work.wait()
+        if not self._done:
+            self._done = True
+            self._into.copy_(self._out)
+            self._out, self._keep = self._into, ()  # the copies go
+            self._landed()
+        return True
+
+    def is_completed(self) -> bool:
+        return bool(self._work.is_completed())
+
+    def get_future(self) -> Future[Any]:
+        return self._work.get_future()

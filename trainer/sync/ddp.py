@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainer.comm_schedule import Buckets, Hop, Schedule
 from trainer.errors import ConfigError
-from trainer.footprint import Footprint, Plan, replicated, whole
+from trainer.footprint import Footprint, Plan, replicated, whole, wire
 from trainer.sync.autotune import CandidatesMb, CapMb, CapTuner, StepsPerTrial, WarmupSteps
 from trainer.sync.base import SyncStrategy
 from trainer.sync.ddp_hooks import AllReduceHook, CommHook, SwappableDDP, TorchHook
@@ -93,7 +93,7 @@ class DDPSync(SyncStrategy):
         self._rebuilt = False  # DDP rebuilds its buckets once: from then on its layout is fixed
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        device = next(model.parameters()).device
+        device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
         # DDP's own check of a hook's name, which refuses bf16 on any build without CUDA, never sees ours.
         if self.comm_hook == "bf16" and dist.get_backend() == "nccl" and torch.cuda.nccl.version() < (2, 10):
             raise ConfigError(
@@ -103,7 +103,9 @@ class DDPSync(SyncStrategy):
         self._module = model
         if self.comm_hook != "none":
             self._hook = TorchHook(self.comm_hook, self.comm, self.powersgd_rank, self.powersgd_start_step)
-        elif self.time_buckets or self.comm.link is not None:  # DDP's all-reduce must pass through self.comm
+        elif self.time_buckets or self.comm.link is not None or self.comm.reduce_dtype not in (None, dtype):
+            # DDP's all-reduce must pass through self.comm (timed, carried by the link, or sent in
+            # trainer.reduce_dtype: DDP's own C++ one reduces each bucket in the parameters' dtype)
             self._hook = AllReduceHook(self.comm)
         if self.bucket_cap_mb != "auto":
             return self._build(float(self.bucket_cap_mb))
@@ -160,7 +162,8 @@ class DDPSync(SyncStrategy):
         tensors) and PowerSGD's error-feedback copy of them."""
         grads = whole("comm_buffers", plan.trainable)
         copies = (not self.gradient_as_bucket_view) + (self.comm_hook == "powersgd")
-        return replicated(plan, whole("gradients", plan.trainable), *[grads] * copies)
+        sent = wire(plan, [sum(p.numel() * p.element_size() for p in plan.trainable)])  # every bucket in flight
+        return replicated(plan, whole("gradients", plan.trainable), *[grads] * copies, *sent)
 
     def held(self) -> dict[str, int]:
         """DDP's reducer keeps the gradients in buckets of its own, unless they are the .grad tensors."""

@@ -16,7 +16,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from trainer.footprint import Held
+from trainer.footprint import Footprint, Held, Plan, replicated, whole, wire
 
 Collective = Literal[
     "all_reduce", "rs_ag"
@@ -106,6 +106,26 @@ class FlatGrads:
         and each one's shard (if it has them)."""
         sizes = [padded(sum(p.numel() for p in g), world_size) * g[0].element_size() for g in groups]
         return Held("gradients", tuple(sizes)), Held("comm_buffers", tuple(n // world_size * shards for n in sizes))
+
+    @staticmethod
+    def replica(
+        plan: Plan,
+        groups: Sequence[list[nn.Parameter]],
+        world_size: int,
+        shards: bool = True,
+        alone: Sequence[nn.Parameter] = (),
+        at_once: int = 0,
+    ) -> Footprint:
+        """A replica whose gradients live in buckets of these groups (and `alone`, each reduced where
+        autograd put it), `at_once` of them reduced together (0: all): for the memory predictor. A
+        reduction sends the gradients (all_reduce), or the padded buffer into its shard
+        (reduce_scatter), copied where trainer.reduce_dtype is wider (footprint.wire)."""
+        sent = [p.numel() * p.element_size() for p in alone]
+        for group in groups:
+            numel, size = sum(p.numel() for p in group), group[0].element_size()
+            sent.append(padded(numel, world_size) * (world_size + 1) // world_size * size if shards else numel * size)
+        held = (*FlatGrads.footprint(groups, world_size, shards), whole("gradients", alone))
+        return replicated(plan, *held, *wire(plan, sent, at_once))
 
     def held(self) -> dict[str, int]:
         """The shards, for the memory probe: the buffers hold the parameters' .grad, which it sees."""

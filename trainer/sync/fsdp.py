@@ -42,13 +42,13 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from trainer.comm_schedule import Schedule, ShardedUnits
-from trainer.errors import ConfigError
 from trainer.footprint import Footprint, Held, Plan
 from trainer.sync.base import OptimizerFactory, SyncStrategy
 from trainer.sync.comm import Comm
 from trainer.sync.fsdp_state import by_index, by_name
-from trainer.sync.fsdp_units import MixedPrecision, Wrap, choose_units, resolve, unit_parameters
+from trainer.sync.fsdp_units import Wrap, choose_units, resolve, unit_parameters
 from trainer.sync.fsdp_usage import FirstForwardCheck, expected_usage
+from trainer.sync.master import SIXTEEN_BITS, cast_parameters
 from trainer.sync.sharded_state import Read
 
 # fsdp's keys, declared once (sync=hsdp takes them too).
@@ -58,18 +58,20 @@ CheckEveryForward = Annotated[
     bool, Field(description="check every training forward for units or parameters some rank leaves out")
 ]
 
-# What the parameters are all-gathered in, and the gradients reduce-scattered in.
-MIXED_PRECISION = {"none": None, "bf16": (torch.bfloat16, torch.float32)}
-
 
 class CommAllGather(AllGather):
     """FSDP2's all-gather of a unit's parameters, sent through the strategy's communication object."""
 
     def __init__(self, comm: Comm, unit: str) -> None:
         self.comm, self.unit = comm, f"fsdp unit {unit}"
+        # held(): the flat outputs, alive from the launch (a prefetched unit's, while the unit before it
+        # computes) until FSDP2 has copied them out into the unit's parameters
+        self.outputs: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
+        output = torch.empty(*size, dtype=dtype, device=device)
+        self.outputs.add(output)
+        return output
 
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
@@ -87,9 +89,10 @@ class CommReduceScatter(ReduceScatter):
     def __init__(self, comm: Comm, unit: str) -> None:
         self.comm, self.unit = comm, f"fsdp unit {unit}"
         # held(): the flat gradients reduced, alive while FSDP2 holds them (an output becomes the sharded
-        # .grad, which the probe sees), and the unit's full gradients, alive in FSDP2's hands until it returns
+        # .grad, which the probe sees), and at the launch the unit's full gradients, alive in FSDP2's hands
+        # until it returns, and the shard the sum lands in, not yet any parameter's .grad
         self.inputs: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
-        self.reducing: torch.Tensor | None = None
+        self.reducing: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)  # the unit's gradients, flattened to be reduced
@@ -103,7 +106,7 @@ class CommReduceScatter(ReduceScatter):
         async_op: bool = False,
     ) -> dist.Work | None:
         self.inputs.add(input_tensor)
-        self.reducing = input_tensor
+        self.reducing = input_tensor, output_tensor
         try:
             work = self.comm.reduce_scatter(output_tensor, input_tensor, self.unit, op=op, group=group)
         finally:
@@ -140,7 +143,6 @@ class FSDPSync(SyncStrategy):
     def __init__(
         self,
         reshard_after_forward: ReshardAfterForward,
-        mixed_precision: MixedPrecision,
         wrap: Units,
         find_unused_parameters: CheckEveryForward,
     ) -> None:
@@ -151,24 +153,16 @@ class FSDPSync(SyncStrategy):
         self.wrap_policy = wrap
         self._wrapped = ""  # what auto resolved to
         self.reshard_after_forward = reshard_after_forward
-        self.mixed_precision = mixed_precision
         self._unit_bytes: list[int] = []  # each unit's padded parameters, gathered in full
         self._fsdp_units: list[Any] = []  # the FSDPModules, the root last
         self._fsdp_params: list[Any] | None = None  # their FSDPParams, for held() (listed at its first call)
         self._reduce_scatters: list[CommReduceScatter] = []
+        self._all_gathers: list[CommAllGather] = []
         self._sharded_bytes = 0  # what one rank stores of them
         self._world_size = 1
         self._param_names: list[str] = []  # the optimizer's parameters, in its own order
         self._evaluated = False  # forwards without grad ran since the last training forward
         self._first_forward: FirstForwardCheck | None = None  # same units and parameters on every rank
-
-    def check_device(self, device: torch.device) -> None:
-        if self.mixed_precision == "bf16" and device.type != "cuda":
-            raise ConfigError(
-                f"sync.mixed_precision=bf16 cannot run on {device}: FSDP2's bf16 parameters and fp32 "
-                "gradient reduction are CUDA-only here; use trainer.device=cuda, or sync.mixed_precision=none "
-                "(trainer.precision=bf16 autocasts the compute on any device)"
-            )
 
     def wrap(self, model: nn.Module) -> nn.Module:
         # fully_shard keeps each rank's own slice of its local tensors; it does not make them equal.
@@ -176,14 +170,22 @@ class FSDPSync(SyncStrategy):
         device = next(iter([*model.parameters(), *model.buffers()]), torch.empty(0)).device
         mesh = self.device_mesh(device)
         self._world_size = mesh.size()  # the ranks that split each unit
-        dtypes = MIXED_PRECISION[self.mixed_precision]
-        policy = MixedPrecisionPolicy(*dtypes) if dtypes else MixedPrecisionPolicy()
+        # 16-bit parameters (trainer.param_dtype): FSDP2's own policy. The sharded parameters it
+        # registers are the fp32 master copy the optimizer steps (the 16-bit values, exactly); each
+        # unit is gathered in 16 bits, its gradients reduce-scattered in trainer.reduce_dtype and kept
+        # as fp32 shards.
+        compute = next(p.dtype for p in model.parameters())
+        policy = MixedPrecisionPolicy()
+        if compute in SIXTEEN_BITS:
+            cast_parameters(model, torch.float32)
+            policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=self.comm.reduce_dtype or compute)
+        gathered = compute if compute in SIXTEEN_BITS else None
         layers, rest = choose_units(model, self.wrap_policy)
         self._wrapped = resolve(model, self.wrap_policy)
         recurse = self._wrapped == "block"
         owners = {id(p): (m, n) for m in model.modules() for n, p in m.named_parameters(recurse=False)}
         units = [list(m.parameters(recurse=recurse)) for m in layers] + [rest]
-        self._unit_bytes = [b for b in unit_bytes(units, self._world_size, dtypes[0] if dtypes else None) if b]
+        self._unit_bytes = [b for b in unit_bytes(units, self._world_size, gathered) if b]
         self._sharded_bytes = sum(padded_numel(p.shape, self._world_size) * p.element_size() for u in units for p in u)
         self._sharded_bytes //= self._world_size
         usage = expected_usage(model, layers, owners, recurse)  # names, while the parameters are the plain ones
@@ -211,7 +213,8 @@ class FSDPSync(SyncStrategy):
 
     def connect(self, unit: FSDPModule, label: str) -> None:
         """Hand a unit's all-gathers and reduce-scatters to self.comm (torch's custom-collective hooks)."""
-        unit.set_custom_all_gather(CommAllGather(self.comm, label))
+        self._all_gathers.append(CommAllGather(self.comm, label))
+        unit.set_custom_all_gather(self._all_gathers[-1])
         self._reduce_scatters.append(CommReduceScatter(self.comm, label))
         unit.set_custom_reduce_scatter(self._reduce_scatters[-1])
 
@@ -305,22 +308,23 @@ class FSDPSync(SyncStrategy):
         unit's while micro-batches accumulate), the root's last. One rank: FSDP2 still copies each
         unit whole for its turn, but reduces nothing (the gradient it computes is the shard's)."""
         n = self.shards(plan.world_size)
-        compute, reduce = MIXED_PRECISION[self.mixed_precision] or (None, None)
+        compute, reduce = (plan.param_dtype, plan.reduce_dtype) if plan.param_dtype in SIXTEEN_BITS else (None, None)
         units = unit_parameters(plan.model, self.wrap_policy)
         trained = [[p for p in unit if p.requires_grad] for unit in units]
         *gathered, root = unit_bytes(units, n, compute)
         *reduced, root_reduced = unit_bytes(trained, n, reduce)
         *grads, root_grads = [sum(p.numel() * (compute or p.dtype).itemsize for p in unit) for unit in trained]
-        shard = lambda params: tuple(padded_numel(p.shape, n) // n * p.element_size() for p in params)  # noqa: E731
-        window = 1 if self.reshard_after_forward else 0
+        size = torch.float32.itemsize if compute else None  # 16-bit parameters: the shards are the fp32 copy
+        shard = lambda params: tuple(padded_numel(p.shape, n) // n * (size or p.element_size()) for p in params)  # noqa: E731
         shards = [sum(shard(unit)) for unit in trained]
         # Backward reduces the last unit first, the root (an embedding's gradients complete last) after
         # every block: a unit's full gradients, flattened for its reduce-scatter, beside the shards of
         # the units reduced before it (zero_grad(set_to_none) left none from the last step).
-        reducing = [sum(shards[u + 1 : -1]) + reduced[u] for u in range(len(reduced))]
+        # At its launch the shard its sum lands in exists too (reduced / n).
+        reducing = [sum(shards[u + 1 : -1]) + reduced[u] + reduced[u] // n for u in range(len(reduced))]
         grads_held = [
             Held("gradients", (max(reducing, default=0),), 0, ("backward",)),
-            Held("gradients", (sum(shards[:-1]) + root_reduced,), 0, ("after",)),
+            Held("gradients", (sum(shards[:-1]) + root_reduced + root_reduced // n,), 0, ("after",)),
         ]
         if plan.accumulating:  # every unit's unsharded gradients, kept from micro-batch to micro-batch
             grads_held = [Held("gradients", shard(plan.trainable)), Held("gradients", (*grads, root_grads))]
@@ -330,8 +334,8 @@ class FSDPSync(SyncStrategy):
             Held("parameters", shard(plan.model.parameters())),
             *grads_held,
             Held("comm_buffers", (root,), 0, ("forward", "backward")),
-            Held("comm_buffers", tuple(gathered), window, ("forward",)),
-            Held("comm_buffers", tuple(map(max, gathered, reduced)), 2 * window, ("backward",)),
+            Held("comm_buffers", (forward_buffers(gathered, self.reshard_after_forward),), 0, ("forward",)),
+            Held("comm_buffers", (backward_buffers(gathered, reduced, self.reshard_after_forward),), 0, ("backward",)),
             Held("comm_buffers", (root_reduced,), 0, ("after",)),
         ]
         return Footprint(tuple(held), tuple(padded_numel(p.shape, n) // n for p in plan.trainable))
@@ -340,14 +344,14 @@ class FSDPSync(SyncStrategy):
         """FSDP2's unsharded parameters of the units gathered now (and their all-gather buffers), the
         flat gradients being reduce-scattered, and the full gradients until then: outside the
         model's registered DTensors."""
-        buffers = {
-            t.untyped_storage()._cdata: t.untyped_storage().nbytes() for rs in self._reduce_scatters for t in rs.inputs
-        }
+        flat = [t for rs in self._reduce_scatters for t in rs.inputs] + [
+            t for ag in self._all_gathers for t in ag.outputs
+        ]
+        buffers = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in flat}
         # the full gradients of the unit being reduced: FSDP2 took them off .grad, but holds them until
-        # its copy into the flat input returns (counted at that input's size)
-        grads = {
-            id(rs): rs.reducing.untyped_storage().nbytes() for rs in self._reduce_scatters if rs.reducing is not None
-        }
+        # its copy into the flat input returns (counted at that input's size); and the shard its sum lands in
+        reducing = [t for rs in self._reduce_scatters if rs.reducing is not None for t in rs.reducing]
+        grads = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in reducing}
         if self._fsdp_params is None:  # listed once: looking up a unit's FSDP state costs µs per unit
             groups = [unit._get_fsdp_state()._fsdp_param_group for unit in self._fsdp_units]  # torch 2.14's FSDP2
             self._fsdp_params = [param for group in groups if group is not None for param in group.fsdp_params]
@@ -366,6 +370,42 @@ class FSDPSync(SyncStrategy):
         gradients reduce_scattered after its backward; the optimizer steps this rank's shard."""
         units = ShardedUnits(self.wrap_policy, reshard_after_forward=self.reshard_after_forward)
         return Schedule(units, optimizer_shard="world")
+
+
+# What FSDP2 (torch 2.14) holds for communication, unit by unit (`gathered`: each block's parameters
+# gathered whole, forward order; `reduced`: its gradients flattened for the reduce-scatter). An
+# all-gather's flat output is copied out into the unit's parameters, and kept until the next
+# all-gather starts (FSDP2's all_gather_state); a reduce-scatter's flat input is kept until the next
+# unit's reduce-scatter starts (reduce_scatter_max_input_buffers, 1).
+
+
+def forward_buffers(gathered: Sequence[int], reshard_after_forward: bool) -> int:
+    """The most the blocks hold at once in forward: at unit u's all-gather, its flat output and the
+    last unit's, kept (that unit resharded after its forward); reshard_after_forward=false: every unit
+    before it too, still gathered."""
+    peak = 0
+    for u in range(len(gathered)):
+        before = sum(gathered[: u - 1]) if not reshard_after_forward and u > 1 else 0
+        peak = max(peak, before + (gathered[u - 1] if u else 0) + gathered[u])
+    return peak
+
+
+def backward_buffers(gathered: Sequence[int], reduced: Sequence[int], reshard_after_forward: bool) -> int:
+    """The most the blocks hold at once in backward, which meets the last block first. While unit u
+    computes: its parameters gathered, the next unit's flat all-gather output (prefetched), and the
+    unit before's reduce-scatter input, kept. At u's reduce-scatter: u resharded, its input, the next
+    unit's gather. reshard_after_forward=false: every unit not yet reduced is still gathered from the
+    forward (the last one's flat output kept too), and nothing is gathered again."""
+    peak = 0
+    for u in reversed(range(len(gathered))):
+        kept = reduced[u + 1] if u + 1 < len(reduced) else 0
+        if reshard_after_forward:
+            ahead = gathered[u - 1] if u > 0 else 0
+            peak = max(peak, kept + gathered[u] + ahead, reduced[u] + ahead)
+        else:
+            flat = gathered[-1] if gathered else 0
+            peak = max(peak, flat + kept + sum(gathered[: u + 1]), flat + reduced[u] + sum(gathered[:u]))
+    return peak
 
 
 def local_of(tensor: torch.Tensor) -> torch.Tensor:

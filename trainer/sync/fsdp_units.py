@@ -18,7 +18,6 @@ from typing import Literal
 from torch import nn
 
 Wrap = Literal["auto", "block", "module"]  # sync.wrap
-MixedPrecision = Literal["none", "bf16"]  # sync.mixed_precision (fsdp)
 
 
 def blocks_of(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -29,7 +29,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from trainer.comm_schedule import Buckets, Hop, Schedule
-from trainer.footprint import Footprint, Plan, replicated
+from trainer.footprint import Footprint, Plan
 from trainer.sync import mesh
 from trainer.sync.base import SyncStrategy
 from trainer.sync.flat import FlatGrads, group_by_size, names_of
@@ -109,7 +109,7 @@ class HierarchicalSync(SyncStrategy):
 
     def footprint(self, plan: Plan) -> Footprint:
         """A replica's, with its buckets padded to the node's ranks and each one's shard."""
-        return replicated(plan, *FlatGrads.footprint(self._groups(plan.trainable), self.shard))
+        return FlatGrads.replica(plan, self._groups(plan.trainable), self.shard)  # every reduce_scatter, then waits
 
     def held(self) -> dict[str, int]:
         return self._flat.held() if self._flat is not None else {}

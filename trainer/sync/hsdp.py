@@ -30,7 +30,6 @@ from torch.distributed.fsdp import FSDPModule
 from trainer.comm_schedule import Hop, Schedule, ShardedUnits
 from trainer.sync import mesh
 from trainer.sync.fsdp import CheckEveryForward, FSDPSync, ReshardAfterForward, Units
-from trainer.sync.fsdp_units import MixedPrecision
 
 
 class HSDPSync(FSDPSync):
@@ -41,13 +40,12 @@ class HSDPSync(FSDPSync):
     def __init__(
         self,
         reshard_after_forward: ReshardAfterForward,
-        mixed_precision: MixedPrecision,
         wrap: Units,
         find_unused_parameters: CheckEveryForward,
         replicate: mesh.Replicate,
         shard: mesh.Shard,
     ) -> None:
-        super().__init__(reshard_after_forward, mixed_precision, wrap, find_unused_parameters)
+        super().__init__(reshard_after_forward, wrap, find_unused_parameters)
         self.replicate, self.shard = replicate, shard
         self._peers: object = None  # the ranks holding this rank's shard in the other nodes
         self._nodes = 1

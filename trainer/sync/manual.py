@@ -30,7 +30,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from trainer.comm_schedule import Buckets, Hop, Schedule
-from trainer.footprint import Footprint, Plan, replicated, whole
+from trainer.footprint import Footprint, Plan
 from trainer.sync.base import SyncStrategy
 from trainer.sync.flat import Collective, FlatGrads, group_by_size, names_of
 from trainer.sync.unused import Arrivals
@@ -102,9 +102,9 @@ class ManualSync(SyncStrategy):
             param.grad = None
 
     def footprint(self, plan: Plan) -> Footprint:
-        """Its flat buffers (padded) and their shards, and the gradients all-reduced alone."""
+        """Its flat buffers (padded) and their shards, and the gradients all-reduced alone, one at a time."""
         flat, alone = self._split(plan.trainable)
-        return replicated(plan, *FlatGrads.footprint(flat, plan.world_size, self._shards), whole("gradients", alone))
+        return FlatGrads.replica(plan, flat, plan.world_size, self._shards, alone, at_once=1)
 
     def held(self) -> dict[str, int]:
         return self._flat.held() if self._flat is not None else {}

@@ -11,11 +11,22 @@ a tensor of its own; the optimizer gets one piece of it per group. A step, in th
 1. backward: a hook per parameter puts its gradient into its bucket (zero_buckets.py: stage 1 a
    flat view, stage 2 a staging buffer, the .grad dropped). Once a bucket is complete and every
    bucket before it has started (buckets.py), `_reduce` starts its collective: stage 1 all_reduces
-   the gradients, stage 2 reduce_scatters the bucket into this rank's shard. As in `bucketed`, step 1
-   first learns how many gradients each parameter receives, so its buckets start after backward.
+   the gradients, stage 2 reduce_scatters the bucket into this rank's shard. Stage 2 keeps at most
+   `num_buckets_staged` buckets alive: before another is staged, while that many are in flight the
+   oldest lands (`_land`: waited for, `_average` leaves this rank's slice of the sum, divided by N,
+   in its shard of the gradient, and the bucket is freed), so backward never holds the whole
+   gradient; a bucket staged out of turn waits for its turn, uncounted.
+   A bucket is complete once each of its parameters has had its gradients for the backward (more
+   than one for a layer reused under reentrant checkpointing). Stage 2's step 1 counts one each and
+   learns the real counts after backward; a gradient that comes after its bucket has left goes to
+   the bucket's late buffer. Stage 1's gradients are views autograd adds into, where a late one
+   would land in a bucket on its way: its step 1 starts every bucket after backward, as `bucketed`'s.
 2. after_backward(): the buckets not started yet start now, in order (a gradient that never came
-   counts as zero); each is waited for and `_average` leaves this rank's slice of the sum, divided
-   by N, in its shard of the gradient; stage 2 then frees the bucket.
+   counts as zero), before any control collective: a rank where some gradient never came holds
+   that bucket back, where the others may have started it in backward. Then the ranks agree
+   (unused.py's rule; step 1: the counts, and every rank reduces the late buffer of each bucket
+   holding a parameter some rank got more than one gradient for, zeros where it has none, into
+   the shard), and every reduction still in flight lands.
 3. optimizer_step(): the optimizer updates this rank's shard; `_gather` starts each bucket's
    all_gather of the updated shards into every rank's parameter buffer (the first layers' bucket
    first). They are waited for just before the next forward (a pre-hook on the model), or in
@@ -31,8 +42,9 @@ Parameters without a gradient follow trainer/sync/unused.py's rule; one no rank 
 (find_unused_parameters=true) gets no update although the optimizer steps on the whole shard, so its
 slice of the shard and of the optimizer state is kept as it was (zero_state.unchanged). With
 find_unused_parameters=true no bucket starts during backward (one could wait for a gradient that
-never comes). Forward, backward and evaluation stay local. Checkpoints speak in the full model's
-terms (zero_state.py), a sharded checkpoint in per-parameter ranges (zero_checkpoint.py).
+never comes), so stage 2 stages every bucket until after backward. Forward, backward and
+evaluation stay local. Checkpoints speak in the full model's terms (zero_state.py), a sharded
+checkpoint in per-parameter ranges (zero_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -49,12 +61,13 @@ from torch import nn
 from torch.optim import Optimizer
 
 from trainer.comm_schedule import Buckets, Hop, Schedule
-from trainer.footprint import Footprint, Held, Plan, nbytes, whole
+from trainer.footprint import Footprint, Held, Plan, nbytes, whole, wire
 from trainer.sync import zero_checkpoint
 from trainer.sync.base import DecayGroups, OptimizerFactory, SyncStrategy
 from trainer.sync.buckets import InOrder
 from trainer.sync.flat import group_by_size, names_of
 from trainer.sync.fsdp_units import Wrap
+from trainer.sync.master import master_dtype
 from trainer.sync.sharded_state import Read
 from trainer.sync.unused import Arrivals, fewest_and_most
 from trainer.sync.zero3 import Zero3Sync
@@ -65,7 +78,9 @@ from trainer.sync.zero_state import (
     Skipped,
     check_one_kind,
     check_optimizer,
+    gather_full_model,
     gather_full_state,
+    shard_of_full_model,
     shard_of_full_state,
     unchanged,
 )
@@ -83,9 +98,12 @@ class ZeroSync(SyncStrategy):
     keeps_replicas_equal = True  # the all_gather leaves every rank the same full parameters
     grads_sharded = True  # the optimizer reads this rank's shard of the averaged gradient
 
-    def __init__(self, stage: Literal[1, 2], bucket_cap_mb: float, find_unused_parameters: bool) -> None:
+    def __init__(
+        self, stage: Literal[1, 2], bucket_cap_mb: float, num_buckets_staged: int, find_unused_parameters: bool
+    ) -> None:
         super().__init__()
         self.stage, self.bucket_cap_mb = stage, float(bucket_cap_mb)
+        self.num_buckets_staged = num_buckets_staged
         self.find_unused_parameters = find_unused_parameters
         self.layout: Layout | None = None
         self.flat: torch.Tensor | None = None  # the flat parameter buffer: every parameter a view of it
@@ -99,8 +117,9 @@ class ZeroSync(SyncStrategy):
         self._names: list[str] = []
         self._calls: list[int] = []  # per parameter, the gradients it received in this backward
         self._expected: list[int] | None = None  # learned in step 1
-        self._order: InOrder | None = None
+        self._order = InOrder([])  # which buckets may start (laid out in build_optimizer)
         self._works: list[dist.Work] = []  # this step's bucket reductions, in order
+        self._landed = 0  # how many of them are in the shard (stage 2: and freed)
         self._unused: list[tuple[int, int]] = []  # this step: shard slices of parameters no rank used
         self._unused_names: list[str] = []
         self._skipped = Skipped(stage)
@@ -145,16 +164,21 @@ class ZeroSync(SyncStrategy):
             for param, view in zip(params, layout.split(self.flat), strict=True):
                 view.copy_(param)
                 param.data = view  # the parameter now lives in the buffer: the all_gather updates it
-        self.param_shard = layout.shard_of(self.flat, self._rank)
+        # Its own memory, in fp32 where the parameters are 16-bit: the copy the optimizer steps
+        self.param_shard = layout.shard_of(self.flat, self._rank).to(master_dtype(self.flat.dtype))
         self.spans = layout.group_spans([len(group) for group in per_group])
         position = {id(p): i for i, p in enumerate(model.parameters())}
         self.full_groups = [[position[id(p)] for p in group] for group, _ in groups]
-        self._grads = GradientBuckets(self.stage, buckets, layout, self._rank)
+        # Stage 2 stages each bucket in the dtype it is reduced in (trainer.reduce_dtype)
+        self._grads = GradientBuckets(self.stage, buckets, layout, self._rank, self._make_room, self.comm.reduce_dtype)
         self._names = names_of(model, params)
         self._calls = [0] * len(params)
         self._arrivals = Arrivals(params, self._names, self.comm, "zero", self.find_unused_parameters)
-        if self.find_unused_parameters:  # a bucket might wait for a gradient that never comes: all after backward
-            self._order = InOrder([-1] * len(buckets))
+        # Step 1 takes one gradient per parameter (stage 2: a later one is late, kept apart). Where every
+        # bucket starts after backward no bucket is ever complete: find_unused_parameters (one might wait
+        # for a gradient that never comes) and stage 1's step 1 (the module's docstring).
+        after_backward = self.find_unused_parameters or self.stage == 1
+        self._order = InOrder([-1 if after_backward else len(bucket) for bucket in buckets])
         at = {id(p): i for i, p in enumerate(params)}
         for index, bucket in enumerate(buckets):  # autograd calls each once the gradient is accumulated
             for j, param in enumerate(bucket):
@@ -167,21 +191,39 @@ class ZeroSync(SyncStrategy):
         return [list(group_by_size(reversed([p for p in group if p.requires_grad]), cap)) for group, _ in groups]
 
     def _gradient_ready(self, index: int, j: int, position: int, param: nn.Parameter) -> None:
-        """Autograd's hook: `param`'s gradient is in. Into its bucket; maybe start buckets."""
+        """Autograd's hook: `param`'s gradient is in. Into its bucket (room made first); maybe start buckets."""
         if self._accumulating:  # no_sync: it stays in .grad, summed with the next micro-batch's
             return
         assert self._grads is not None
         self._calls[position] += 1
-        self._grads.hold(index, j, param, first=self._calls[position] == 1)
-        if self._order is None or self._expected is None:  # step 1 learns the counts (or find_unused_parameters)
-            return
-        if self._calls[position] > self._expected[position]:
+        calls, expected = self._calls[position], self._expected
+        if expected is not None and calls > expected[position]:
             raise RuntimeError(
-                f"sync=zero: parameter {self._names[position]!r} got gradient number {self._calls[position]} in one "
-                f"backward, but {self._expected[position]} in the first step: its bucket may already be on its way"
+                f"sync=zero: parameter {self._names[position]!r} got gradient number {calls} in one "
+                f"backward, but {expected[position]} in the first step: its bucket may already be on its way"
             )
-        for ready in self._order.arrived(index):
-            self._works.append(self._reduce(ready))
+        if expected is None and calls > 1 and index < self._order.next:  # step 1, reused: its bucket has left
+            self._grads.hold_late(index, j, param)
+            return
+        self._grads.hold(index, j, param, first=calls == 1)  # stage 2: _make_room() before it stages the bucket
+        if expected is not None or calls == 1:  # step 1 counts a parameter's first gradient only
+            for ready in self._order.arrived(index):
+                self._works.append(self._reduce(ready))
+
+    def _make_room(self) -> None:
+        """Stage 2, before a bucket is staged (zero_buckets calls it): while num_buckets_staged
+        reductions are in flight, the oldest lands, so that with this one at most num_buckets_staged
+        buckets are alive. A bucket staged out of turn (a gradient came before an earlier bucket was
+        complete: optim.weight_decay_on=matrices' second group, whose buckets start after the first
+        group's) cannot be waited for, so it is not counted: it stays staged until its turn."""
+        while len(self._works) - self._landed >= self.num_buckets_staged:
+            self._land()
+
+    def _land(self) -> None:
+        """The oldest reduction in flight is waited for and averaged into this rank's shard."""
+        self._works[self._landed].wait()
+        self._average(self._landed)
+        self._landed += 1
 
     def _reduce(self, index: int) -> dist.Work:
         """Bucket `index` is complete: start reducing it to this rank's shard of the sum."""
@@ -208,29 +250,46 @@ class ZeroSync(SyncStrategy):
         assert self._grads is not None and self._arrivals is not None and self.layout is not None, (
             "build_optimizer() first"
         )
-        unused = self._arrivals.unused_everywhere()  # the rule, before any gradient collective
-        self._unused = self.layout.shard_slices(unused, self._rank)
-        self._unused_names = [self._arrivals.names[i] for i in unused]
-        if self._order is None:
-            self._learn()
-        assert self._order is not None
-        for index in self._order.rest():  # every rank, the same buckets in the same order
+        # Every rank, the same buckets in the same order, before any control collective below: the
+        # others may have started in backward a bucket this rank held back.
+        for index in self._order.rest():
             self._grads.fill_missing(index)  # a gradient that never came counts as zero
             self._works.append(self._reduce(index))
-        for index, work in enumerate(self._works):
+        unused = self._arrivals.unused_everywhere()  # the rule (a control collective where the ranks agree)
+        self._unused = self.layout.shard_slices(unused, self._rank)
+        self._unused_names = [self._arrivals.names[i] for i in unused]
+        late = self._learn() if self._expected is None and not self.find_unused_parameters else []
+        reducing = [self._reduce_late(index) for index in late]  # every rank, the same ones
+        while self._landed < len(self._works):
+            self._land()
+        for index, work, mine in reducing:  # step 1, after the bucket's own sum: the late gradients' share
             work.wait()
-            self._average(index)
-        self._works, self._calls, self._grads_cleared = [], [0] * len(self._calls), False
+            self._grads.shards[index].add_(mine.div_(dist.get_world_size()))
+            self._grads.release_late(index)
+        self._works, self._landed, self._calls, self._grads_cleared = [], 0, [0] * len(self._calls), False
         self._order.reset()
         self._bind_grads()  # clipping reads them next
 
-    def _learn(self) -> None:
+    def _learn(self) -> list[int]:
         """Step 1: each parameter's gradients per backward, the most any rank saw (every rank must
-        reach this); a bucket is complete once its parameters' arrivals add up to that."""
+        reach this); a bucket is complete once its parameters' arrivals add up to that. Stage 2: the
+        buckets that held a parameter with more than one, which may have left before the rest came."""
         assert self._grads is not None and self._arrivals is not None
         _, self._expected = fewest_and_most(self.comm, self._calls, self._grads.shard.device)
         position = {id(p): i for i, p in enumerate(self._arrivals.params)}
-        self._order = InOrder([sum(self._expected[position[id(p)]] for p in group) for group in self._grads.groups])
+        per_bucket = [[self._expected[position[id(p)]] for p in group] for group in self._grads.groups]
+        self._order = InOrder([sum(bucket) for bucket in per_bucket])
+        return [index for index, bucket in enumerate(per_bucket) if max(bucket) > 1] if self.stage == 2 else []
+
+    def _reduce_late(self, index: int) -> tuple[int, dist.Work, torch.Tensor]:
+        """Step 1: bucket `index`'s late buffer reduced as the bucket was (zeros where this rank has
+        none); where this rank's slice of the sum lands."""
+        assert self._grads is not None
+        late, size = self._grads.late_of(index), self._grads.shards[index].numel()
+        if self._native:
+            mine = late.new_empty(size)
+            return index, self.comm.reduce_scatter(mine, late, index), mine
+        return index, self.comm.all_reduce(late, index), late[self._rank * size : (self._rank + 1) * size]
 
     def optimizer_step(self, optimizer: Optimizer) -> None:
         assert self.flat is not None and self.param_shard is not None and self.layout is not None and self._grads
@@ -253,14 +312,25 @@ class ZeroSync(SyncStrategy):
         assert self.flat is not None and self.param_shard is not None and self.layout is not None
         (start, padded), (_, at, size) = self.layout.buckets[index], self.layout.pieces(self._rank)[index]
         full, mine = self.flat[start : start + padded], self.param_shard[at : at + size]
+        own = full[self._rank * size : (self._rank + 1) * size]
+        if mine.dtype != full.dtype:  # 16-bit parameters: the fp32 copy rounded into its slot, sent from there
+            mine = own.copy_(mine)
         if self._native:
             return [self.comm.all_gather(full, mine, index)]
         # gloo: every rank broadcasts its own slice; every rank issues the same broadcasts in the same order
         owners = range(padded // size)
         slices = [mine if owner == self._rank else full[owner * size : (owner + 1) * size] for owner in owners]
         works = [self.comm.broadcast(tensor, owner, index) for owner, tensor in enumerate(slices)]
-        full[self._rank * size : (self._rank + 1) * size].copy_(mine)
+        if mine is not own:
+            own.copy_(mine)
         return works
+
+    def gather_parameters(self) -> None:
+        """Every rank's shard into the full buffer now (a collective): after a sharded checkpoint's load."""
+        assert self.layout is not None
+        self.wait_for_parameters()
+        self._gathers = [self._gather(index) for index in reversed(range(len(self.layout.buckets)))]
+        self.wait_for_parameters()
 
     def wait_for_parameters(self) -> None:
         """Wait for the last step's gathers: the parameters are whole again."""
@@ -300,15 +370,29 @@ class ZeroSync(SyncStrategy):
 
     def footprint(self, plan: Plan) -> Footprint:
         """The full parameter buffer and this rank's shard of it; stage 1 the full gradient buckets and
-        a shard, stage 2 a shard (and the full .grad while micro-batches accumulate), with the full
-        buckets staged until after backward; the optimizer steps a piece of the shard per group."""
+        a shard, stage 2 a shard (and the full .grad while micro-batches accumulate), with
+        num_buckets_staged consecutive buckets staged at once (find_unused_parameters: every bucket,
+        until after backward) and a later group's buckets; the optimizer steps a piece of the shard
+        per group."""
         per_group = self._buckets(plan.groups)
-        layout = Layout.of(plan.model, [bucket for group in per_group for bucket in group], plan.world_size)
+        groups = [bucket for group in per_group for bucket in group]
+        layout = Layout.of(plan.model, groups, plan.world_size)
         size = plan.trainable[0].element_size()  # one dtype for every trainable parameter (check_one_kind)
-        full, shard = layout.padded_numel * size, layout.shard_numel * size
-        grads = [Held("gradients", (full, shard))]
+        # The shard the optimizer steps and its gradient: fp32 where the parameters are 16-bit (stage 1:
+        # the gradient's a copy of the full 16-bit one's slice)
+        sixteen = size < master_dtype(plan.param_dtype).itemsize
+        full, shard = layout.padded_numel * size, layout.shard_numel * master_dtype(plan.param_dtype).itemsize
+        sent = [sum(nbytes(bucket)) for bucket in groups]  # stage 1: each bucket all-reduced, all in flight
+        grads = [Held("gradients", (full,)), Held("gradients", (shard,), beyond=sixteen), *wire(plan, sent)]
         if self.stage == 2:
-            grads = [Held("gradients", (shard,)), Held("comm_buffers", (full,))]
+            # The first group's buckets, num_buckets_staged at once; a later group's gradients arrive
+            # among them, but its buckets start after the first group's: each staged until then. Each
+            # is staged in the dtype it is reduced in.
+            staged = plan.reduce_dtype.itemsize if sixteen else size
+            buckets, first = [padded * staged for _, padded in layout.buckets], len(per_group[0])
+            at_once = 0 if self.find_unused_parameters else self.num_buckets_staged
+            grads = [Held("gradients", (shard,)), Held("comm_buffers", tuple(buckets[:first]), at_once)]
+            grads += [Held("comm_buffers", tuple(buckets[first:]))]
             grads += [whole("gradients", plan.trainable)] if plan.accumulating else []
         held = (Held("parameters", (full, shard, *nbytes(plan.frozen))), *grads)
         return Footprint(held, tuple(hi - lo for lo, hi in layout.group_spans([len(g) for g in per_group])))
@@ -321,7 +405,14 @@ class ZeroSync(SyncStrategy):
         assert self.layout is not None, "build_optimizer() first"
         self.wait_for_parameters()
         state = gather_full_state(optimizer.state_dict(), self.layout, self.spans, self.full_groups, self.comm)
-        return model.state_dict(), state
+        return self.full_model_state(model), state
+
+    def full_model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Full on every rank already; 16-bit parameters: their fp32 copies, gathered from the shards."""
+        assert self.layout is not None and self.flat is not None and self.param_shard is not None
+        if self.param_shard.dtype == self.flat.dtype:
+            return model.state_dict()
+        return gather_full_model(model, self.layout, self.param_shard, self.comm)
 
     def load_state_dicts(
         self, model: nn.Module, optimizer: Optimizer, model_state: dict[str, Any], optimizer_state: dict[str, Any]
@@ -329,8 +420,8 @@ class ZeroSync(SyncStrategy):
         assert self.layout is not None and self.flat is not None and self.param_shard is not None
         self.wait_for_parameters()  # a gather landing after the load would overwrite it
         model.load_state_dict(model_state)  # copies into the parameters: into the flat buffer
-        with torch.no_grad():
-            self.param_shard.copy_(self.layout.shard_of(self.flat, self._rank))
+        with torch.no_grad():  # the file's values, not the buffer's (16-bit: rounded)
+            self.param_shard.copy_(shard_of_full_model(model, self.layout, self._rank, model_state, self.param_shard))
         optimizer.load_state_dict(
             shard_of_full_state(optimizer_state, self.layout, self._rank, self.spans, self.full_groups)
         )
@@ -375,13 +466,22 @@ def zero_sync(
         ),
     ],
     bucket_cap_mb: Annotated[float, Field(gt=0, description="stages 1, 2: MiB of gradients per bucket")],
+    num_buckets_staged: Annotated[
+        int,
+        Field(
+            ge=1,
+            description="stage 2: gradient buckets alive at once in backward (the one filling and those "
+            "being reduced); the oldest reduction is waited for before another is staged",
+        ),
+    ],
     find_unused_parameters: bool,
     wrap: Annotated[Wrap, Field(description="stage 3: the units, as sync=fsdp's")],
     prefetch: Annotated[int, Field(ge=0, description="stage 3: units gathered ahead of the one computing")],
     reshard_after_forward: Annotated[bool, Field(description="stage 3: free a unit's parameters after its forward")],
 ) -> SyncStrategy:
-    """sync=zero's builder: stages 1 and 2 bucket the gradients (bucket_cap_mb); stage 3 shards the
-    parameters by fsdp's units instead (wrap, prefetch, reshard_after_forward)."""
+    """sync=zero's builder: stages 1 and 2 bucket the gradients (bucket_cap_mb; stage 2 keeps
+    num_buckets_staged of them alive); stage 3 shards the parameters by fsdp's units instead (wrap,
+    prefetch, reshard_after_forward)."""
     if stage == 3:
         return Zero3Sync(wrap, prefetch, reshard_after_forward, find_unused_parameters)
-    return ZeroSync(stage, bucket_cap_mb, find_unused_parameters)
+    return ZeroSync(stage, bucket_cap_mb, num_buckets_staged, find_unused_parameters)

@@ -14,27 +14,38 @@ A step, in the order it happens:
    now, so they travel while this unit computes.
 2. forward, after each unit: free its buckets (reshard_after_forward), except the root's, which
    backward needs at once. A hook on the unit's outputs marks where backward will reach it.
-3. backward, before each unit (its outputs' gradients arrived): gather it again, and start the
-   gathers of the next n units backward meets.
-4. backward, once every parameter of a unit has its gradient (a hook per parameter counts them):
-   copy the gradients into a padded bucket each, drop them, reduce_scatter each bucket into this
-   rank's gradient shard (gloo: all_reduce, then this rank's slice), and free the unit's
-   parameters. Units start strictly in backward's order (buckets.py's InOrder), so every rank
-   pairs up, and one unit's reductions are in flight at a time (the next waits for them), so
-   gradient memory stays about two units'. The root reduces after backward: its gradients come last
-   (an embedding's), and under reentrant checkpointing in parts.
-5. after_backward: the units not reduced yet go now (a gradient that never came counts as zero);
-   every reduction is waited for and the shard divided by N.
+3. backward, before each unit (its outputs' gradients arrived): its turn. Gather it again, and
+   start the gathers of the next n units backward meets. A unit whose outputs get no gradient on
+   this rank (used elsewhere, unused here) takes its turn when backward reaches the next one (or
+   after backward), where a rank that used it took it: every rank sends the same collectives in the
+   same order.
+4. backward, once a unit has every gradient this backward computes for it (a hook per parameter
+   counts them, against the number autograd's engine says it will compute, so a parameter left out
+   of this backward is not waited for): copy its gradients into a padded bucket each, drop them,
+   reduce_scatter each bucket into this rank's gradient shard (gloo: all_reduce, then this rank's
+   slice), and free the unit's parameters. Units start strictly in backward's order (buckets.py's
+   InOrder), so every rank pairs up, and one unit's reductions are in flight at a time (the next
+   waits for them), so beyond the shard a rank holds about one unit's full gradients, from the
+   first step on. Autograd runs first what forward made last, so a unit's gradients have all come
+   by the next unit's turn: one that gets none on this rank is complete then. The root reduces
+   after backward: its gradients come last (an embedding's), and under reentrant checkpointing in
+   parts.
+5. after_backward: the root is freed (nothing needs its parameters any more), then the units not
+   reduced yet go (a gradient that never came counts as zero), before any control collective, so
+   that the ranks' gradient collectives pair up whichever units each reduced during backward; then
+   the ranks' rule for parameters without a gradient (trainer/sync/unused.py); every reduction is
+   waited for and the shard divided by N.
 6. optimizer_step: the optimizer updates this rank's shard. Nothing is gathered here: the next
    forward gathers each unit in its turn.
 
 The first training forward learns the units' order and checks that every rank enters the same
 unit each time (one small all_reduce per unit, as fsdp_usage.py does for FSDP2): a unit one rank
-skips would pair its gathers with another unit's. In that step, and in every step with
-find_unused_parameters, no unit reduces during backward, so trainer/sync/unused.py's check of the
-parameters without a gradient comes before any gradient collective. A unit run without grad inside
-the training forward (reentrant activation checkpointing) is refused: its backward would rerun it
-with no hook announcing it; non-reentrant checkpointing regathers it in the recomputed forward.
+skips would pair its gathers with another unit's. Its backward already reduces in the order just
+learned, with find_unused_parameters too: when a unit's zeros are summed does not matter, a
+parameter no rank used keeping its value by the ranks' agreed flags (zero_state.unchanged). A unit
+run without grad inside the training forward (reentrant activation checkpointing) is refused: its
+backward would rerun it with no hook announcing it; non-reentrant checkpointing regathers it in
+the recomputed forward.
 
 Gradient accumulation: under no_sync a unit's backward only frees its parameters; autograd keeps
 the full gradients until the last micro-batch, which reduces their sum once (as zero stage 2 and
@@ -66,6 +77,7 @@ from trainer.sync.base import DecayGroups, OptimizerFactory, SyncStrategy
 from trainer.sync.buckets import InOrder
 from trainer.sync.flat import names_of
 from trainer.sync.fsdp_units import Wrap, choose_units, resolve, unit_parameters
+from trainer.sync.master import master_dtype
 from trainer.sync.sharded_state import Read
 from trainer.sync.unused import Arrivals
 from trainer.sync.zero_state import (
@@ -73,7 +85,9 @@ from trainer.sync.zero_state import (
     Skipped,
     check_one_kind,
     check_optimizer,
+    gather_full_model,
     gather_full_state,
+    shard_of_full_model,
     shard_of_full_state,
     unchanged,
 )
@@ -114,13 +128,18 @@ class Zero3Sync(SyncStrategy):
         self._pieces: list[nn.Parameter] = []
         self._gathers: dict[int, list[dist.Work]] = {}  # unit -> its gathers in flight
         self._gathered: set[int] = set()  # units whose full parameters are in place
-        self._in_backward: set[int] = set()
+        self._in_backward: set[int] = set()  # units whose backward began and whose parameters it still needs
+        self._ran: set[int] = set()  # units this training forward entered
+        self._reached: set[int] = set()  # units whose turn this backward has taken
+        self._next_turn = 0  # the first unit of _backward_gathers whose turn may still come
         self._forward: list[int] = []  # the units in forward's order (learned in the first training forward)
         self._backward: list[int] = []  # the order units finish backward: forward's reversed, the root last
         self._backward_gathers: list[int] = []  # the order backward reaches them: the root first
-        self._num_params: list[int] = []  # per unit, its trainable parameters: the gradients to wait for
+        self._ahead: dict[int, int] = {}  # per unit of _backward_gathers, how many of _backward come before it
+        self._accumulators: list[list[Any]] = []  # per unit, its parameters' gradient accumulators (kept alive)
         self._order: InOrder | None = None  # which units may reduce now
-        self._arrived: list[int] = []
+        self._arrived: list[int] = []  # per unit, its gradients accumulated in this backward
+        self._expected: list[int | None] = []  # ...and how many this backward computes (None: none came yet)
         self._reducing: list[tuple[int, torch.Tensor, dist.Work]] = []  # (bucket, its gradients, the reduction)
         self._filled: list[tuple[int, torch.Tensor]] = []  # the unit's buckets filled, launched or about to be
         self._arrivals: Arrivals | None = None
@@ -128,9 +147,6 @@ class Zero3Sync(SyncStrategy):
         self._unused_names: list[str] = []
         self._skipped = Skipped(3)
         self._accumulating, self._rank, self._native, self._training = False, 0, True, False
-        # Step 1, and every step with find_unused_parameters: no unit reduces during backward, so the
-        # ranks' check of the unused parameters comes before any gradient collective (as zero.py).
-        self._after_backward_only = True
         self._trainable: list[bool] = []  # per unit: whether it has trainable parameters
 
     def refuses(self, settings: TrainSettings) -> str | None:
@@ -188,7 +204,9 @@ class Zero3Sync(SyncStrategy):
         with torch.no_grad():
             for param, view in zip(trainable, layout.split(full), strict=True):
                 view.copy_(param)
-        self.param_shard = layout.shard_of(full, self._rank)  # its own memory: the rest of `full` goes
+        # Its own memory (the rest of `full` goes), in fp32 where the parameters are 16-bit: the copy
+        # the optimizer steps, and the gradient shard it reads
+        self.param_shard = layout.shard_of(full, self._rank).to(master_dtype(full.dtype))
         self._grads = torch.zeros_like(self.param_shard)
         offset = {id(p): o for p, o in zip(trainable, layout.offsets, strict=True)}
         self._views = [
@@ -201,14 +219,16 @@ class Zero3Sync(SyncStrategy):
                 for param, at in views:  # from now on the parameter is a view of its bucket
                     param.data = bucket[at : at + param.numel()].view_as(param)
                 bucket.untyped_storage().resize_(0)  # freed: gathered in the unit's turn
-        self._arrived = [0] * len(self._units)
-        self._num_params = [sum(len(self._views[b]) for b in self._buckets[u]) for u in range(len(self._units))]
+        self._arrived, self._expected = [0] * len(self._units), [None] * len(self._units)
         for u, unit in enumerate(self._units):
             unit.register_forward_pre_hook(partial(self._before_forward, u))
             unit.register_forward_hook(partial(self._after_forward, u))
-            for b in self._buckets[u]:
-                for param, _ in self._views[b]:
-                    param.register_post_accumulate_grad_hook(lambda _, u=u: self._gradient_ready(u))
+        # The units' gradients, counted; the root's are not: it reduces after backward.
+        *units, _ = [[param for b in self._buckets[u] for param, _ in self._views[b]] for u in range(len(self._units))]
+        self._accumulators = [[accumulator(p) for p in params] for params in units]
+        for u, params in enumerate(units):
+            for param in params:
+                param.register_post_accumulate_grad_hook(lambda _, u=u: self._gradient_ready(u))
         self._arrivals = Arrivals(trainable, names_of(model, trainable), self.comm, "zero", self.find_unused_parameters)
 
     # A unit's full parameters: gathered, waited for, freed.
@@ -226,16 +246,19 @@ class Zero3Sync(SyncStrategy):
         for b in self._buckets[u]:
             full, (_, at, size) = self._full[b], self.layout.pieces(self._rank)[b]
             full.untyped_storage().resize_(full.numel() * full.element_size())
-            mine = self.param_shard[at : at + size]
+            mine, own = self.param_shard[at : at + size], full[self._rank * size : (self._rank + 1) * size]
             # Autograd saved views of this buffer in the forward: refilling it must not bump their version.
             with torch.no_grad(), _unsafe_preserve_version_counter(full):
+                if mine.dtype != full.dtype:  # 16-bit parameters: the fp32 copy rounded into its slot, sent from there
+                    mine = own.copy_(mine)
                 if self._native:
                     works.append(self.comm.all_gather(full, mine, self._labels[u]))
                 else:  # gloo, whose all_gather is a slow path: each rank broadcasts its own slice
                     for owner in range(full.numel() // size):
                         slot = mine if owner == self._rank else full[owner * size : (owner + 1) * size]
                         works.append(self.comm.broadcast(slot, owner, self._labels[u]))
-                    full[self._rank * size : (self._rank + 1) * size].copy_(mine)
+                    if mine is not own:
+                        own.copy_(mine)
         self._gathers[u] = works
 
     def _wait(self, u: int) -> None:
@@ -261,10 +284,15 @@ class Zero3Sync(SyncStrategy):
         root, learning = u == len(self._units) - 1, self._order is None
         if root:
             self._training = torch.is_grad_enabled()  # an evaluation's forward runs without grad
+            if self._training:  # a new backward to come: no unit has had its turn or a gradient of it yet
+                self._arrived, self._expected = [0] * len(self._units), [None] * len(self._units)
+                self._ran, self._reached, self._in_backward, self._next_turn = set(), set(), set(), 0
         # The first training forward (and every one with find_unused_parameters): every rank must enter the
         # same unit, whose gathers pair up; a later forward only where a rank may leave one out.
         if self._training and (learning or self.find_unused_parameters):
             self._refuse_unless_agreed(u)
+        if self._training:
+            self._ran.add(u)
         if learning and self._training:
             if not torch.is_grad_enabled() and self._trainable[u]:
                 raise ConfigError(
@@ -306,8 +334,12 @@ class Zero3Sync(SyncStrategy):
             self._refuse_unless_agreed(len(self._units))
             blocks = [v for v in reversed(self._forward) if v != u]
             self._backward_gathers = [u, *blocks]  # the root's outputs are the first a backward reaches
-            skipped = [v for v in range(len(self._units)) if v not in self._forward]  # reduced after backward
-            self._backward = [*blocks, *skipped, u]  # the root's gradients complete last (an embedding's)
+            skipped = [v for v in range(len(self._units)) if v not in self._forward]  # after every unit it ran
+            # The root's gradients complete last (an embedding's). A unit with nothing to reduce (frozen)
+            # takes no place: it would hold every unit after it until backward's end.
+            self._backward = [v for v in (*blocks, *skipped) if self._trainable[v]] + [u]
+            turns = self._backward_gathers
+            self._ahead = {v: len([w for w in turns[1:i] if self._trainable[w]]) for i, v in enumerate(turns)}
             self._order = InOrder([1] * len(self._backward))
         if torch.is_grad_enabled():  # backward reaches this unit when its outputs' gradients arrive
             for tensor in _tensors(output):
@@ -317,32 +349,76 @@ class Zero3Sync(SyncStrategy):
             self._free(u)
 
     def _before_backward(self, u: int) -> None:
-        if u in self._in_backward:
+        """Backward reached unit u (its outputs' gradients arrived). The units before it in backward's
+        order that backward passed on this rank without reaching (their outputs unused here) take
+        their turn first, where a rank that used them took it: the ranks' collectives keep one order."""
+        if u in self._reached:
             return
-        self._in_backward.add(u)
-        self._wait(u)
         if u not in self._backward_gathers:  # a unit the first forward did not run: no place in the order
+            self._reached.add(u)
+            self._in_backward.add(u)
+            self._wait(u)
             return
+        self._turns_until(self._backward_gathers.index(u) + 1)
+
+    def _turns_until(self, end: int, ended: bool = False) -> None:
+        """The turn of each unit of backward's order before `end` that this forward ran and that has
+        not had it (in order: the same gathers and reductions as on every rank). `ended`: backward is
+        over."""
+        for v in self._backward_gathers[self._next_turn : end]:
+            if v in self._ran and v not in self._reached:
+                self._turn(v, ended)
+        self._next_turn = max(self._next_turn, end)
+
+    def _turn(self, u: int, ended: bool = False) -> None:
+        """Unit u's turn in backward: the units before it that get no gradient here are complete; it
+        is gathered, and the gathers of the next `prefetch` units backward meets start."""
+        self._reached.add(u)
+        self._in_backward.add(u)
+        self._passed(self._ahead[u], ended)
+        self._wait(u)
         at = self._backward_gathers.index(u)
-        for v in self._backward_gathers[at + 1 : at + 1 + self.prefetch]:  # prefetch backward's next units
+        for v in self._backward_gathers[at + 1 : at + 1 + self.prefetch]:
             self._gather(v)
 
     def _gradient_ready(self, u: int) -> None:
-        """A gradient of unit u arrived; once all did, its turn in backward is over."""
+        """A gradient of unit u (not the root) was accumulated; once every one this backward computes
+        for it was, its turn in backward is over. The first one asks the engine how many will come."""
+        expected = self._expected[u]
+        if expected is None:
+            expected = self._expected[u] = will_compute(self._accumulators[u])
         self._arrived[u] += 1
-        if self._arrived[u] < self._num_params[u] or u == len(self._units) - 1:
-            return  # the root reduces after backward: under reentrant checkpointing its gradients arrive in parts
-        if self._accumulating or self._after_backward_only:  # the gradients wait; the parameters go
+        if self._arrived[u] < expected:
+            return
+        if self._accumulating:  # the gradients wait for the last micro-batch; the parameters go
             self._done(u)
             return
+        self._complete(self._backward.index(u))
+
+    def _passed(self, ahead: int, ended: bool) -> None:
+        """Backward reached a unit: the first `ahead` units of the order have had every gradient it
+        computes for them (autograd runs first what forward made last). One that gets none on this
+        rank (its output unused here; or any, once backward has `ended`) is complete now, where a rank
+        that used it completed it, so that the ranks' collectives stay in the same order."""
+        if self._accumulating or self._order is None:
+            return
+        for position in range(self._order.next, ahead):
+            accumulators = self._accumulators[self._backward[position]]
+            if self._order.missing[position] and (ended or not will_compute(accumulators)):
+                self._complete(position)
+
+    def _complete(self, position: int) -> None:
+        """The unit at `position` of the order is complete: it and the complete ones after it reduce,
+        strictly in backward's order, once every one before them has."""
         assert self._order is not None
-        for position in self._order.arrived(self._backward.index(u)):  # strictly in backward's order
-            self._reduce(self._backward[position])
+        for start in self._order.arrived(position):
+            self._reduce(self._backward[start])
 
     def _reduce(self, u: int) -> None:
         """Unit u's gradients into a padded bucket each, reduce_scattered into this rank's gradient
         shard; the full gradients dropped, the unit freed. The unit before it must have landed first:
-        one unit's reductions in flight at a time, so gradient memory stays about two units'."""
+        one unit's reductions in flight at a time, so gradient memory stays the shard and about one
+        unit's."""
         assert self.layout is not None and self._grads is not None
         self._settle()
         self._filled = [(b, self._fill(b)) for b in self._buckets[u]]  # alive until settled (held())
@@ -358,7 +434,8 @@ class Zero3Sync(SyncStrategy):
     def _fill(self, b: int) -> torch.Tensor:
         """Bucket b's full gradients in a padded buffer of their own; their .grad dropped."""
         assert self.layout is not None and self._grads is not None
-        bucket = self._grads.new_zeros(self.layout.buckets[b][1])  # a gradient that never came counts as zero
+        # In the dtype it is reduced in (trainer.reduce_dtype); a gradient that never came counts as zero
+        bucket = self._grads.new_zeros(self.layout.buckets[b][1], dtype=self.comm.reduce_dtype or self._grads.dtype)
         for param, at in self._views[b]:
             if param.grad is not None:
                 bucket[at : at + param.numel()].copy_(param.grad.view(-1))
@@ -380,21 +457,23 @@ class Zero3Sync(SyncStrategy):
 
     def _done(self, u: int) -> None:
         self._in_backward.discard(u)
-        self._arrived[u] = 0
+        self._arrived[u], self._expected[u] = 0, None
         self._free(u)
 
     def after_backward(self, model: nn.Module) -> None:
         assert self._arrivals is not None and self.layout is not None and self._order is not None
-        unused = self._arrivals.unused_everywhere()  # the rule, before any gradient collective
+        self._turns_until(len(self._backward_gathers), ended=True)  # the last units, if backward never reached them
+        for u in list(self._gathered):  # backward is over: the root (kept for it) freed before its bucket is filled
+            self._free(u)
+        # Every rank, the same units in the same order, before any control collective: whichever
+        # units a rank reduced during backward, the gradient collectives pair up.
+        for position in self._order.rest():
+            self._reduce(self._backward[position])
+        unused = self._arrivals.unused_everywhere()  # the rule for parameters without a gradient
         self._unused = self.layout.shard_slices(unused, self._rank)
         self._unused_names = [self._arrivals.names[i] for i in unused]
-        for position in self._order.rest():  # every rank, the same units in the same order
-            self._reduce(self._backward[position])
         self._settle()
         self._order.reset()
-        self._after_backward_only = self.find_unused_parameters
-        for u in list(self._gathered):  # the root, kept for backward
-            self._free(u)
         assert self._grads is not None
         for piece, (lo, hi) in zip(self._pieces, self.spans, strict=True):  # a plain zero_grad() may have
             piece.grad = self._grads[lo:hi]  # set them to None: the optimizer reads the shard either way
@@ -425,30 +504,40 @@ class Zero3Sync(SyncStrategy):
         return bool(finite.item())
 
     def footprint(self, plan: Plan) -> Footprint:
-        """Its shard of parameters and gradient; in forward and backward the root gathered, and each
-        unit with the next `prefetch` (or every unit, kept from forward for backward), and the bucket
-        being reduced; every unit's full gradients at backward's end (step 1 reduces after it); after
-        it, the root's gradients and each bucket in turn."""
+        """Its shard of parameters and gradient. In forward and backward the root gathered, and each
+        unit with the next `prefetch` (every unit, kept from forward for backward, without
+        reshard_after_forward); in backward one unit's full gradients at a time, then its bucket while
+        it is reduced; after backward the root's gradients, then its bucket (the root freed first).
+        While micro-batches accumulate, every unit's full gradients are kept. The root's gradients that
+        come early in backward (a final norm's) are counted after it only, where all of them are."""
         units = unit_parameters(plan.model, self.wrap_policy)
         owner = {id(p): u for u, params in enumerate(units[:-1]) for p in params}
         buckets, per_unit, per_group = unit_buckets(owner, len(units), plan.groups)
         layout = Layout.of(plan.model, buckets, plan.world_size)
         size = plan.trainable[0].element_size()  # one dtype for every trainable parameter (check_one_kind)
         *gathered, root = [sum(layout.buckets[b][1] for b in unit) * size for unit in per_unit]
+        # 16-bit parameters: the shards are fp32 (the copy the optimizer steps, its gradient), and a unit's
+        # buckets are filled in the dtype they are reduced in
+        master = master_dtype(plan.param_dtype).itemsize
+        sent = plan.reduce_dtype.itemsize if size < master else size
+        *reduced, root_reduced = [sum(layout.buckets[b][1] for b in unit) * sent for unit in per_unit]
         *grads, root_grads = [sum(nbytes(p for b in unit for p in buckets[b])) for unit in per_unit]
         window = 1 + self.prefetch if self.reshard_after_forward else 0
-        waiting = plan.accumulating or self.find_unused_parameters  # every unit reduced after backward
+        if plan.accumulating:  # every unit's, kept from micro-batch to micro-batch
+            full_grads = [Held("gradients", (*grads, root_grads), 0, ("backward", "after"), beyond=True)]
+        else:  # each unit's until its bucket takes them; the root's complete once backward is (an embedding's)
+            full_grads = [
+                Held("gradients", tuple(grads), 1, ("backward",), beyond=True),
+                Held("gradients", (root_grads,), 0, ("after",), beyond=True),
+            ]
         held = [
-            Held("parameters", (layout.shard_numel * size, *nbytes(plan.frozen))),
-            Held("gradients", (layout.shard_numel * size,)),
-            Held("gradients", (root_grads,), 0, ("after",)),  # complete once backward is (an embedding's)
-            # Step 1 reduces after backward whatever the settings (_after_backward_only): every unit's
-            # full gradients are alive at its end, the run's gradient peak.
-            Held("gradients", tuple(grads), 0, ("backward", "after")),
-            Held("comm_buffers", (root,)),
+            Held("parameters", (layout.shard_numel * master, *nbytes(plan.frozen))),
+            Held("gradients", (layout.shard_numel * master,)),
+            *full_grads,
+            Held("comm_buffers", (root,), 0, ("forward", "backward")),
             Held("comm_buffers", tuple(gathered), window, ("forward", "backward")),
-            Held("comm_buffers", (*gathered, root), 1, ("after",)),  # buckets reduced after backward
-            *([] if waiting else [Held("comm_buffers", tuple(gathered), 1, ("backward",))]),
+            Held("comm_buffers", tuple(reduced), 1, ("backward",)),  # the bucket being reduced
+            Held("comm_buffers", (*reduced, root_reduced), 1, ("after",)),  # the last unit's, then the root's
         ]
         return Footprint(tuple(held), tuple(hi - lo for lo, hi in layout.group_spans(per_group)))
 
@@ -460,7 +549,11 @@ class Zero3Sync(SyncStrategy):
     # Checkpoints: the full model in the usual terms, or this rank's shard.
 
     def full_model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The whole model's state_dict on every rank (a collective): each unit gathered in turn, copied, freed."""
+        """The whole model's state_dict on every rank (a collective): each unit gathered in turn, copied,
+        freed; 16-bit parameters: their fp32 copies, gathered from the shards."""
+        assert self.layout is not None and self.param_shard is not None
+        if self._full and self._full[0].dtype != self.param_shard.dtype:
+            return gather_full_model(model, self.layout, self.param_shard, self.comm)
         state = {}
         for u in range(len(self._units)):
             self._wait(u)
@@ -487,14 +580,9 @@ class Zero3Sync(SyncStrategy):
             raise RuntimeError(
                 f"the checkpoint's model does not match: missing keys {missing}, unexpected keys {unexpected}"
             )
-        names = {id(p): name for name, p in model.named_parameters()}
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        full = torch.zeros(self.layout.padded_numel, dtype=self.param_shard.dtype, device=self.param_shard.device)
-        for view, param in zip(self.layout.split(full), trainable, strict=True):
-            view.copy_(model_state[names[id(param)]])
         with torch.no_grad():
-            self.param_shard.copy_(self.layout.shard_of(full, self._rank))
-        sharded = {id(p) for p in trainable}  # their storage is freed: never written through the module
+            self.param_shard.copy_(shard_of_full_model(model, self.layout, self._rank, model_state, self.param_shard))
+        sharded = {id(p) for p in model.parameters() if p.requires_grad}  # their storage is freed: never written
         rest = {k: v for k, v in model_state.items() if id(own[k]) not in sharded}
         model.load_state_dict(rest, strict=False)  # buffers and frozen parameters, whole on every rank
         state = shard_of_full_state(optimizer_state, self.layout, self._rank, self.spans, self.full_groups)
@@ -502,6 +590,9 @@ class Zero3Sync(SyncStrategy):
 
     def sharded_state(self, model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         return zero_checkpoint.state_parts(self, model, optimizer)
+
+    def gather_parameters(self) -> None:
+        """Nothing to gather after a sharded checkpoint's load: each unit is gathered in its turn."""
 
     def load_sharded_state(
         self, model: nn.Module, optimizer: Optimizer, saved: dict[str, Any], read: Read, groups: list[Any]
@@ -543,6 +634,20 @@ def unit_buckets(
                 buckets.append(params)
                 per_group[-1] += 1
     return buckets, per_unit, per_group
+
+
+def accumulator(param: nn.Parameter) -> Any:
+    """The node that accumulates the parameter's gradient (AccumulateGrad). Held, it stays the one
+    every backward runs (the parameter itself holds it weakly)."""
+    return torch.autograd.graph.get_gradient_edge(param).node
+
+
+def will_compute(accumulators: list[Any]) -> int:
+    """How many of these accumulators the running backward executes: the engine's answer that
+    torch's register_multi_grad_hook is built on, asked without that hook, which keeps each incoming
+    gradient until the last one comes, so that AccumulateGrad copies it instead of taking it (a
+    kernel per gradient and a unit's gradients twice; torch 2.14.1)."""
+    return sum(map(torch._C._will_engine_execute_node, accumulators))
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:

@@ -13,8 +13,9 @@ their padding would depend on N; as blocks of each parameter they read back at a
 scalar entry (Adam's step) is the same for every element and every rank: one plain tensor. Under
 stages 1 and 2 the model's parameters are whole on every rank after the gathers: plain tensors,
 written once. Under stage 3 (zero3.py, no full buffer: `flat` is None) each trainable parameter is
-written as its part too, from the parameter shard, so nothing is gathered to save or load; DCP
-reads either form into the other.
+written as its part too, from the parameter shard, so nothing is gathered to save or load; and so it
+is under stages 1 and 2 with 16-bit parameters, whose shard is their fp32 copy (read back, the full
+buffer is gathered from every rank's). DCP reads either form into the other.
 
 zero.py's and zero3.py's methods call these; they read the layout through the public attributes
 kept for checkpoints (layout, spans, flat, param_shard, full_groups).
@@ -48,6 +49,8 @@ class ZeroShard(Protocol):
     full_groups: list[list[int]]
 
     def wait_for_parameters(self) -> None: ...
+
+    def gather_parameters(self) -> None: ...
 
 
 Chunk = tuple[int, int, int]  # (start, end) in the flattened parameter, and where the start lies in the shard
@@ -145,6 +148,14 @@ def _parameter_parts(strategy: ZeroShard, model: nn.Module) -> dict[str, torch.T
     return parts
 
 
+def _from_shard(strategy: ZeroShard) -> bool:
+    """Whether the model's trainable parameters are written and read as parts of the parameter shard:
+    under stage 3 (no full buffer), and where the shard is the fp32 copy of 16-bit parameters (its
+    values, not their rounding, are what a resumed run continues from)."""
+    assert strategy.param_shard is not None
+    return strategy.flat is None or strategy.flat.dtype != strategy.param_shard.dtype
+
+
 def _named(strategy: ZeroShard, model: nn.Module) -> tuple[Layout, list[str], list[int]]:
     assert strategy.layout is not None, "wrap() and build_optimizer() first"
     layout = strategy.layout
@@ -168,7 +179,7 @@ def state_parts(
                 tensors[f"optim/{name}/{key}"] = part(value[at - lo : at - lo + b - a], a, layout.shapes[i])
             else:
                 tensors[f"optim/{name}/{key}"] = value if isinstance(value, torch.Tensor) else torch.tensor(value)
-    if strategy.flat is None:  # stage 3: each parameter (under each of its names) is this rank's part of it
+    if _from_shard(strategy):  # each parameter (under each of its names) is this rank's part of it
         tensors.update({f"model/{name}": p for name, p in _parameter_parts(strategy, model).items()})
     all_names = names_of(model, list(model.parameters()))
     groups = [
@@ -194,7 +205,8 @@ def load_state_parts(
     layout, names, group_of = _named(strategy, model)
     template: dict[str, Any] = {f"model/{name}": value for name, value in model.state_dict().items()}  # in place
     index = {name: i for i, name in enumerate(names)}
-    if strategy.flat is None:  # stage 3: each trainable parameter read as this rank's part, into its shard
+    from_shard = _from_shard(strategy)
+    if from_shard:  # each trainable parameter read as this rank's part, into its shard
         template.update({f"model/{name}": p for name, p in _parameter_parts(strategy, model).items()})
     per_element = _per_element_keys(saved)
     for flat, meta in saved.items():
@@ -206,8 +218,10 @@ def load_state_parts(
                 template[flat] = part(local, a, layout.shapes[index[name]])
             else:
                 template[flat] = torch.zeros(meta.size, dtype=meta.properties.dtype)
-    read(template)  # stage 3's parameters land in the shard itself (its parts are views of it)
-    if strategy.flat is not None:
+    read(template)  # parts land in the shard itself (they are views of it)
+    if strategy.flat is not None and from_shard:  # the full parameters from every rank's fp32 copy
+        strategy.gather_parameters()
+    elif strategy.flat is not None:
         with torch.no_grad():
             strategy.param_shard.copy_(layout.shard_of(strategy.flat, rank))
     optimizer.load_state_dict(_shard_state(strategy, template, names, group_of, groups, layout, per_element))

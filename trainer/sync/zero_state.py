@@ -169,6 +169,29 @@ def gather_full_state(
     }
 
 
+def gather_full_model(model: nn.Module, layout: Layout, shard: torch.Tensor, comm: Comm) -> dict[str, torch.Tensor]:
+    """model.state_dict() with every trainable parameter's value taken from the ranks' shards, in the
+    shard's dtype (a collective): the fp32 copy the optimizer steps, where the parameters are 16-bit."""
+    full = shard.new_empty(layout.padded_numel)
+    layout.gather(comm, full, shard)  # every rank must reach this
+    trainable = [p for p in model.parameters() if p.requires_grad]  # layout order
+    value = {id(p): v for p, v in zip(trainable, layout.split(full), strict=True)}
+    return {name: value.get(id(t), t).detach() for name, t in model.state_dict(keep_vars=True).items()}
+
+
+def shard_of_full_model(
+    model: nn.Module, layout: Layout, rank: int, state: dict[str, Any], like: torch.Tensor
+) -> torch.Tensor:
+    """The reverse, locally: rank's shard of the trainable parameters' values in a full state_dict
+    (read from a checkpoint), in `like`'s dtype and on its device."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    full = torch.zeros(layout.padded_numel, dtype=like.dtype, device=like.device)
+    for view, param in zip(layout.split(full), trainable, strict=True):
+        view.copy_(state[names[id(param)]])
+    return layout.shard_of(full, rank)
+
+
 def _ids(full_groups: Sequence[list[int]]) -> dict[int, int]:
     """Each parameter's id in a plain optimizer's state_dict (torch numbers them in order of
     appearance, group after group) by its position in model.parameters()."""

@@ -13,6 +13,8 @@ strategy what it keeps (SyncStrategy.footprint) and prints each kind's peak per 
 it that changes the prediction: a choice of one of its keys (true/false, or a key's named options),
 or of two where the first unlocks the second (zero's stage=3 and reshard_after_forward);
 --device-gb: which fit in that many GiB, and each one's largest per-rank micro-batch that does;
+--ladder: the ZeRO paper's stages 0-3 (ddp, zero stage=1, 2, 3) in GB, each one's model states
+beside the paper's terms and what it keeps beyond them (figure 1: docs/memory.md);
 --json: the same, as JSON (each kind in bytes).
 """
 
@@ -48,12 +50,14 @@ from trainer.scaling.memory import (
     largest_batch,
     optimizer_state,
     predict,
+    zero_model_states,
 )
 from trainer.setup.build import instantiate, optimizer_factory, split_sync_batchnorm
 from trainer.setup.config import compose_config, sync_options
 from trainer.setup.precheck import check_overrides
 from trainer.setup.validate import check_group, check_pairing, check_rules, per_rank_batch
 from trainer.sync.base import SyncStrategy
+from trainer.sync.master import DTYPES, SIXTEEN_BITS, cast_parameters
 
 SAME = 1e-3  # two variants whose every kind is this close (relative) are one row
 Row = tuple[Prediction, dict[str, Any]]  # a strategy's prediction, and the sync config it was made for
@@ -80,6 +84,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--ranks", type=int, required=True, help="the world size N to predict for")
     parser.add_argument("--device-gb", type=float, help="a device's memory in GiB: which fit, the largest batch")
     parser.add_argument("--all", action="store_true", help="every strategy of conf/sync/ and its variants")
+    parser.add_argument("--ladder", action="store_true", help="the ZeRO paper's stages 0-3 against its terms, GB")
     parser.add_argument("--json", action="store_true", help="print JSON (bytes) instead of the table (MiB)")
     return parser.parse_intermixed_args(argv)
 
@@ -106,6 +111,8 @@ class Report:
     device_bytes: int | None
     notes: list[str]
     facts: dict[str, Any]
+    paper: list[float] | None = None  # --ladder: per row (stage 0-3), the ZeRO paper's model states in bytes
+    terms: tuple[int, int, int] = (2, 2, 12)  # --ladder: the paper's bytes per parameter (P + G + K) for this run
 
     def fit(self, prediction: Prediction) -> tuple[bool | None, int | None]:
         if self.device_bytes is None:
@@ -113,6 +120,8 @@ class Report:
         return prediction.total <= self.device_bytes, largest_batch(prediction, self.activations, self.device_bytes)
 
     def table(self) -> str:
+        if self.paper is not None:
+            return self.ladder()
         columns = [HEADERS[kind] for kind in MEMORY_KINDS] + ["total"]
         extra = ["fits", "max batch"] if self.device_bytes is not None else []
         width = max(len("strategy"), *(len(p.label) for p, _ in self.rows))
@@ -125,6 +134,28 @@ class Report:
                 line += f"{'yes' if fits else 'no':>13}{'any' if batch is None else batch:>13}"
             lines.append(line)
         lines.append(f"MiB per rank; total: the sum of the kinds' peaks (docs/memory.md){self._fit_note()}")
+        return "\n".join(lines + self.notes)
+
+    def ladder(self) -> str:
+        """--ladder: a row per ZeRO stage, in GB (10^9 bytes, the paper's unit)."""
+        assert self.paper is not None
+        columns = ["paper's terms", "model states", "more grads", "comm", "activations", "total"]
+        width = max(len(p.label) for p, _ in self.rows)
+        lines = [*self.header, "", f"stage  {'strategy':<{width}}" + "".join(f"{c:>15}" for c in columns)]
+        for stage, ((prediction, _), paper) in enumerate(zip(self.rows, self.paper, strict=True)):
+            kinds = prediction.kinds
+            values = [paper, prediction.model_states, prediction.beyond, kinds["comm_buffers"], kinds["activations"]]
+            cells = "".join(f"{v / 1e9:>15.2f}" for v in [*values, prediction.total])
+            lines.append(f"{stage:<7}{prediction.label:<{width}}{cells}")
+        p, g, k = self.terms
+        lines += [
+            f"GB per rank (10^9 bytes). paper's terms: Rajbhandari et al.'s model states for these parameters, "
+            f"{p} + {g} + {k} bytes each (parameters, gradients, optimizer state: figure 1's 2 + 2 + 12 with 16-bit "
+            "parameters and Adam) divided as each stage divides them; model states: this lab's parameters, gradients "
+            "and optimizer state, each at its peak, without what the terms leave out: more grads (fp32 copies of "
+            "16-bit gradients, units' full gradients before their reduce-scatter), comm (buckets in flight, gathered "
+            "units), activations (docs/memory.md, the ZeRO paper compared)"
+        ]
         return "\n".join(lines + self.notes)
 
     def _fit_note(self) -> str:
@@ -148,6 +179,10 @@ class Report:
             )
         activations = {"fixed_bytes": self.activations.fixed, "per_sample_bytes": self.activations.per_sample}
         optimizer = {"name": self.state.name, "per_element_bytes": self.state.per_element}
+        if self.paper is not None:
+            for entry, paper, (prediction, _) in zip(strategies, self.paper, self.rows, strict=True):
+                entry |= {"paper_model_states_bytes": paper, "model_states_bytes": prediction.model_states}
+                entry |= {"gradients_beyond_bytes": prediction.beyond}
         return self.facts | {
             "device_bytes": self.device_bytes,
             "optimizer": optimizer | {"per_tensor_bytes": self.state.per_tensor, "entries": list(self.state.entries)},
@@ -173,34 +208,49 @@ def run(args: argparse.Namespace) -> Report:
     data = instantiate(cfg.data)
     model_node, _ = split_sync_batchnorm(cfg.model)
 
+    param_dtype, reduce_dtype = DTYPES[settings.param_dtype], DTYPES[settings.reduce_dtype]
+
     def build() -> nn.Module:
-        return instantiate(model_node, input_shape=data.input_shape, num_classes=data.num_classes)
+        model = instantiate(model_node, input_shape=data.input_shape, num_classes=data.num_classes)
+        cast_parameters(model, param_dtype)  # as the trainer casts it before the strategy wraps it
+        return model
 
     with torch.device("meta"):
         model = build()
     factory = optimizer_factory(cfg.optim)
     dtype = next(model.parameters()).dtype
-    state = optimizer_state(factory.build, dtype)
+    state = optimizer_state(factory.build, torch.float32 if dtype in SIXTEEN_BITS else dtype)  # a 16-bit one's copy
     sample = Sample(tuple(data.input_shape), data.input_dtype, bool(getattr(data, "tokens", False)))
     activations = count_activations(build, sample, settings.precision)
-    plan = Plan(model, args.ranks, factory.groups(model.parameters()), settings.grad_accum_steps > 1)
+    groups = factory.groups(model.parameters())
+    plan = Plan(model, args.ranks, groups, settings.grad_accum_steps > 1, param_dtype, reduce_dtype)
     batch = int(cfg.data.batch_size)
 
     def predicted(label: str, strategy: SyncStrategy) -> Prediction:
         return predict(label, strategy.footprint(plan), state, activations, args.ranks, batch)
 
     notes: list[str] = []
-    if args.all:
+    numel = sum(p.numel() for p in model.parameters())
+    paper, terms = None, (2, 2, 12)
+    if args.ladder:
+        rows = list(_ladder(args.overrides, settings, predicted))
+        # The paper's K: the optimizer's state per element, and the fp32 master copy where parameters are 16-bit
+        size = dtype.itemsize
+        terms = (size, size, state.per_element + (torch.float32.itemsize if dtype in SIXTEEN_BITS else 0))
+        paper = [zero_model_states(numel, args.ranks, stage, *terms) for stage in range(4)]
+    elif args.all:
         rows = list(_every(cfg, settings, predicted, notes, args.overrides))
     else:
         rows = list(_chosen(cfg, settings, predicted))
-    numel = sum(p.numel() for p in model.parameters())
     param_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / MIB
     k = settings.grad_accum_steps
+    recipe = ""
+    if dtype in SIXTEEN_BITS:  # trainer.param_dtype: 16-bit parameters, an fp32 master copy
+        recipe = f", param_dtype={settings.param_dtype}, reduce_dtype={settings.reduce_dtype}"
     header = [
         f"model {cfg.model._target_}: {numel:,} parameters ({param_mib:.2f} MiB, {str(dtype).removeprefix('torch.')}); "
         f"{args.ranks} rank(s), micro-batch {batch} per rank x {k} (trainer.grad_accum_steps), "
-        f"trainer.precision={settings.precision}",
+        f"trainer.precision={settings.precision}{recipe}",
         f"optimizer {state.name}: {state.per_element} bytes per element ({', '.join(state.entries) or 'no state'}), "
         f"{state.per_tensor} per tensor stepped",
         f"activations: {activations.fixed / MIB:.2f} MiB + {activations.per_sample / MIB:.4f} MiB per sample, "
@@ -211,10 +261,12 @@ def run(args: argparse.Namespace) -> Report:
         "batch": batch,
         "grad_accum_steps": k,
         "precision": settings.precision,
+        "param_dtype": settings.param_dtype,
+        "reduce_dtype": settings.reduce_dtype,
         "model": {"target": str(cfg.model._target_), "parameters": numel, "dtype": str(dtype)},
     }
     device_bytes = None if args.device_gb is None else int(args.device_gb * GIB)
-    return Report(header, rows, activations, state, device_bytes, notes, facts)
+    return Report(header, rows, activations, state, device_bytes, notes, facts, paper, terms)
 
 
 def predicted_total_mb(overrides: Sequence[str], ranks: int) -> float:
@@ -243,6 +295,23 @@ def _name_of(node: DictConfig, context: Sequence[str] = ()) -> tuple[str, DictCo
         if default.get("_target_") == node.get("_target_"):
             return name, default
     return str(node.get("_target_")), node
+
+
+# The ZeRO paper's stages as this lab runs them: stage 0 is plain data parallelism (ddp).
+LADDER = (["sync=ddp"], ["sync=zero", "sync.stage=1"], ["sync=zero", "sync.stage=2"], ["sync=zero", "sync.stage=3"])
+
+
+def _ladder(overrides: Sequence[str], settings: TrainSettings, predicted: Predict) -> Iterator[Row]:
+    """Stages 0-3 with the overrides' other groups (a sync key of theirs is left out: the ladder sets it)."""
+    others = [o for o in overrides if not o.lstrip("+~").startswith("sync")]
+    for stage in LADDER:
+        cfg = compose_config([*others, *stage])
+        strategy = instantiate(cfg.sync)
+        refusal = strategy.refuses(settings)
+        if refusal:
+            raise ConfigError(refusal)
+        label = " ".join(o.removeprefix("sync=").removeprefix("sync.") for o in stage)
+        yield predicted(label, strategy), _plain(cfg.sync)
 
 
 def _chosen(cfg: DictConfig, settings: TrainSettings, predicted: Predict) -> Iterator[Row]:
