@@ -153,3 +153,12 @@ def test_every_config_key_is_in_the_configuration_reference() -> None:
         f"config keys missing from docs/{REFERENCE.name} (write `group.key`, or `key` under the group's "
         "heading):\n" + "\n".join(missing)
     )
+
+
+def test_the_memory_examples_are_what_the_tool_prints() -> None:
+    """docs/memory.md's example sessions, each made again from its command by the tool that rewrites
+    them (`python -m trainer.tools.doc_examples docs/memory.md`), in check mode: the docs show what
+    the memory predictor prints today."""
+    from trainer.tools import doc_examples
+
+    assert doc_examples.main([str(REPO / "docs" / "memory.md"), "--check"]) == 0
