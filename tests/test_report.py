@@ -96,7 +96,8 @@ def sweep(tmp_path: Path) -> Path:
 # job 2: 45 and 60 ms -> 52.50; 60 + 40 = 100; sync (0.05/0.09 + 0.06/0.12) / 2 = 52.78 %; loss 1.5
 # job 3: 100 and 200 ms -> 150.00; 10 + 20 = 30; incomplete, truncated last line skipped
 # No row has memory/optimizer_state_mb or memory/peak_mb (written before they existed): opt state MB
-# and mem MB/rank are `-` in every job.
+# and mem MB/rank are `-` in every job; no row has comm/* either: MB/step and exposed ms are `n/m`
+# (not measured), which `-` (sends nothing) was before issue 73.
 SYNC_0 = 100 * (0.006 / 0.052 + 0.006 / 0.066) / 2
 SYNC_2 = 100 * (0.05 / 0.09 + 0.06 / 0.12) / 2
 EXPECTED_CELLS = {
@@ -111,8 +112,8 @@ EXPECTED_CELLS = {
         "16.00",
         "380",
         "10.3†",
-        "-",
-        "-",
+        "n/m",  # MB/step: the strategy sends, no row measured it (not `-`, which says it sends nothing)
+        "n/m",  # exposed ms: likewise
         "700",
         "-",
         "-",  # mem MB/rank: no row has memory/peak_mb
@@ -132,8 +133,8 @@ EXPECTED_CELLS = {
         "10.00",
         "800",
         "0.0†",
-        "-",
-        "-",
+        "n/m",  # MB/step: the strategy sends, no row measured it (not `-`, which says it sends nothing)
+        "n/m",  # exposed ms: likewise
         "700",
         "-",
         "-",  # mem MB/rank: no row has memory/peak_mb
@@ -153,8 +154,8 @@ EXPECTED_CELLS = {
         "52.50",
         "100",
         "52.8",
-        "-",
-        "-",
+        "n/m",  # MB/step: the strategy sends, no row measured it (not `-`, which says it sends nothing)
+        "n/m",  # exposed ms: likewise
         "700",
         "-",
         "-",  # mem MB/rank: no row has memory/peak_mb
@@ -174,8 +175,8 @@ EXPECTED_CELLS = {
         "(150.00)",
         "(30)",
         "(0.0†)",
-        "-",
-        "-",
+        "n/m",  # MB/step: the strategy sends, no row measured it (not `-`, which says it sends nothing)
+        "n/m",  # exposed ms: likewise
         "(700)",
         "-",  # a run logged before memory/optimizer_state_mb existed: no value, not parenthesized
         "-",  # mem MB/rank: no row has memory/peak_mb

@@ -109,8 +109,8 @@ def test_single_job_dir_and_missing_hydra(tmp_path: Path, capsys: pytest.Capture
         "15.00",
         "150",
         "0.0†",
-        "-",
-        "-",
+        "n/m",  # MB/step: ddp sends, but no row measured it (`-` would say it sends nothing: issue 73)
+        "n/m",  # exposed ms: likewise
         "700",
         "-",  # opt state MB: no row has memory/optimizer_state_mb
         "-",  # mem MB/rank: no row has memory/peak_mb

@@ -8,6 +8,7 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,57 @@ def test_sync_lines_quote_spaces_and_cut_long_lists() -> None:
     first, second = text.splitlines()
     assert first == 'sync: strategy=x timing="1 step in 10" sizes=[0,1,2,3,4,5,+4_more] a=1'
     assert second == " " * len("[rank0] sync: ") + "b=True"
+
+
+WINDOWS = ("last row", "last eval", "whole-run mean", "median row")
+
+
+def windowed_numbers(text: str) -> dict[tuple[str, str], float]:
+    """`train/loss 1.17   train/accuracy 0.707 (last row)`: each printed number under its (name, window);
+    a name printed twice under one window must print one value."""
+    found: dict[tuple[str, str], float] = {}
+    for line in text.splitlines():
+        parts = re.split(r"\(([^()]*)\)", line)  # text, group, text, group, ...
+        for numbers, group in zip(parts[::2], parts[1::2], strict=False):
+            window = group.split(", ")[-1]  # `(all ranks, whole-run mean)`: the scope, then the window
+            if window not in WINDOWS:
+                continue
+            for name, value in re.findall(r"([\w/]+) ([\d.]+)", numbers):
+                assert found.setdefault((name, window), float(value)) == float(value), (name, window)
+    return found
+
+
+@pytest.mark.slow
+def test_one_value_per_name_and_window(profiled: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    """The end-of-run report, summary.json, the sweep report and the W&B reader of one run: every printed
+    loss and throughput names its window, and one name and window is one number everywhere."""
+    proc, run_dir = profiled
+    printed = windowed_numbers(proc.stdout + proc.stderr)  # the bar (stderr) too
+    summary = json.loads((run_dir / "summary.json").read_text())
+    windows = summary["windows"]
+    assert windows["train/loss"] == "last row" and windows["eval/loss"] == "last eval"
+    assert windows["throughput/global_samples_per_s"] == "whole-run mean"
+    for key in ("train/loss", "train/accuracy", "eval/loss", "eval/accuracy"):
+        assert printed[(key, windows[key])] == pytest.approx(summary[key], abs=6e-4), key
+    assert printed[("throughput", "whole-run mean")] == round(summary["throughput/global_samples_per_s"])
+    # The bar's loss is rank 0's own, under a name of its own (the job's train/loss is the ranks' mean).
+    bar = re.findall(r"rank 0 loss ([\d.]+) \(last row\)", proc.stderr + proc.stdout)
+    assert bar and ("rank", "last row") not in printed
+    rank0 = [json.loads(line) for line in (run_dir / "metrics" / "rank0.jsonl").read_text().splitlines()]
+    assert float(bar[-1]) == pytest.approx([r for r in rank0 if "train/loss" in r][-1]["train/loss"], abs=6e-5)
+    # Every row says what it is; the kinds of this run: training rows, evaluations, a checkpoint's.
+    assert {r["row"] for r in rank0} == {"train", "eval", "checkpoint"}
+    assert all(("train/loss" in r) == (r["row"] == "train") for r in rank0)
+    # The sweep report of the run: its train loss is the same last row; its samples/s another window, named.
+    report = subprocess.run(
+        [sys.executable, "-m", "trainer.tools.report", str(run_dir), "--out", str(run_dir / "report")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "train loss the last row" in report.stdout and "samples/s" in report.stdout
+    table = [line.strip("| ").split(" | ") for line in (run_dir / "report" / "report.md").read_text().splitlines()]
+    header = next(line for line in table if line[0] == "job")
+    (row,) = [line for line in table if line[0] == run_dir.name]
+    assert "samples/s (median row)" in header
+    assert float(row[header.index("train loss")]) == pytest.approx(summary["train/loss"], abs=6e-5)

@@ -17,12 +17,13 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from trainer.windows import kinds_of
+
 
 def row_kind(row: dict[str, Any]) -> str:
-    """A step has at most one row of each kind: its training row, its evaluation row, its checkpoint's row."""
-    if "eval/loss" in row:
-        return "eval"
-    return "checkpoint" if "checkpoint/blocked_s" in row else "train"
+    """A step has at most one row of each kind: its training row, its evaluation row, its checkpoint's
+    row (the `row` key; rows written before it existed: the kind their keys imply)."""
+    return "+".join(sorted(kinds_of(row)))
 
 
 def rows_up_to(lines: Iterable[str], step: int) -> tuple[list[str], set[str]]:

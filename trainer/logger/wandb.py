@@ -17,6 +17,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Literal
 
+from trainer.windows import JOINED, ROW
+
 log = logging.getLogger(__name__)
 
 # W&B's own files outside a run (wandb-core's debug logs under the cache dir, artifact staging under
@@ -159,11 +161,20 @@ class WandbLogger:
             self._run.define_metric(metric, step_metric="step", summary=summary)
         self.location: str | None = self._run.dir.removesuffix("/files") if mode == "offline" else self._run.url
         self._closed = False
+        self._kinds: tuple[int, list[str]] = (-1, [])  # the step being logged, the kinds of row logged at it
 
     def log(self, row: dict[str, Any]) -> None:
         step = row["step"]
-        if step > self.logged_through:  # an earlier attempt of this run logged the others
-            self._run.log(row, step=step)
+        if step <= self.logged_through:  # an earlier attempt of this run logged it
+            return
+        # W&B keeps one history row per step, merging what is logged at it: its `row` names every
+        # kind the step logged (train+eval), not only the last.
+        if self._kinds[0] != step:
+            self._kinds = (step, [])
+        if ROW in row:
+            self._kinds[1].append(row[ROW])
+            row = {**row, ROW: JOINED.join(self._kinds[1])}
+        self._run.log(row, step=step)
 
     def log_summary(self, summary: dict[str, Any]) -> None:
         self._run.summary.update(final_keys({k: v for k, v in summary.items() if k != TABLE_KEY}))

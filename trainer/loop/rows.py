@@ -21,6 +21,7 @@ from trainer.measures import cuda_peak_mb
 from trainer.observer import Observer
 from trainer.reliability.save_cost import ResidentMemory
 from trainer.sync.base import SyncStrategy
+from trainer.windows import CHECKPOINT, ROW, TRAIN
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,7 @@ class TrainRows:
         row: dict[str, Any] = {
             "step": step,
             "epoch": epoch,
+            ROW: TRAIN,
             # Omitted by a rank that trained on nothing since the last row (it only ran micro-batches without data).
             **({"train/loss": loss} if trained else {}),
             # The sampled step's own samples (docs/metrics.md).
@@ -164,7 +166,7 @@ class TrainRows:
     def log_checkpoint(self, step: int, epoch: int, cost: dict[str, float]) -> None:
         """A checkpoint's own row at its step (its blocking time, this rank's peak memory while saving)."""
         for logger in self.loggers:
-            logger.log({"step": step, "epoch": epoch, **cost})
+            logger.log({"step": step, "epoch": epoch, ROW: CHECKPOINT, **cost})
         self._saves.append(cost)
 
     def _save_costs(self) -> dict[str, float]:

@@ -14,6 +14,7 @@ from torch import nn
 
 from trainer.core import DistContext
 from trainer.sync.fsdp_units import blocks_of
+from trainer.windows import LAST_EVAL, LAST_ROW, MEDIAN_ROW, RUN_MEAN, SUMMARY_WINDOWS, grouped
 
 MEDIAN_PREFIXES = ("time/", "comm/", "throughput/", "perf/")  # a rank's typical step
 PEAK_PREFIXES = ("memory/",)  # a rank's worst moment
@@ -55,14 +56,15 @@ def _token_throughput(ranks: Sequence[dict[str, Any]]) -> dict[str, float]:
 
 def job_summary(ranks: Sequence[dict[str, Any]], **facts: Any) -> dict[str, Any]:
     """summary.json: the job's facts, the ranks' final numbers combined, and every rank's own."""
-    return {
-        **facts,
+    numbers = {
         "train/loss": _mean([r["train/loss"] for r in ranks]),  # mean of the ranks' last windows
         "train/accuracy": _mean([r["train/accuracy"] for r in ranks]),
         "throughput/global_samples_per_s": job_throughput([r["samples_per_s"] for r in ranks]),
         **_token_throughput(ranks),
-        "ranks": list(ranks),
     }
+    # Which steps each number is over (trainer/windows.py), the final evaluation's included.
+    windows = {key: window for key, window in SUMMARY_WINDOWS.items() if key in numbers or key in facts}
+    return {**facts, **numbers, "windows": windows, "ranks": list(ranks)}
 
 
 def parameter_layout(model: nn.Module) -> dict[str, Any]:
@@ -101,12 +103,22 @@ def format_report(summary: dict[str, Any]) -> str:
     lines = [
         f"done: {summary['steps']} steps ({summary['epochs']:.2f} epochs), {summary['world_size']} rank(s), "
         f"{summary['backend']} on {summary['device']}, sync={sync}, global batch {summary['global_batch_size']}",
-        f"  train/loss {_fmt(summary['train/loss'], '.4f')}   train/accuracy {_fmt(summary['train/accuracy'], '.3f')}"
-        f"   eval/loss {_fmt(summary.get('eval/loss'), '.4f')}"
-        f"   eval/accuracy {_fmt(summary.get('eval/accuracy'), '.3f')}",
-        # A mean over the whole run (the report's column is a median of logged rows: it can differ)
-        f"  throughput {summary['throughput/global_samples_per_s']:.0f} samples/s{_tokens(summary)}"
-        " (all ranks, whole-run mean)",
+        # Each number followed by its window (trainer/windows.py): the report's samples/s is a
+        # median row, the throughput here the whole-run mean; they can differ.
+        "  "
+        + grouped(
+            [
+                (LAST_ROW, f"train/loss {_fmt(summary['train/loss'], '.4f')}"),
+                (LAST_ROW, f"train/accuracy {_fmt(summary['train/accuracy'], '.3f')}"),
+                (LAST_EVAL, f"eval/loss {_fmt(summary.get('eval/loss'), '.4f')}"),
+                (LAST_EVAL, f"eval/accuracy {_fmt(summary.get('eval/accuracy'), '.3f')}"),
+            ]
+        ),
+        "  "
+        + grouped(
+            [(RUN_MEAN, f"throughput {summary['throughput/global_samples_per_s']:.0f} samples/s{_tokens(summary)}")],
+            scope="all ranks",
+        ),
         *_language_model_lines(summary),
         *_link_lines(summary),
         f"  run dir  {summary['run_dir']}   "
@@ -141,7 +153,7 @@ def _language_model_lines(summary: dict[str, Any]) -> list[str]:
     """A language model's extras: perplexity where measured, and the sample."""
     lines = []
     if "eval/perplexity" in summary:
-        lines.append(f"  eval/perplexity {summary['eval/perplexity']:.2f} (eval/loss in nats per token)")
+        lines.append(f"  eval/perplexity {summary['eval/perplexity']:.2f} ({LAST_EVAL}; eval/loss in nats per token)")
     if "sample" in summary:
         text = summary["sample"].replace("\n", "\n    ")
         lines.append(f"  sample (temperature 0.8, top-k 40):\n    {text}")
@@ -165,7 +177,7 @@ def _link_lines(summary: dict[str, Any]) -> list[str]:
     step = _ranks_mean(summary, "median_time/step_s")
     exposed = _ranks_mean(summary, "median_time/comm_exposed_s")
     alone = _ranks_mean(summary, "median_time/comm_exposed_link_s")
-    line = f"  link {network}: median step {_ms(step)}"
+    line = f"  link {network} ({MEDIAN_ROW}s, mean over ranks): step {_ms(step)}"
     if exposed is None:
         return [line + ", communication not measured in any row (trainer.sample_every_n_steps)"]
     line += f", of it communication waited for {_ms(exposed)}"

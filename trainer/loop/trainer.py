@@ -59,6 +59,7 @@ from trainer.reliability.save_cost import SaveCost
 from trainer.reliability.sharded import InFlight, checkpoint_group
 from trainer.sync.base import SyncStrategy
 from trainer.sync.master import DTYPES, cast_parameters
+from trainer.windows import EVAL, ROW
 
 log = logging.getLogger(__name__)
 
@@ -337,7 +338,8 @@ class Trainer:
             epoch = epoch_of(self.step, self.steps_per_epoch)
             loss = self._rows.log(self.step, epoch, self._window, totals, self.observer, self.runner)
             if bar is not None:
-                bar.set_postfix(loss=f"{loss:.4f}", refresh=False)  # drawn at the next update
+                # Rank 0's own loss, not the job's (the mean over ranks the summary prints as train/loss).
+                bar.set_postfix_str(f"rank 0 loss {loss:.4f} (last row)", refresh=False)  # drawn at the next update
         every = s.check_replicas_every_n_steps
         if every and self.sync.keeps_replicas_equal and self.step % every == 0:
             self.sync.wait_for_parameters()
@@ -396,7 +398,8 @@ class Trainer:
         )
         if metrics:
             for logger in self.loggers:
-                logger.log({"step": self.step, "epoch": epoch_of(self.step, self.steps_per_epoch), **metrics})
+                epoch = epoch_of(self.step, self.steps_per_epoch)
+                logger.log({"step": self.step, "epoch": epoch, ROW: EVAL, **metrics})
         return metrics
 
     def _finish(self, final_eval: dict[str, float], wall_s: float) -> dict[str, Any]:

@@ -20,6 +20,8 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from trainer.windows import SUMMARY_WINDOWS, grouped
+
 # Hydra's default launcher: the jobs run one after another inside the process that `python train.py -m` started.
 BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
 ONE_PROCESS_LINE = (
@@ -46,11 +48,17 @@ def sweep_line(sweep_dir: Path) -> str:
 
 
 def job_line(num: int, summary: dict[str, Any], run_dir: str) -> str:
-    """'#0 done: 20 steps, train/loss 1.8994, ..., 18954 samples/s; full report: <run dir>/train_rank0.log'."""
+    """'#0 done: 20 steps, train/loss 1.8994, ... (last row), ..., 18954 samples/s (whole-run mean); full
+    report: <run dir>/train_rank0.log'."""
     facts = [f"{summary['steps']} steps"] if "steps" in summary else []
-    facts += [f"{key} {summary[key]:{spec}}" for key, spec in RESULT_KEYS if summary.get(key) is not None]
+    # Each number followed by its window (trainer/windows.py), as the job's own report prints them.
+    present = [(key, spec) for key, spec in RESULT_KEYS if summary.get(key) is not None]
+    numbers = [(SUMMARY_WINDOWS[key], f"{key} {summary[key]:{spec}}") for key, spec in present]
     if "throughput/global_samples_per_s" in summary:
-        facts.append(f"{summary['throughput/global_samples_per_s']:.0f} samples/s")
+        key = "throughput/global_samples_per_s"
+        numbers.append((SUMMARY_WINDOWS[key], f"{summary[key]:.0f} samples/s"))
+    if numbers:
+        facts.append(grouped(numbers, sep=", "))
     done = f"done: {', '.join(facts)}" if facts else "done"  # a summary without numbers: {} (none was written)
     return f"#{num} {done}; full report: {Path(run_dir) / 'train_rank0.log'}"
 

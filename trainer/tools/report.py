@@ -30,7 +30,7 @@ from trainer.tools.report_plot import plot
 from trainer.tools.report_points import Point, gather_points, spread_sentences
 from trainer.tools.report_rows import Job, JobRow, build_rows, job_names, profiled_sentences, rate_sentence
 from trainer.tools.report_screen import SCREEN_WIDTH, screen_points, screen_table
-from trainer.tools.report_table import format_markdown, notes_under_table, write_csv
+from trainer.tools.report_table import WINDOWS_NOTE, format_markdown, notes_under_table, write_csv
 from trainer.tools.report_timelines import plot_timelines
 from trainer.tools.report_wandb import MODES, log_report  # wandb itself is imported only by log_report
 
@@ -216,7 +216,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows, jobs, sweep=sweep, image=out / "report.png", out=out, mode=args.wandb_mode, title=title
         )
         print(f"W&B run 'report' (group {sweep}, {args.wandb_mode}): {where}")
-    # Last, where a reader looks for what the screen left out.
+    # Last, where a reader looks for what the screen left out: the short headers' windows, the full tables.
+    say(WINDOWS_NOTE)
     print(f"full tables (every column): report.md and report.csv in {out}; plot: report.png")
     return 0
 

@@ -38,13 +38,14 @@ LEGEND = """\
   the strategy's after_backward hook: DDP all-reduces inside backward, so for ddp it is ~0 and
   its communication is counted in time/backward_s (marked with a dagger).
 - MB/step: `comm/bytes_per_step` in MB (10^6 bytes): per rank the median over its rows, then the
-  median over ranks. What the strategy sends per optimizer step; `-` when it sends nothing (none).
+  median over ranks. What the strategy sends per optimizer step; `-` when it sends nothing (none),
+  `n/m` (not measured) when it sends but no row measured it (trainer.sample_every_n_steps=0).
 - inter-node MB/step (network.gpus_per_node > 1 only): `comm/inter_node_bytes_per_step` in MB, taken as
   MB/step is: the part of MB/step sent in collectives whose group spans emulated nodes, what crosses
   the slow link between them.
 - exposed ms: `time/comm_exposed_s`, the communication not hidden under backward, per step: per rank
   the median over the rows that carry it (one step in `trainer.sample_every_n_steps` is measured), then
-  the median over ranks; `-` when no row has it.
+  the median over ranks; `-` for a job that sends nothing, `n/m` when no row has it.
 - link ms (network=<preset> only): `time/comm_exposed_link_s`, what the step would have waited for if
   only the emulated link cost time (docs/metrics.md#the-links-ideal), taken as exposed ms is; exposed
   ms minus it is the strategy's own queueing and host work around the link.
@@ -76,7 +77,8 @@ LEGEND = """\
 - predicted MB/rank (report --memory only): the memory predictor's total per rank for the job's own
   overrides at its number of ranks (`python -m trainer.tools.memory`, docs/memory.md), beside what
   the run measured.
-- train loss: mean over ranks of each rank's last training row's `train/loss`.
+- train loss: the last row, the mean over ranks of each rank's last training row's `train/loss` (the
+  end-of-run report's train/loss (last row), the same number).
 - eval acc: the last eval row's `eval/accuracy` (identical on all ranks; rank 0's is taken).
 - slowest / fastest: the ranks with the highest / lowest median step time.
 - status: `incomplete` when the job dir has no (readable) summary.json, i.e. the job did not

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from trainer.tools.report_layout import short_layout
 from trainer.tools.report_points import LINK_HEADER, Point, point_cells, point_headers
 from trainer.tools.report_rows import REPEAT_KEY, JobRow, override_key, value_of
-from trainer.tools.report_table import CUDA_HEADER, INTER_NODE_HEADER, PREDICTED_HEADER, job_lines
+from trainer.tools.report_table import CUDA_HEADER, INTER_NODE_HEADER, NOT_MEASURED, PREDICTED_HEADER, job_lines
 
 
 def aligned(cells: Sequence[Sequence[str]]) -> str:
@@ -22,8 +22,9 @@ def aligned(cells: Sequence[Sequence[str]]) -> str:
 
 
 SCREEN_WIDTH = 100  # a terminal's: what does not fit is in report.md and report.csv
-BLANK = ("", "-")  # a column of nothing but these tells the reader nothing on screen
-SCREEN_NAMES = {"samples/s (median row)": "samples/s"}  # report.md's legend says which row
+BLANK = ("", "-", NOT_MEASURED)  # a column of nothing but these tells the reader nothing on screen
+# The line under the printed table names these columns' windows (report_table.WINDOWS_NOTE).
+SCREEN_NAMES = {"samples/s (median row)": "samples/s"}
 # The printed tables drop these columns, first first, until they fit: what a reader compares (the
 # swept values, step time and its spread, throughput, exposed communication and, on an emulated link,
 # the link's ideal beside it) stays. The bytes across nodes go before the bytes in all: shown if they fit.

@@ -64,6 +64,15 @@ def headers(rows: Sequence[JobRow]) -> list[str]:
 DAGGER_NOTE = "† ddp communicates inside backward (time/backward_s), not in the sync phase: its sync % is ~0"
 
 
+NOTHING_SENT = "-"  # the job sends nothing (sync=none)
+NOT_MEASURED = "n/m"  # the job sends, but no row measured it (e.g. trainer.sample_every_n_steps=0)
+# Under the printed table, whose headers are short: which steps its numbers are over (report.md's legend).
+WINDOWS_NOTE = (
+    "windows: step ms, samples/s, sync %, MB/step, exposed ms a median row; train loss the last row;"
+    " eval acc the last eval; n/m: not measured"
+)
+
+
 def notes_under_table(table: str) -> list[str]:
     """What the table's marks mean, said right under it (report.md's legend has the whole story); a mark
     whose column the printed table left out needs no word."""
@@ -86,13 +95,15 @@ def table_cells(row: JobRow, names: Sequence[str] = HEADERS) -> list[str]:
         """A conditional column's cell, or none where the table has no such column."""
         return [shown(value, spec) or "-"] if header in names else []
 
+    # A quantity no row measured is not one the job did without: `-` only for a job that sends nothing.
+    absent = NOTHING_SENT if row.sync == "none" else NOT_MEASURED
     numbers = [
         shown(row.step_ms, ".2f"),
         shown(row.samples_per_s, ".0f"),
         shown(row.sync_share_pct, ".1f") + dagger,
-        shown(row.mb_per_step, ".2f") or "-",
+        shown(row.mb_per_step, ".2f") or absent,
         *some(INTER_NODE_HEADER, row.inter_node_mb_per_step, ".2f"),
-        shown(row.comm_exposed_ms, ".2f") or "-",
+        shown(row.comm_exposed_ms, ".2f") or absent,
         *some(LINK_HEADER, row.comm_exposed_link_ms, ".2f"),
         shown(row.peak_rss_mb, ".0f"),
         *some(CUDA_HEADER, row.peak_cuda_mb, ".0f"),
@@ -105,7 +116,7 @@ def table_cells(row: JobRow, names: Sequence[str] = HEADERS) -> list[str]:
         _rank(row.fastest),
     ]
     if row.status != "ok":
-        numbers = [f"({n})" if n not in ("", "-") else n for n in numbers]
+        numbers = [f"({n})" if n not in ("", NOTHING_SENT, NOT_MEASURED) else n for n in numbers]
     layout = [layout_cell(row), row.same_buckets_as]
     cap = cap_cell(row.bucket_setting, [row.cap_in_use_mb])
     return [row.job, row.status, row.overrides, row.sync, cap, *layout, *numbers]

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.logger.wandb_files import OfflineRun, find_job_runs
+from trainer.windows import LAST_EVAL, LAST_ROW
 
 
 def _patterns(text: str) -> list[str]:
@@ -214,7 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows = [(job.name if sweep else "", run) for job, runs in jobs for run in runs]
             print("\n".join(headline_table(rows)))
             more = "--keys 'train/*,comm/bytes' (globs or prefixes), --ranks 0; every key: --keys '*'; W&B's too: --all"
-            print(f"{len(rows)} run(s). More: {more}")
+            # The values' window (trainer/windows.py): the rank's own, where the end-of-run report means over ranks.
+            print(f"{len(rows)} run(s). More: {more}. Values: each rank's {LAST_ROW} ({LAST_EVAL} for eval/*)")
             return 0
         for job, runs in jobs:
             if len(jobs) > 1 or job != args.path:
