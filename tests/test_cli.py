@@ -51,7 +51,7 @@ def screen(text: str) -> list[str]:
 
 def readme_screen_sample() -> str:
     readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("### What appears on screen") :]
+    section = readme[readme.index("## What a run shows") :]
     return section[section.index("```\n") + 4 : section.index("\n```", section.index("```\n") + 4)]
 
 
