@@ -19,6 +19,7 @@ import sys
 from typing import Any
 
 from trainer.reliability.exits import ctrl_c_held, exit_cleanly, stopped_by_ctrl_c
+from trainer.setup.torch_version import refuse_old_torch
 
 # Ctrl-C while a rank starts up or shuts down, outside the job's own handling (exit_cleanly, in
 # main): rank 0 says it in one line, every rank exits 130, no traceback. The imports (torch's: a
@@ -27,6 +28,7 @@ OUTSIDE = "interrupted by Ctrl-C (SIGINT) while starting up or shutting down, ou
 SAYS = OUTSIDE if os.environ.get("RANK", "0") == "0" else None
 
 with ctrl_c_held(SAYS):
+    refuse_old_torch()  # an older torch than the floor: one line and exit 2, before torch or Hydra is imported
     import hydra
     from omegaconf import DictConfig
 

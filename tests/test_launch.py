@@ -64,6 +64,25 @@ def test_a_crash_in_training_exits_1_naming_the_rank(tmp_path: Path) -> None:
     assert "ChildFailedError" not in text and "Root Cause" not in text, text
 
 
+def test_a_worker_killed_by_a_signal_makes_the_launcher_exit_128_plus_the_signal(tmp_path: Path) -> None:
+    # trainer.fault's kill_in_save: rank 0 SIGKILLs itself in step 2's checkpoint save (no handler can run),
+    # as the OOM killer or `kill -9` would. torchrun reports its exit code as -9; a shell says 137.
+    kill = ["trainer.fault.rank=0", "trainer.fault.at_step=2", "trainer.fault.kind=kill_in_save"]
+    args = [*BASE, CPU, "trainer.max_steps=6", "trainer.checkpoint_every_n_steps=2", *kill]
+    proc = launch([*args, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    text = output(proc)
+    assert proc.returncode == 128 + signal.SIGKILL, text
+    assert "kill_in_save on rank 0 at step 2" in text, text  # the fault fired: the kill was the one asked for
+    assert text.splitlines()[-1] == (
+        "launch: rank 0 was killed by SIGKILL (exit code 137 = 128 + 9): no handler of its own ran, so its logs "
+        "end where it was killed"
+    ), text
+    # Rank 1, in the save's barrier, either is stopped by torchrun (143) or first loses its peer there and
+    # reports that failure with its traceback: either way rank 0 failed first, and the launcher says so.
+    for torchrun_noise in ("ChildFailedError", "Root Cause", "Sending process", "failed (exitcode"):
+        assert torchrun_noise not in text, text
+
+
 def test_a_global_batch_the_ranks_cannot_share_is_refused_before_any_worker(tmp_path: Path) -> None:
     # 64 samples do not split over 3 ranks: the launcher knows the world size from its own arguments.
     proc = launch(["trainer.global_batch_size=64", "logger=none", CPU], cwd=tmp_path, nproc=3)

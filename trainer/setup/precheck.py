@@ -29,7 +29,7 @@ from hydra_plugins.ddplab_torchrun_launcher.config import StartMethod, TorchrunL
 from trainer.errors import ConfigError, from_leaves
 from trainer.setup import config as conf
 from trainer.setup.dist import RANK0_FIRST_S
-from trainer.setup.validate import accepted_for, per_rank_batch, validate
+from trainer.setup.validate import ImportFailed, accepted_for, per_rank_batch, validate
 
 EXIT_CODE = 2
 
@@ -232,12 +232,15 @@ def check_command_line(
             check_overrides(argv, world_size)
     except ConfigError as error:
         err = " ".join(str(error).split())  # one line, whatever the message
+        kind = (
+            "set-up error" if isinstance(error, ImportFailed) else "configuration error"
+        )  # the install's, not a key's
         if rank == 0 or wait_for_rank0 is None:
-            print(f"configuration error: {err}", file=sys.stderr, flush=True)
+            print(f"{kind}: {err}", file=sys.stderr, flush=True)
             if wait_for_rank0 is not None:
                 wait_for_rank0(True)
         elif not wait_for_rank0(False):  # rank 0 did not fail the same way: say it here
-            print(f"[rank{rank}] configuration error: {err}", file=sys.stderr, flush=True)
+            print(f"[rank{rank}] {kind}: {err}", file=sys.stderr, flush=True)
         else:
             # Let rank 0 exit first, so torchrun's report names it (exit code 2, the rank that printed)
             # as the first failure; torchrun then stops this rank, or it exits 2 itself.

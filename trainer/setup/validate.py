@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import inspect
 import typing
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Annotated, Any
 
 import hydra
@@ -218,17 +220,92 @@ def accepted_for(cfg: DictConfig, full_key: str) -> str | None:
     return accepted(schema, leaf)
 
 
+class ImportFailed(ConfigError):
+    """A _target_ whose module exists but raised while it was imported (a package it needs is missing or
+    broken, e.g. a torchvision built for another torch): the set-up's fault, not the key's."""
+
+
+class _NotFound(LookupError):
+    """Nothing by a _target_'s name exists (no such module, no such attribute)."""
+
+
+class _ModuleFailed(Exception):
+    """An existing module raised while it was imported; the error is its __cause__."""
+
+    def __init__(self, module: str) -> None:
+        super().__init__(module)
+        self.module = module
+
+
+def _import(module: str) -> ModuleType:
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as err:
+        if err.name == module:
+            raise _NotFound(module) from None
+        raise _ModuleFailed(module) from err  # a module it imports is missing
+    except Exception as err:
+        raise _ModuleFailed(module) from err
+
+
+def locate(target: str) -> Any:
+    """The object a dotted _target_ names, found front to back as hydra.utils.get_object finds it. Raises
+    _NotFound where no such module or attribute exists and _ModuleFailed where an existing module's
+    import raised."""
+    parts = target.split(".")
+    if not all(parts):
+        raise _NotFound(target)
+    found: Any = _import(parts[0])
+    for i, part in enumerate(parts[1:], start=2):
+        try:
+            found = getattr(found, part)
+        except AttributeError:
+            if not isinstance(found, ModuleType):
+                raise _NotFound(target) from None
+            found = _import(".".join(parts[:i]))
+    return found
+
+
+# Frames of the import machinery, skipped when looking for the package whose import failed.
+_IMPORT_MACHINERY = ("importlib", "_frozen_importlib", "_frozen_importlib_external")
+
+
+def import_failure(chosen: str, module: str, err: BaseException) -> str:
+    """ "data=fake needs torchvision, whose import failed: RuntimeError: operator torchvision::nms does not
+    exist": the first package outside the target's own that raised (the traceback says which), or the
+    target's module itself."""
+    text = str(err).strip()
+    error = type(err).__name__ + (f": {text.splitlines()[0]}" if text else "")
+    own = module.split(".")[0]
+    if isinstance(err, ModuleNotFoundError) and err.name and err.name.split(".")[0] != own:
+        return f"{chosen} needs {err.name.split('.')[0]}, which is not installed: {error}"
+    inside, tb = False, err.__traceback__
+    while tb is not None:
+        top = str(tb.tb_frame.f_globals.get("__name__", "")).split(".")[0]
+        inside = inside or top == own
+        if inside and top not in (own, *_IMPORT_MACHINERY):
+            return f"{chosen} needs {top}, whose import failed: {error}"
+        tb = tb.tb_next
+    return f"{chosen} cannot be built: importing {module} failed: {error}"
+
+
 def check_target(node: DictConfig, group: str) -> None:
     """The group's _target_ is importable; for optim, every key is one of its parameters: a _target_
-    swapped for another optimizer would otherwise reach the user as torch's TypeError, later."""
-    target = node.get("_target_")
+    swapped for another optimizer would otherwise reach the user as torch's TypeError, later. A target
+    that does not exist is a bad key; one whose module raises on import is reported as that failure."""
+    target = str(node.get("_target_"))
     try:
-        built = hydra.utils.get_object(str(target))
-    except Exception:
+        built = locate(target)
+    except _NotFound:
         raise ConfigError(
             f"{group}._target_={target} is invalid: accepted: the dotted path of a class or function "
             f"that can be imported (as in conf/{group}/*.yaml)"
         ) from None
+    except _ModuleFailed as failed:
+        option = _by_target().get((group, target))
+        chosen = f"{group}={option}" if option is not None else f"{group}._target_={target}"
+        assert failed.__cause__ is not None
+        raise ImportFailed(import_failure(chosen, failed.module, failed.__cause__)) from None
     if group != "optim":
         return
     params = inspect.signature(built).parameters

@@ -3,6 +3,7 @@ into the running interpreter's venv, each step said on screen and pip's own outp
 
     .venv/bin/python -m trainer.tools.install --stamp .venv/.installed            # what `make setup` runs
     .venv/bin/python -m trainer.tools.install --torch-index URL_OR_FOLDER ...     # TORCH=cpu
+    .venv/bin/python -m trainer.tools.install --check     # only the last step: do torch and torchvision work?
 
 Why two pips: pip unpacks and byte-compiles one wheel after another on one core, and the CUDA build of
 torch brings 5.5 GB of them (torch, triton and the nvidia-* libraries), which is most of a new clone's
@@ -15,8 +16,17 @@ The screen gets a line per step, what it installs and about how long it takes (E
 TICK_S seconds while wheels unpack, and the whole time; a failed step shows the log's last lines. The
 stamp records which torch the venv holds (`torch=cpu 2.13.0+cpu`): pip does not swap a CUDA torch for
 the CPU one in place (the nvidia-* libraries stay), so TORCH=cpu on a venv that holds the CUDA build is
-refused before pip runs, with the command that rebuilds it. Only pip and the standard library: this
-runs before anything else is installed.
+refused before pip runs, with the command that rebuilds it.
+
+What it installed is then checked, in a new process of the venv's python: torch and torchvision
+import, and one of torchvision's operators runs (a torchvision built for another torch fails there,
+`operator torchvision::nms does not exist`, while pip is content with the pair). A failure is one line
+naming what failed and the command that fixes it, and no stamp. PyTorch's index (--torch-index) is
+tried once, briefly, before pip: where it is unreachable that is said at once, with the sources pip
+looks in next (its configuration's find-links and extra-index-url), and pip does not retry it. The last
+line names where the torch it installed came from (the wheel's URL or path, from pip's report).
+Only pip and the standard library (and trainer/setup/torch_version.py, which is the same): this runs
+before anything else is installed.
 """
 
 from __future__ import annotations
@@ -25,11 +35,14 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import sysconfig
 import tempfile
 import time
+import urllib.error
+import urllib.request
 import zipfile
 from collections.abc import Callable
 from importlib import metadata
@@ -37,13 +50,19 @@ from pathlib import Path
 from typing import IO
 from urllib.parse import unquote, urlparse
 
+from trainer.setup.torch_version import TORCH_FLOOR, TORCHVISION_FLOOR, dotted, release
+
 PROJECT = ".[dev]"
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 # The times said on screen: each step of `make setup` on a fresh clone of the project's 2-core machine, from
 # a quiet day to one with other work sharing the cores (seconds; unpacking: seconds per GB written to the venv).
 MACHINE = "the project's 2-core machine"
-ESTIMATES = {"upgrade": (5, 10), "resolve": (10, 50), "write_per_gb": (7, 34), "editable": (10, 15)}
+ESTIMATES = {"upgrade": (5, 10), "resolve": (10, 50), "write_per_gb": (7, 34), "editable": (10, 15), "check": (5, 10)}
 TICK_S = 15.0
+PROBE_S = 5  # PyTorch's index gets one try this long before pip runs (pip's own: 5 retries of 180 s here)
+TORCH = f"torch>={dotted(TORCH_FLOOR)}"
+TORCHVISION = f"torchvision>={dotted(TORCHVISION_FLOOR)}"
+WHERE_PIP_LOOKS = "`pip config list` shows where pip looks (index-url, extra-index-url, find-links)"
 # What a CUDA build of torch requires on Linux: the CUDA libraries, as pip packages.
 CUDA_PACKAGES = ("nvidia-", "nvidia_", "cuda-", "cuda_")
 NO_CPU_WHEELS = (
@@ -91,12 +110,60 @@ def planned_torch(report: dict) -> tuple[str, str, str] | None:
 
 
 def cpu_torch(index: str) -> list[str]:
-    """pip's arguments that install torch and torchvision from an index URL (their requirements too), or
-    from a folder of wheels alone (their requirements then come with the project's)."""
+    """pip's arguments that install torch and torchvision (the lab's floor) from an index URL (their
+    requirements too), or from a folder of wheels alone (their requirements then come with the project's)."""
+    return [TORCH, TORCHVISION, *torch_source(index)]
+
+
+def torch_source(index: str) -> list[str]:
+    """pip's arguments that take torch from an index URL or from a folder of wheels alone."""
     folder = Path(index).expanduser()
-    if folder.is_dir():
-        return ["torch", "torchvision", "--no-deps", "--no-index", "--find-links", str(folder)]
-    return ["torch", "torchvision", "--index-url", index]
+    return ["--no-deps", "--no-index", "--find-links", str(folder)] if folder.is_dir() else ["--index-url", index]
+
+
+def probe(index: str, timeout_s: float = PROBE_S) -> str | None:
+    """Why an index URL cannot be reached, from one try of `timeout_s` (no retries), or None if it answers
+    (an HTTP error is an answer: what the index holds is pip's to say). A file: URL is reached if it exists."""
+    if index.startswith("file:"):
+        path = Path(unquote(urlparse(index).path))
+        return None if path.exists() else f"{path} does not exist"
+    try:
+        with urllib.request.urlopen(index, timeout=timeout_s):
+            return None
+    except urllib.error.HTTPError:
+        return None
+    except (OSError, ValueError) as err:  # URLError, a timeout, a refused connection, a malformed URL
+        reason = getattr(err, "reason", err)
+        return (
+            f"no answer in {timeout_s} s" if isinstance(reason, TimeoutError) else str(reason) or type(reason).__name__
+        )
+
+
+def pip_sources() -> list[str]:
+    """Where pip looks besides an --index-url: the find-links and extra-index-url of its configuration
+    (its files and PIP_* variables, as `pip config list` shows them), each once."""
+    listed = subprocess.run(pip("config", "list"), capture_output=True, text=True).stdout
+    found: list[str] = []
+    for line in listed.splitlines():
+        key, _, value = line.partition("=")
+        if key.rpartition(".")[2] in ("find-links", "extra-index-url"):
+            found += [v for v in value.strip().strip("'\"").split() if v not in found]
+    return found
+
+
+def unreachable(index: str, why: str, others: list[str]) -> str:
+    """The line that says PyTorch's index cannot be reached, and where pip looks instead."""
+    where = (
+        f"pip looks next in the sources it is configured with ({', '.join(others)}; `pip config list`)"
+        if others
+        else "pip is configured with no other source, so it will find none"
+    )
+    return f"PyTorch's index {index} is unreachable ({why}): {where}, and does not retry the index"
+
+
+def shown(url: str) -> str:
+    """A wheel's URL as a reader finds it: a local file's path, a download's URL, unquoted."""
+    return unquote(urlparse(url).path) if url.startswith("file://") else unquote(url)
 
 
 def planned_wheels(report: dict) -> list[str]:
@@ -191,12 +258,19 @@ class Screen:
         print(f" {took}" if self.open else f"      done in {took}", flush=True)
         self.open = False
 
+    def fail(self, line: str) -> None:
+        """The step failed: `line` says what and what to do."""
+        print((" failed\n" if self.open else "") + line, flush=True)
+        self.open = False
+
 
 class Setup:
     """The steps, in order, with pip's output in one log."""
 
     def __init__(self, log_path: Path, log: IO[str], screen: Screen, jobs: int) -> None:
         self.log_path, self.log, self.screen, self.jobs = log_path, log, screen, jobs
+        self.torch_from: str | None = None  # the torch wheel a plan installs: its URL
+        self.missing: str | None = None  # a requirement a plan found nowhere (pip's "No matching distribution")
 
     def run(self, what: str, estimate_s: tuple[float, float], *args: str) -> bool:
         self.screen.start(what, estimate_s)
@@ -204,14 +278,28 @@ class Setup:
         ok = subprocess.run(pip(*args), stdout=self.log, stderr=subprocess.STDOUT).returncode == 0
         return self.ended(ok, what)
 
-    def plan(self, what: str, *args: str) -> dict | None:
-        """pip's report of what `pip install *args` would install; nothing is written."""
+    def plan(self, what: str, *args: str, advice: str = "") -> dict | None:
+        """pip's report of what `pip install *args` would install; nothing is written. A requirement that
+        no source holds is one line (with `advice`), not the log's tail."""
         self.screen.start(what, ESTIMATES["resolve"])
         done = subprocess.run(
             pip("install", "--dry-run", "--quiet", "--report", "-", *args), capture_output=True, text=True
         )
         self.log.write(done.stderr)
-        return json.loads(done.stdout) if self.ended(done.returncode == 0, what) else None
+        missing = re.search(r"No matching distribution found for (\S+)", done.stderr)
+        if done.returncode != 0 and missing is not None:  # one line, not the log's tail
+            self.missing = missing[1]
+            self.screen.fail(
+                f"pip found no {self.missing} in the sources it was given (its log: {self.log_path}): {advice}"
+            )
+            return None
+        if not self.ended(done.returncode == 0, what):
+            return None
+        report = json.loads(done.stdout)
+        planned = planned_torch(report)
+        if planned is not None:
+            self.torch_from = planned[2]
+        return report
 
     def unpack(self, report: dict | None) -> bool:
         """The report's wheels installed by `jobs` pips at once (False, too, where there is no report)."""
@@ -262,13 +350,16 @@ def wait(procs: list[subprocess.Popen], tick: Callable[[], None], every_s: float
     return [proc.returncode for proc in procs]
 
 
-def install_cpu_torch(setup: Setup, index: str) -> bool:
+def install_cpu_torch(setup: Setup, index: str, reached: bool = True) -> bool:
     """TORCH=cpu's torch and torchvision, before the project (which then finds them installed). pip takes
     the highest version among every source it is configured with, so a CUDA build it would take from
-    another is refused before anything is installed."""
-    report = setup.plan("torch and torchvision, CPU-only: resolved", *cpu_torch(index))
+    another is refused before anything is installed. reached=False: the index did not answer its probe,
+    so pip tries it once, briefly, instead of retrying it for minutes."""
+    once = [] if reached else ["--retries", "0", "--timeout", str(PROBE_S)]
+    report = setup.plan("torch and torchvision, CPU-only: resolved", *cpu_torch(index), *once, advice=NO_CPU_WHEELS)
     if report is None:
-        print(NO_CPU_WHEELS)
+        if setup.missing is None:  # else said with it
+            print(NO_CPU_WHEELS)
         return False
     planned = planned_torch(report)
     if planned is not None and planned[1] != "cpu":
@@ -281,43 +372,126 @@ def install_cpu_torch(setup: Setup, index: str) -> bool:
     return setup.unpack(report)
 
 
+# Run by the venv's python in a new process: what a run imports, and one of torchvision's operators.
+PAIR_CHECK = """
+import json
+from importlib import metadata
+said = {"failed": "import torch", "torch": None, "torchvision": None}
+try:
+    said["torchvision"] = metadata.version("torchvision")
+except metadata.PackageNotFoundError:
+    pass
+try:
+    import torch
+    said["torch"], said["failed"] = torch.__version__, "import torchvision"
+    import torchvision
+    said["failed"] = "torchvision.ops.nms"
+    boxes = torch.tensor([[0.0, 0.0, 2.0, 2.0], [0.0, 0.0, 2.0, 1.9]])
+    torchvision.ops.nms(boxes, torch.tensor([0.9, 0.8]), 0.5)
+    said["failed"] = None
+except Exception as err:
+    text = str(err).strip()
+    said["error"] = type(err).__name__ + (": " + text.splitlines()[0] if text else "")
+print(json.dumps(said))
+"""
+
+
+def check_pair(python: str, fix_source: list[str], command: str) -> str | None:
+    """Whether torch and torchvision work together in `python`: None, or the one line that says what
+    failed and the command that fixes it (fix_source: pip's arguments for where torch came from)."""
+    done = subprocess.run([python, "-c", PAIR_CHECK], capture_output=True, text=True)
+    venv = os.path.relpath(Path(python).parents[1])
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        how = f"signal {-done.returncode}" if done.returncode < 0 else f"exit code {done.returncode}"
+        tail = done.stderr.strip().splitlines()[-1:] or ["nothing on stderr"]
+        return (
+            f"the check of torch and torchvision ended with {how} ({tail[0]}): `rm -rf {venv} && "
+            f"{command}` sets the venv up again"
+        )
+    said = json.loads(lines[-1])
+    if said["failed"] is None:
+        return None
+    torch, vision = said["torch"], said["torchvision"]
+    pair = f"torch {torch or '(not importable)'}, torchvision {vision or '(not installed)'}"
+    if torch is None:
+        fix = f"`rm -rf {venv} && {command}` sets the venv up again"
+    elif release(torch) < TORCH_FLOOR:  # only a torch from outside the set-up (PYTHONPATH) can be this old
+        fix = f"the lab needs {TORCH}: `rm -rf {venv} && {command}` sets the venv up again"
+    else:
+        wanted = matching_torchvision(torch)
+        args = " ".join(dict.fromkeys(["--force-reinstall", "--no-deps", f"'{wanted}'", *fix_source]))  # each once
+        fix = f"`{python} -m pip install {args}` installs the torchvision built for torch {torch}"
+    return f"torch and torchvision do not work together: {said['failed']} failed with {said['error']} ({pair}): {fix}"
+
+
+def matching_torchvision(torch_version: str) -> str:
+    """The torchvision requirement built for a torch release: 0.(minor + 15) for torch 2.x (2.14: 0.29)."""
+    numbers = (*release(torch_version), 0, 0)
+    return f"torchvision==0.{numbers[1] + 15}.*" if numbers[0] == 2 else "torchvision"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--jobs", type=int, default=2, help="pips unpacking wheels at once (default: 2)")
     parser.add_argument("--log", type=Path, help="pip's own output (default: pip.log in the venv)")
     parser.add_argument("--stamp", type=Path, help="written when all went well: torch=<build> <version>")
     parser.add_argument("--torch-index", help="TORCH=cpu: the CPU-only torch from this index URL or wheel folder")
-    parser.add_argument("--command", default="make setup TORCH=cpu", help="the make command, named in hints")
+    parser.add_argument("--command", help="the make command, named in hints (default: make setup [TORCH=cpu])")
+    parser.add_argument("--check", action="store_true", help="only check that torch and torchvision work together")
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error(f"--jobs={args.jobs} is invalid: accepted: an integer >= 1")
+    command = args.command or ("make setup TORCH=cpu" if args.torch_index is not None else "make setup")
+    fix_source = torch_source(args.torch_index) if args.torch_index is not None else []
     venv, held = os.path.relpath(sys.prefix), installed_torch()
+    if args.check:
+        failed = check_pair(sys.executable, fix_source, command)
+        print(failed or f"torch and torchvision work together in {venv}: both import, and torchvision.ops.nms runs")
+        return 1 if failed else 0
     if args.torch_index is not None and held is not None and held[1] != "cpu":
         print(
             f"{venv} holds torch {held[0]}, the {held[1].upper()} build, which pip does not swap for the CPU-only "
-            f"one in place: `rm -rf {venv} && {args.command}` deletes {venv}, with anything you installed into "
+            f"one in place: `rm -rf {venv} && {command}` deletes {venv}, with anything you installed into "
             "it, and sets it up again with the CPU-only torch"
         )
         return 2
-    cpu_steps = args.torch_index is not None and held is None
+    older = held is not None and release(held[0]) < TORCH_FLOOR
+    cpu_steps = args.torch_index is not None and (held is None or older)
+    reached = True
+    if cpu_steps and not Path(args.torch_index).expanduser().is_dir():
+        why = probe(args.torch_index)
+        if why is not None:  # said now, not after pip's minutes of silent retries
+            reached = False
+            print(unreachable(args.torch_index, why, pip_sources()), flush=True)
     log_path = args.log or Path(venv) / "pip.log"
-    if held is not None:
+    if held is not None and not older:
         torch = f"its torch {held[0]} ({held[1]}) kept"
     else:
-        torch = f"the CPU-only torch from {args.torch_index}" if args.torch_index else "pip's default torch"
+        where = (args.torch_index if reached else "pip's other sources") if args.torch_index is not None else None
+        torch = f"a CPU-only {TORCH} from {where}" if where else f"pip's default {TORCH}"
+        torch += f", in place of its torch {held[0]}" if held is not None else ""
     print(f"setting up {venv} with {torch}; pip's own output goes to {log_path}", flush=True)
     begun = time.monotonic()
     with open(log_path, "w") as log:
-        setup = Setup(log_path, log, Screen(4 + 2 * cpu_steps), args.jobs)
+        setup = Setup(log_path, log, Screen(5 + 2 * cpu_steps), args.jobs)
         if not (
             setup.run("pip, upgraded", ESTIMATES["upgrade"], "install", "--upgrade", "pip")
-            and (not cpu_steps or install_cpu_torch(setup, args.torch_index))
-            and setup.unpack(setup.plan(f"what '{PROJECT}' needs: resolved", "-e", PROJECT))
+            and (not cpu_steps or install_cpu_torch(setup, args.torch_index, reached))
+            and setup.unpack(setup.plan(f"what '{PROJECT}' needs: resolved", "-e", PROJECT, advice=WHERE_PIP_LOOKS))
             and setup.run(
-                "the project, editable, every requirement checked", ESTIMATES["editable"], "install", "-e", PROJECT
+                "the project, editable (pip checks each requirement's version)",
+                ESTIMATES["editable"],
+                *("install", "-e", PROJECT),
             )
         ):
             return 1
+        setup.screen.start("torch and torchvision: imported, and torchvision's nms run", ESTIMATES["check"])
+        failed = check_pair(sys.executable, fix_source, command)
+        if failed is not None:
+            setup.screen.fail(failed)
+            return 1
+        setup.screen.end()
     held = installed_torch()
     torch = f"torch {held[0]} ({held[1]})" if held else "no torch"
     if args.torch_index is not None and (held is None or held[1] != "cpu"):
@@ -325,7 +499,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.stamp is not None:
         args.stamp.write_text(f"torch={held[1]} {held[0]}\n" if held else "torch=none\n")
-    print(f"set up in {time.monotonic() - begun:.0f} s: {venv} with {torch}")
+    came = f"from {shown(setup.torch_from)}" if setup.torch_from else "already installed, kept"
+    print(f"set up in {time.monotonic() - begun:.0f} s: {venv} with {torch}, {came}")
     return 0
 
 

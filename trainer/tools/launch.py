@@ -2,15 +2,18 @@
 
 It takes torchrun's own arguments (torch.distributed.run's parser) and runs torchrun's own launch in
 this process (torch.distributed.run.run), as `accelerate launch` does, so multi-node rendezvous,
---max-restarts and elastic --nnodes=1:2 are torchrun's. Two things are added:
+--max-restarts and elastic --nnodes=1:2 are torchrun's. What it adds:
 
+- Before torch is imported, a torch older than the lab's floor is refused in one line (exit 2).
 - Before any worker starts, train.py's overrides are composed and validated once, here (the same
   check every rank of a plain `torchrun train.py` makes): bad input is one line and exit 2 in about
   two seconds, instead of every rank starting, importing torch and composing, then torchrun's
   traceback and exit 1.
 - When a worker fails anyway (a data root that is missing, a crash in training), torchrun's
   ChildFailedError block becomes one line naming the first rank that failed, and the launcher exits
-  with that rank's code (2 bad input, 1 a failure in training, 130 Ctrl-C, 143 SIGTERM), not 1.
+  with that rank's code (2 bad input, 1 a failure in training, 130 Ctrl-C, 143 SIGTERM), not 1; a
+  worker killed by a signal it could not handle (SIGKILL: the OOM killer, `kill -9`) exits 128 + the
+  signal, as a shell reports it (137).
 - Ctrl-C or a SIGTERM sent to the launcher (torchrun passes it on to every worker, which stops after
   its current step and flushes its logs) ends with one line and 128 + the signal (130, 143), not
   torchrun's SignalException traceback and exit 1.
@@ -28,6 +31,7 @@ from pathlib import Path
 from types import ModuleType
 
 from trainer.reliability.exits import ctrl_c_held
+from trainer.setup.torch_version import refuse_old_torch
 
 TRAIN_PY = Path(__file__).resolve().parents[2] / "train.py"
 BAD_INPUT = 2
@@ -59,13 +63,22 @@ def _exit_code(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
+def _failed(rank: int, code: int) -> str:
+    """The launcher's line for the first rank that failed, with the code it exits with."""
+    if code < 0:  # torchrun's -N: the worker died of signal N without handling it
+        name = signal.Signals(-code).name
+        return (
+            f"launch: rank {rank} was killed by {name} (exit code {_exit_code(code)} = 128 + {-code}): no "
+            "handler of its own ran, so its logs end where it was killed"
+        )
+    return f"launch: rank {rank} exited with code {code}: {_meaning(code)}"
+
+
 def _meaning(code: int) -> str:
     if code == BAD_INPUT:
         return "bad input (its configuration error is above)"
     if code == 1:
         return "a failure in training (its message is above, and in the run dir's train_rank*.log)"
-    if code < 0:
-        return f"stopped by {signal.Signals(-code).name}"
     return "see the lines above"
 
 
@@ -90,6 +103,7 @@ def _quiet_torchrun() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    refuse_old_torch()  # an older torch than the floor: one line and exit 2, before torch is imported
     with ctrl_c_held(BEFORE_WORKERS):  # importing torch takes a second or two: a Ctrl-C in it, one line
         from torch.distributed import run as torchrun
     return _launch(torchrun, argv)
@@ -117,11 +131,7 @@ def _launch(torchrun: ModuleType, argv: list[str] | None) -> int:
         torchrun.run(args)
     except ChildFailedError as failed:
         rank, failure = failed.get_first_failure()
-        print(
-            f"launch: rank {rank} exited with code {failure.exitcode}: {_meaning(failure.exitcode)}",
-            file=sys.stderr,
-            flush=True,
-        )
+        print(_failed(rank, failure.exitcode), file=sys.stderr, flush=True)
         return _exit_code(failure.exitcode)
     except SignalException as stop:
         # torchrun's own handler (SIGINT, SIGTERM, SIGHUP, SIGQUIT) raises this once the workers have
