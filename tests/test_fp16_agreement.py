@@ -3,8 +3,9 @@
 Each rank of zero and fsdp holds its own shard of the gradient, so one rank can find an inf where the
 other finds none. The overflow is the step's global gradient norm being non-finite
 (trainer/loop/loss_scale.py): the norm reduces every shard's squares, so every rank sees the same
-flag, skips the same step (on the device with a fused AdamW, on the host with SGD) and backs its
-scale off alike. Here an inf is put into rank 1's shard only, after the averaging of step 3.
+flag, skips the same step (on the device: a fused AdamW itself, SGD and a plain AdamW through
+trainer/loop/device_skip.py) and backs its scale off alike. Here an inf is put into rank 1's shard
+only, after the averaging of step 3.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ CASES = {
     "zero-sgd": ["sync=zero", "optim=sgd"],
     "zero3-adamw-fused": ["sync=zero", "sync.stage=3", "optim=adamw", "optim.fused=true"],
     "fsdp-adamw-fused": ["sync=fsdp", "optim=adamw", "optim.fused=true"],
+    "fsdp-adamw": ["sync=fsdp", "optim=adamw"],
     # 16-bit parameters and gradients (trainer.param_dtype=fp16): the shards are the fp32 master copy's
     "zero-fp16-params": ["sync=zero", "optim=adamw", "optim.fused=true", "trainer.param_dtype=fp16"],
     "zero3-fp16-params": ["sync=zero", "sync.stage=3", "optim=sgd", "trainer.param_dtype=fp16"],

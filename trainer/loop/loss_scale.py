@@ -6,7 +6,8 @@ is the step's gradient norm being non-finite: that norm is global already (repli
 equal on every rank; a sharded strategy reduces its shards' squares through `comm`), so every rank
 finds the same overflow, one shard's included, with no collective of its own. The scale then moves
 on the device with torch's own update (backoff on an overflow, growth after `growth_interval`
-clean steps), and the step is skipped on the device where the optimizer can (trainer/loop/step.py).
+clean steps), and the step is skipped on the device: by a fused optimizer itself, by
+trainer/loop/device_skip.py for any other.
 The state (scale, growth count) is GradScaler's, so checkpoints hold the same `grad_scaler` entry.
 """
 

@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from trainer.core import DistContext, TrainSettings
+from trainer.loop.device_skip import DeviceSkip
 from trainer.loop.loss_scale import AgreedScaler
 from trainer.loop.metrics import Window
 from trainer.observer import Observer
@@ -49,7 +50,7 @@ def grad_scaler_for(precision: str, device: torch.device) -> AgreedScaler | None
 def skips_on_device(optimizer: Optimizer) -> bool:
     """Whether the optimizer skips a step itself when handed a non-finite flag (torch's fused Adam,
     AdamW, Adagrad: `found_inf`, no host read). Fused SGD is left out: on torch 2.14 a first step
-    skipped that way leaves its momentum buffer uninitialised. Any other reads the flag on the host."""
+    skipped that way leaves its momentum buffer uninitialised. Any other is undone by DeviceSkip."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and not isinstance(optimizer, torch.optim.SGD)
 
 
@@ -81,6 +82,10 @@ class StepRunner:
         # fp16 and on_nonfinite=skip: whether a step's gradients were finite is a device flag, agreed by the norm
         self.checks_finite = self.scaler is not None or settings.on_nonfinite == "skip"
         self.skips_on_device = skips_on_device(optimizer)
+        # An optimizer that cannot skip a step itself: its step undone on the device where the flag is set
+        self.device_skip = (
+            DeviceSkip(optimizer, ctx.device) if self.checks_finite and not self.skips_on_device else None
+        )
         self.lr = optimizer.param_groups[0]["lr"]  # the rate the last step used
 
     def run(self, batches: Iterator[Any], step: int) -> None:
@@ -129,21 +134,25 @@ class StepRunner:
             self.window.add_grad_norm(norm, step, sampled, every_step=max_norm is not None)
         elif sampled:  # for the row only: finished there, on the host
             self.window.add_norm_later(self.sync.grad_norm_later(optimizer))
-        found_inf = None
+        found_inf = nonfinite = None
         if self.checks_finite:
             assert norm is not None
-            found_inf = (~torch.isfinite(norm)).to(torch.float32)
+            nonfinite = ~torch.isfinite(norm)
+            found_inf = nonfinite.to(torch.float32)
             self.window.add_found_inf(found_inf, step)
         if max_norm is not None:  # clip the averaged gradient by its global norm, as one process would
             assert norm is not None
             self.sync.scale_grads(optimizer, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-        if found_inf is None:
+        if nonfinite is None:
             self.sync.optimizer_step(optimizer)
         elif self.skips_on_device:  # the optimizer leaves every parameter and its state as they were
             optimizer.found_inf, optimizer.grad_scale = found_inf, None  # type: ignore[attr-defined]
             self.sync.optimizer_step(optimizer)
             optimizer.found_inf = None  # type: ignore[attr-defined]
-        elif not bool(found_inf):  # one host read a step: this optimizer cannot skip on the device
+        elif self.device_skip is not None and self.device_skip.undoable():
+            with self.device_skip.skipping(nonfinite):  # the step runs; where not finite, it is put back
+                self.sync.optimizer_step(optimizer)
+        elif not bool(found_inf):  # state only the host can undo (device_skip.py): read, as GradScaler does
             self.sync.optimizer_step(optimizer)
         if scaler is not None:
             assert found_inf is not None

@@ -1,6 +1,6 @@
 """Counts the host synchronisations of the steps the observer does not sample: there must be none.
 
-    python -m trainer.tools.host_syncs sync=zero trainer.precision=fp16 optim=adamw optim.fused=true
+    python -m trainer.tools.host_syncs sync=zero trainer.precision=fp16 trainer.max_grad_norm=1.0
     torchrun --nproc_per_node=2 -m trainer.tools.host_syncs sync=fsdp trainer.max_grad_norm=1.0
 
 An unsampled step should run ahead of the GPU: every read of a tensor's value on the host (`item`,
@@ -14,8 +14,10 @@ On CPU nothing synchronises, but the same calls would on a GPU: they are counted
 except the ones the data loader makes when an epoch begins (its order, drawn on the host). Step 1
 is not counted: there the strategies agree once on what each rank used and refuse a model they
 cannot train, a decision taken on the host before any gradient is sent. fp16 and
-trainer.on_nonfinite=skip skip a non-finite step on the device only with an optimizer that can
-(optim=adamw optim.fused=true); any other reads one flag a step, which this tool shows.
+trainer.on_nonfinite=skip skip a non-finite step on the device, whatever the optimizer
+(trainer/loop/device_skip.py); where only the host can put a step back (state the optimizer keeps
+on the host, or makes on a first step from something other than zero), the step reads the flag,
+which this tool shows.
 On CUDA, `--sync-debug` also runs the unsampled steps under torch.cuda.set_sync_debug_mode("error").
 Prints one line per step with a read, and exits 1 if any unsampled step has one.
 """
