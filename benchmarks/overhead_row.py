@@ -48,6 +48,7 @@ from benchmarks.rounds import iqr
 from trainer.setup import dist as ddist
 
 ROW_EVERY = 10  # the framework's default trainer.log_every_n_steps
+EVERY_CANDIDATE = ["trainer.sample_budget=null"]  # every row's window holds a sampled step: no budget
 
 
 def with_collective(loop: HandWritten) -> Callable[[int], None]:
@@ -71,12 +72,14 @@ def with_collective(loop: HandWritten) -> Callable[[int], None]:
 
 def variants(model: str, sync: str, ctx: ddist.DistContext, out: Path) -> dict[str, Callable[[int], None]]:
     overrides = MODELS[model]
-    framework = Framework(overrides, sync, ctx, out / "framework")
-    unchecked = Framework(overrides, sync, ctx, out / "unchecked")
+    # Every row's window holds a sampled step here (no budget): the row and its sampled step are what is taken apart.
+    every = EVERY_CANDIDATE
+    framework = Framework(overrides, sync, ctx, out / "framework", extra=every)
+    unchecked = Framework(overrides, sync, ctx, out / "unchecked", extra=every)
     checks = unchecked.trainer._nonfinite  # the agreement taken out: nothing sent, nothing waited for
     checks.at_row = lambda *_: None  # type: ignore[method-assign]
     checks.previous = lambda: None  # type: ignore[method-assign]
-    rowless = Framework(overrides, sync, ctx, out / "rowless", extra=["trainer.log_every_n_steps=1000000000"])
+    rowless = Framework(overrides, sync, ctx, out / "rowless", extra=[*every, "trainer.log_every_n_steps=1000000000"])
     loop = HandWritten(overrides, sync, ctx)
     return {
         "framework": framework.run,
@@ -163,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     runs[name](steps)
                     wall[name].append((time.perf_counter() - wall0) / steps)
                     cpu[name].append((time.process_time() - cpu0) / steps)
-            apart = Framework(MODELS[args.model], args.sync, ctx, Path(tmp) / "apart")
+            apart = Framework(MODELS[args.model], args.sync, ctx, Path(tmp) / "apart", extra=EVERY_CANDIDATE)
             apart.run(2 * ROW_EVERY)
             dist.barrier()
             placed = in_place(apart, apart_steps)

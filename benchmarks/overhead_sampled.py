@@ -100,7 +100,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"{args.model} on cpu, world size {ctx.world_size}: medians over {steps} steps\n")
         with tempfile.TemporaryDirectory() as tmp:
             for strategy in args.strategies.split(","):
-                framework = Framework(MODELS[args.model], strategy, ctx, Path(tmp) / strategy.replace(":", "-"))
+                where = Path(tmp) / strategy.replace(":", "-")
+                # The sampled step taken apart: every candidate sampled (no budget).
+                framework = Framework(MODELS[args.model], strategy, ctx, where, extra=["trainer.sample_budget=null"])
                 framework.run(100)  # warm: the first steps allocate, DDP rebuilds its buckets
                 sampled, unsampled, every = measure(framework, steps)
                 if ctx.is_main_process:

@@ -137,6 +137,7 @@ COMMON = [
     "data.num_val_samples=16",
     "trainer.max_steps=8",
     "trainer.log_every_n_steps=2",
+    "trainer.sample_budget=null",  # every row's bytes are read: every row sampled
     "trainer.eval_every_n_steps=0",
     "trainer.progress_bar=false",
 ]

@@ -24,6 +24,7 @@ COMMON = [
     "data.batch_size=8",
     "trainer.max_steps=12",
     "trainer.log_every_n_steps=2",
+    "trainer.sample_budget=null",  # every row's bytes are checked: every row sampled
     "trainer.eval_every_n_steps=0",
     "trainer.progress_bar=false",
 ]

@@ -105,6 +105,8 @@ LEAVES = {
     "measures",
     "observer",
     "footprint",
+    "sample_budget",
+    "windows",
 }
 MAY_IMPORT = {
     "setup": {"loop", "sync", "reliability", "logger"},

@@ -138,7 +138,7 @@ def test_one_value_per_name_and_window(profiled: tuple[subprocess.CompletedProce
     assert printed[("throughput", "whole-run mean")] == round(summary["throughput/global_samples_per_s"])
     # The bar's loss is rank 0's own, under a name of its own (the job's train/loss is the ranks' mean).
     bar = re.findall(r"rank 0 loss ([\d.]+) \(last row\)", proc.stderr + proc.stdout)
-    assert bar and ("rank", "last row") not in printed
+    assert bar and printed[("loss", "last row")] == float(bar[-1])  # its own name: not train/loss
     rank0 = [json.loads(line) for line in (run_dir / "metrics" / "rank0.jsonl").read_text().splitlines()]
     assert float(bar[-1]) == pytest.approx([r for r in rank0 if "train/loss" in r][-1]["train/loss"], abs=6e-5)
     # Every row says what it is; the kinds of this run: training rows, evaluations, a checkpoint's.

@@ -81,6 +81,11 @@ class TrainSettings:
     sample_every_n_steps: Annotated[
         int, Field(ge=0, description="phases, communication and memory measured on one step in n; 0: none")
     ]
+    sample_budget: Annotated[
+        float | None,
+        Field(gt=0, le=1, description="sample while the samples cost under this share of the run's time; null: always"),
+    ]
+    sample_max_gap_steps: Annotated[int, Field(ge=1, description="sample at least this often, whatever the budget")]
     eval_every_n_steps: Annotated[int, Field(ge=0, description="0: only at the end")]
     eval_max_samples: Annotated[int | None, Field(ge=1, description="the val split's first n; null: all of it")]
     grad_accum_steps: Annotated[int, Field(ge=1, description="micro-batches per optimizer step")]

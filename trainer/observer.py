@@ -15,6 +15,7 @@ On a GPU the marks are CUDA events, read at the row after the synchronisation th
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from torch.futures import Future
 
 from trainer import measures
 from trainer.clock import Clock, Mark
+from trainer.sample_budget import SampleBudget
 
 
 class Probe(Protocol):
@@ -113,9 +115,17 @@ class Observer:
     those the communication object launches it reports itself.
     """
 
-    def __init__(self, device: torch.device, every: int = 0, emulated: bool = False) -> None:
+    def __init__(
+        self, device: torch.device, every: int = 0, emulated: bool = False, budget: SampleBudget | None = None
+    ) -> None:
         self.clock, self.device = Clock(device), device
         self.every = every
+        # How often a candidate step (1 in `every`) is sampled: within a share of the run's time
+        # (trainer/sample_budget.py); without one, every candidate.
+        self.budget = budget if budget is not None else SampleBudget()
+        self._last_sampled: int | None = None
+        self._host_started = 0.0
+        self._host_times: list[float] = []  # the sampled steps' host time since the last row (the budget's)
         self.emulated = emulated  # network=<preset>: rows carry the link's ideal
         self.last_step: int | None = None  # the run's last step (the loop sets it): its last two are sampled
         self.probe: Probe | None = None  # set by the loop once the model and optimizer exist
@@ -143,8 +153,12 @@ class Observer:
     def begin_step(self, step: int) -> None:
         """Optimizer step `step` (1-based) starts."""
         last = self.last_step
-        self.sampling = self.every > 0 and ((step + 1) % self.every == 0 or (last is not None and step + 1 >= last))
+        final = last is not None and step + 1 >= last  # the run's last two: its last row has a sample
+        candidate = (step + 1) % self.every == 0 if self.every > 0 else False
+        self.sampling = self.every > 0 and (final or (candidate and self.budget.may_sample(step, self._last_sampled)))
         if self.sampling:
+            self._last_sampled = step
+            self._host_started = time.perf_counter()  # what the sampled step costs the host: the budget's
             self._sample = _Sample(step)
             self._sample.marks.append(("start", self.clock.now()))
             if self.probe is not None:
@@ -177,6 +191,12 @@ class Observer:
         self._sample.ended = True
         self._samples.append(self._sample)
         self._sample, self.sampling = None, False
+        self._host_times.append(time.perf_counter() - self._host_started)
+
+    def take_host_times(self) -> list[float]:
+        """The host time of each step sampled since the last call (a row's window)."""
+        taken, self._host_times = self._host_times, []
+        return taken
 
     def _probe(self) -> dict[str, int]:
         if self.probe is None or self._sample is None:

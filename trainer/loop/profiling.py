@@ -29,6 +29,7 @@ from torch.profiler import ProfilerActivity, profile, schedule
 
 from trainer.logger.base import MetricLogger, TimelineLogger
 from trainer.observer import Observer
+from trainer.sample_budget import SampleBudget
 from trainer.sync.comm import Comm
 
 log = logging.getLogger(__name__)
@@ -45,8 +46,10 @@ class ProfiledObserver(Observer):
     """The observer of a profiled run: it also keeps each phase's host interval of the steps the
     profiler records (every one of them, sampled or not), for the trace."""
 
-    def __init__(self, device: torch.device, every: int = 0, emulated: bool = False) -> None:
-        super().__init__(device, every, emulated)
+    def __init__(
+        self, device: torch.device, every: int = 0, emulated: bool = False, budget: SampleBudget | None = None
+    ) -> None:
+        super().__init__(device, every, emulated, budget)
         self.host: list[tuple[str, float, float, int]] = []  # (phase, start, end, step) while recording
         self.step = 0  # the step being run (set by StepProfiler)
         self.recording = False  # the profiler records this step (set by StepProfiler)

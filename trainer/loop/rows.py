@@ -47,7 +47,10 @@ def sync_facts(sync: SyncStrategy, network: str | None, trials: bool = False) ->
     on (network=<preset>): what the `sync:` line and summary.json's `sync` show. summary.json
     (trials=True) also keeps bucket_cap_mb=auto's trials with every timed step (`auto_trials`),
     which the line shows rounded."""
-    info = {**sync.describe(), "comm_timing": sync.comm.observer.describe()}
+    observer = sync.comm.observer
+    info = {**sync.describe(), "comm_timing": observer.describe()}
+    if observer.every and observer.budget.active:  # how often a candidate step is sampled
+        info["sample_budget"] = observer.budget.describe()
     if trials and sync.tuner is not None:
         info["auto_trials"] = sync.tuner.table()
     return info if network is None else {**info, "network": network}

@@ -14,7 +14,7 @@ from torch import nn
 
 from trainer.core import DistContext
 from trainer.sync.fsdp_units import blocks_of
-from trainer.windows import LAST_EVAL, LAST_ROW, MEDIAN_ROW, RUN_MEAN, SUMMARY_WINDOWS, grouped
+from trainer.windows import LAST_EVAL, LAST_ROW, RUN_MEAN, SUMMARY_WINDOWS, grouped
 
 MEDIAN_PREFIXES = ("time/", "comm/", "throughput/", "perf/")  # a rank's typical step
 PEAK_PREFIXES = ("memory/",)  # a rank's worst moment
@@ -177,7 +177,7 @@ def _link_lines(summary: dict[str, Any]) -> list[str]:
     step = _ranks_mean(summary, "median_time/step_s")
     exposed = _ranks_mean(summary, "median_time/comm_exposed_s")
     alone = _ranks_mean(summary, "median_time/comm_exposed_link_s")
-    line = f"  link {network} ({MEDIAN_ROW}s, mean over ranks): step {_ms(step)}"
+    line = f"  link {network}: median step {_ms(step)}"  # the median row's (trainer/windows.py)
     if exposed is None:
         return [line + ", communication not measured in any row (trainer.sample_every_n_steps)"]
     line += f", of it communication waited for {_ms(exposed)}"

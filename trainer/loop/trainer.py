@@ -133,6 +133,7 @@ class Trainer:
         self.observer.last_step = self.total_steps
         self._window = Window(ctx.device)
         self._nonfinite = NonFiniteCheck(ctx.device)
+        self._row_step = 0  # the step of the previous row (a window's steps: the sample budget's)
         self._batches: Iterator[Any] | None = None  # the current epoch's batches
         self.data = data
         rates = token_rates(self.model, data, ctx.device, settings)
@@ -171,6 +172,7 @@ class Trainer:
         choice = resume.resume_choice(s.resume, s.checkpoint)  # trainer.checkpoint=false: `auto` finds none
         if resume.resume_if_any(self.ctx, self.run_dir, choice, state, self.config):
             self.step, self.epoch = state.step, state.epoch
+            self._row_step = state.step
             self._checkpoint_step = state.step
             self.finished_before = state.step >= self.total_steps
             self._loggers_from = state.step
@@ -331,10 +333,17 @@ class Trainer:
             self._saves.poll()  # rank 0 publishes a save that has finished writing (no collective)
         if is_due(self.step, s.log_every_n_steps, self.total_steps):
             checking = s.on_nonfinite == "raise"
-            answers = self._nonfinite.previous() if checking else None  # the last row's, not read yet
+            budget = self.observer.budget
+            agreeing = checking or budget.active  # the row's one collective: non-finite answers, the budget
+            answers = self._nonfinite.previous() if agreeing else None  # the last row's, not read yet
             totals = self._window.totals(scale=self.runner.scale(), answers=answers)  # the row's one host read
-            if checking:  # the last row's answers raise if bad; this row's are sent (its one collective)
-                self._nonfinite.at_row(totals[2], self._window.extra.get("answers"))
+            if agreeing:  # the last row's answers raise if bad; this row's are sent (its one collective)
+                steps = self.step - self._row_step  # this window's, and the host time of those sampled
+                budget.window(time.perf_counter() - self._window.started, steps, self.observer.take_host_times())
+                first_bad = totals[2] if checking else -1
+                more = budget.mine() if budget.active else ()
+                budget.agree(self._nonfinite.at_row(first_bad, self._window.extra.get("answers"), more))
+            self._row_step = self.step
             epoch = epoch_of(self.step, self.steps_per_epoch)
             loss = self._rows.log(self.step, epoch, self._window, totals, self.observer, self.runner)
             if bar is not None:

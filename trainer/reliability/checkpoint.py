@@ -56,6 +56,8 @@ NOT_TRAINING = (
     "sync.time_buckets",
     "network",  # an emulated link delays collectives; it changes no value they carry
     "trainer.sample_every_n_steps",  # what the observer watches, not what the step computes
+    "trainer.sample_budget",
+    "trainer.sample_max_gap_steps",
     "trainer.time_comm_every_n_steps",  # its name in checkpoints written before it was renamed
 )
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -45,20 +47,28 @@ class NonFiniteCheck:
         work.wait()
         return gathered
 
-    def at_row(self, first_bad_step: int, previous: list[float] | None = None) -> None:
-        """Raise for the previous row's answers (read), then send this row's first bad step (-1: none)."""
-        if previous:
-            _raise_if_bad([int(step) for step in previous])
+    def at_row(self, first_bad_step: int, previous: list[float] | None = None, more: Sequence[int] = ()) -> list[float]:
+        """Raise for the previous row's answers (read), then send this row's first bad step (-1: none).
+
+        `more`: numbers of the same length on every rank that ride along (the observer's sample budget,
+        trainer/sample_budget.py): returned for the previous row, every rank's in rank order, so every
+        rank gets the same; on one rank, this row's own at once."""
         if self._world_size is None:  # the run's group: looked up once (a lookup costs µs at every row)
             self._world_size = dist.get_world_size()
+        others: list[float] = []
+        if previous:
+            width = len(previous) // self._world_size  # 1, or 1 + len(more) of the row that sent them
+            others = [value for i, value in enumerate(previous) if i % width]
+            _raise_if_bad([int(step) for step in previous[::width]])
         if self._world_size == 1:
             _raise_if_bad([first_bad_step])
-            return
-        mine = torch.tensor([first_bad_step], dtype=torch.int64, device=self.device)
-        gathered = torch.empty(self._world_size, dtype=torch.int64, device=self.device)
+            return [float(value) for value in more]
+        mine = torch.tensor([first_bad_step, *more], dtype=torch.int64, device=self.device)
+        gathered = torch.empty(self._world_size * mine.numel(), dtype=torch.int64, device=self.device)
         work = all_gather_tensor(gathered, mine, async_op=True)  # torch 2.14 deprecates the older name
         assert work is not None, "async_op=True returns the collective's Work"
         self._pending = (gathered, work)
+        return others
 
     def now(self, first_bad_step: int) -> None:
         """Before a checkpoint and at the end: every rank's answer so far, waited for."""
@@ -66,7 +76,7 @@ class NonFiniteCheck:
         self.at_row(first_bad_step, previous.tolist() if previous is not None else None)
         last = self.previous()
         if last is not None:
-            _raise_if_bad([int(step) for step in last.tolist()])
+            _raise_if_bad([int(step) for step in last.tolist()])  # now() sends its step alone
 
 
 def _raise_if_bad(first_bad_steps: list[int]) -> None:

@@ -29,6 +29,7 @@ from trainer.loop.lm import compiler_missing
 from trainer.loop.profiling import ProfiledObserver
 from trainer.loop.trainer import Trainer
 from trainer.observer import Observer
+from trainer.sample_budget import SampleBudget
 from trainer.setup.validate import check_group, check_pairing, per_rank_batch
 from trainer.sync.base import DecayGroups, SyncStrategy
 from trainer.sync.comm import Comm
@@ -261,8 +262,10 @@ def build_trainer(
     network = None if parts.link is None else parts.link.describe()  # the sync line names it
     # Before the trainer's wrap(): ddp registers its hook, zero picks its collectives, with the link known.
     # The one instrument; a profiled run's also keeps each profiled step's phases for the trace.
-    observer = (ProfiledObserver if parts.settings.profile else Observer)(
-        ctx.device, parts.settings.sample_every_n_steps, emulated=parts.link is not None
+    settings = parts.settings
+    budget = SampleBudget(settings.sample_budget, settings.sample_max_gap_steps)
+    observer = (ProfiledObserver if settings.profile else Observer)(
+        ctx.device, settings.sample_every_n_steps, emulated=parts.link is not None, budget=budget
     )
     # trainer.reduce_dtype: a gradient reduction in another dtype than its buffer's runs on a copy
     reduce_dtype = DTYPES[parts.settings.reduce_dtype] if parts.settings.param_dtype != "fp32" else None
