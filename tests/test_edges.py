@@ -1,7 +1,8 @@
 """The equivalence promise at its edges, on 2 real gloo ranks against one process in float64:
 tied weights under every strategy, a layer reused under reentrant checkpointing, a parameter unused
 on every rank or on one (zero stage 3: also inside a unit every rank runs, or a unit whose output
-one rank drops), every grouping of manual, zero after a plain optimizer.zero_grad(), and the timed
+one rank drops), every grouping of manual, a parameter unused in some steps (hierarchical too),
+zero, the flat-buffer strategies and hierarchical after a plain optimizer.zero_grad(), and the timed
 collective's future. One launch serves every case (torch start-up is the cost)."""
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def timed(make: Any) -> Any:
 # Each strategy as its conf/sync/ YAML builds it (the defaults live there), a test's keys changed.
 MANUAL, BUCKETED, DDP, FSDP = (partial(from_yaml, option) for option in ("manual", "bucketed", "ddp", "fsdp"))
 ZERO, ZERO3, NATIVE_ZERO3 = (partial(class_from_yaml, cls, "zero") for cls in (ZeroSync, Zero3Sync, NativeZero3))
-# The two-level strategies on 2 ranks: 2 nodes of 1 (sync.shard's default without emulated nodes) or 1 node of 2.
+# The two-level strategies on 2 ranks: 2 nodes of 1 (sync.shard's default outside torchrun) or 1 node of 2.
 HIERARCHICAL, HSDP = (partial(from_yaml, option) for option in ("hierarchical", "hsdp"))
 TINY_MB = 300 / 2**20  # below the branch's 8x8 float64 weight (512 bytes): that tensor makes a group alone
 FIND = {"find_unused_parameters": True}
@@ -117,6 +118,8 @@ CASES: dict[str, Case] = {
     "zero-grad-zero3": Case("tied", ZERO3, plain_zero_grad=True),
     "zero-grad-manual": Case("tied", MANUAL, plain_zero_grad=True),
     "zero-grad-bucketed": Case("tied", partial(BUCKETED, bucket_cap_mb=TINY_MB), plain_zero_grad=True),
+    "zero-grad-hierarchical": Case("tied", partial(HIERARCHICAL, shard=2, bucket_cap_mb=TINY_MB), plain_zero_grad=True),
+    "zero-grad-hierarchical-nodes": Case("tied", HIERARCHICAL, plain_zero_grad=True),  # 2 nodes of 1
 }
 # A parameter unused in some steps (4 steps, both optimizers): by every rank in step 2 (an expert no
 # sample chose), by every rank in step 1, by rank 1 only in step 2, by rank 1 only in step 1.
@@ -139,11 +142,14 @@ FUP = {
     "zero": partial(ZERO, **FIND),
     "zero-stage1": partial(ZERO, stage=1, bucket_cap_mb=TINY_MB, **FIND),
     "zero3-root": partial(ZERO3, wrap="block", **FIND),  # no blocks: every parameter in the root unit
+    "hierarchical": partial(HIERARCHICAL, shard=2, bucket_cap_mb=TINY_MB, **FIND),  # 1 node of 2
+    "hierarchical-nodes": partial(HIERARCHICAL, **FIND),  # 2 nodes of 1
 }
 # Each equals one process: with find_unused_parameters a parameter no rank used gets no update, one
 # some ranks used is averaged as sum / N. zero's flat shard has one step count per piece, so a
 # parameter no rank used is refused with a step-counted optimizer (AdamW) below, equal with SGD.
-SHARDED_FUP = {k: v for k, v in FUP.items() if k not in ("manual", "ddp")}
+REPLICATED_FUP = ("manual", "ddp", "hierarchical", "hierarchical-nodes")
+SHARDED_FUP = {k: v for k, v in FUP.items() if k not in REPLICATED_FUP}
 CASES |= _schedules({k: v for k, v in FUP.items() if k not in SHARDED_FUP}, EVERY, OPTIMIZERS)
 CASES |= _schedules(SHARDED_FUP, EVERY, ("sgd",))
 CASES |= _schedules(SHARDED_FUP, ("some-later", "some-first"), ("adamw",))
@@ -225,6 +231,7 @@ NO_FUP = {
     "bucketed": partial(BUCKETED, bucket_cap_mb=TINY_MB),
     "zero-noflag": ZERO,
     "zero3-root-noflag": partial(ZERO3, wrap="block"),
+    "hierarchical-noflag": partial(HIERARCHICAL, shard=2),
 }
 REFUSED |= {name: (case, "'branch.weight'") for name, case in _schedules(NO_FUP, ("all-later",), OPTIMIZERS).items()}
 NEVER_USED = _schedules(SHARDED_FUP, ("all-later", "all-first"), ("adamw",))

@@ -204,6 +204,31 @@ def test_each_strategy_keeps_what_was_worked_out_by_hand(name: str, n: int) -> N
     assert kinds(build(), n) == expected[n]
 
 
+# hierarchical and hsdp on (world size, sync.shard): world size / shard nodes of shard ranks. The
+# number of nodes changes nothing a rank keeps; the node's ranks do. hierarchical keeps a replica, its
+# one bucket padded to a multiple of the shard (40 elements at 4 and 8), and the bucket's shard.
+# hsdp keeps what fsdp keeps on `shard` ranks (BY_HAND["fsdp"] at 1, 2, 4); at 8, dim 0 padded to a
+# multiple of 8: w1 (5, 3) 3 elements a rank, b1 1, w2 (3, 5) 5, b2 1: 10 (40 bytes) of parameters
+# and momentum. Gradients, as backward reduces net.3 (its 8 + 40 padded elements, 192 bytes, and the
+# 24-byte shard its sum lands in): 216. Comm: net.1 gathered (24 + 8 elements, 128 bytes) beside net.3
+# (192): 320.
+TWO_LEVELS = {
+    (4, 1): (table(152, 152, 152, 152), table(152, 152, 152, 152)),  # 4 nodes of 1
+    (4, 2): (table(152, 152, 152, 76), table(96, 192, 96, 192)),  # 2 nodes of 2
+    (4, 4): (table(152, 160, 152, 40), table(56, 184, 56, 224)),  # 1 node of 4
+    (64, 8): (table(152, 160, 152, 20), table(40, 216, 40, 320)),  # 8 nodes of 8
+    (64, 4): (table(152, 160, 152, 40), table(56, 184, 56, 224)),  # 16 nodes of 4
+}
+
+
+@pytest.mark.parametrize("layout", list(TWO_LEVELS), ids=lambda layout: f"{layout[0]}-ranks-shard-{layout[1]}")
+def test_two_levels_keep_what_was_worked_out_by_hand(layout: tuple[int, int]) -> None:
+    n, shard = layout
+    hierarchical, hsdp = TWO_LEVELS[layout]
+    assert kinds(from_yaml("hierarchical", shard=shard), n) == hierarchical
+    assert kinds(from_yaml("hsdp", shard=shard), n) == hsdp
+
+
 def test_zero3_without_resharding_keeps_every_unit() -> None:
     """reshard_after_forward=false: both units stay gathered from forward to backward (+ one bucket)."""
     assert kinds(zero_sync(3, 25.0, 2, False, "auto", 1, False), 4)["comm_buffers"] == 80 + 80 + 80
@@ -441,6 +466,12 @@ def test_device_gb_says_what_fits_and_the_largest_batch(capsys: pytest.CaptureFi
             ["--ranks", "2", "sync=zero", "sync.stage=3", "trainer.compile=true"],
             ["trainer.compile=true", "accepted"],
         ),
+        (["--ranks", "12"], ["--ranks=12 does not fill nodes of 8 (--gpus-per-node, default 8)", "a multiple of 8"]),
+        (["--ranks", "4", "--gpus-per-node", "0"], ["--gpus-per-node=0", "accepted: an integer >= 1"]),
+        (
+            ["--ranks", "4", "--gpus-per-node", "4", "network.gpus_per_node=2"],
+            ["--gpus-per-node=4 and network.gpus_per_node=2 disagree"],
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(
@@ -540,3 +571,21 @@ def test_all_composes_every_option_with_the_runs_other_groups(capsys: pytest.Cap
     rows = {row["strategy"]: row["bytes"]["parameters"] for row in json.loads(out)["strategies"]}
     assert rows["hsdp"] == pytest.approx(rows["none"] / 2, rel=0.01)
     assert rows["fsdp"] == pytest.approx(rows["none"] / 4, rel=0.02)
+
+
+def test_all_at_64_ranks_predicts_two_levels_in_nodes_of_8(capsys: pytest.CaptureFixture[str]) -> None:
+    """--gpus-per-node (default 8) is the node hierarchical and hsdp split over, said in the header.
+    The default mlp (32 -> 256 -> 256 -> 10, 76,810 parameters) at 8 per node: hsdp keeps 1/8 of
+    each parameter's dim 0 (10 rows padded to 16): 32 * 32 + 32 + 32 * 256 + 32 + 2 * 256 + 2 = 9794
+    elements; hierarchical a replica and 1/8 of its bucket padded to 76,816: 9602 elements. In nodes
+    of 4: 64 * 32 + 64 + 64 * 256 + 64 + 3 * 256 + 3 = 19,331, and 76,812 / 4 = 19,203."""
+    code, out, err = run_tool(["--ranks", "64", "sync=hsdp"], capsys)
+    assert code == 0 and "ranks per node: 8 (--gpus-per-node, default 8): 8 nodes of 8" in out, out + err
+    for argv, node, hsdp, shard in (([], 8, 9794, 9602), (["--gpus-per-node", "4"], 4, 19331, 19203)):
+        report = tool.run(tool.parse_args(["--ranks", "64", "--all", "--json", *argv])).as_json()
+        rows = {row["strategy"]: row["bytes"] for row in report["strategies"]}
+        assert report["gpus_per_node"] == node
+        assert rows["hsdp"]["parameters"] == rows["hsdp"]["optimizer_state"] == 4 * hsdp
+        assert rows["hierarchical"]["parameters"] == 4 * 76810 and rows["hierarchical"]["comm_buffers"] == 4 * shard
+    code, out, err = run_tool(["--ranks", "2", "sync=hsdp", "--json"], capsys)  # fewer ranks than 8: one node of them
+    assert code == 0 and json.loads(out)["gpus_per_node"] == 2, err

@@ -349,6 +349,37 @@ def test_a_strategys_own_run_profiles_its_compute_without_its_waits(tmp_path: Pa
     assert alone.phase_s == pytest.approx(phases) and alone.caveat() is None
 
 
+@pytest.mark.parametrize("mesh", [[1, 4], [4, 1], [2, 2]], ids=lambda mesh: f"{mesh[0]}x{mesh[1]}")
+def test_hsdps_profile_steps_the_optimizer_of_one_nodes_ranks(tmp_path: Path, mesh: list[int]) -> None:
+    """hsdp on 4 ranks: 1 node of 4 split the step four ways, 4 nodes of 1 not at all (each node
+    steps the whole model): the measured 10 ms are scaled back by the shard, never the nodes."""
+    phases = {"data": 0.0, "forward": 0.02, "backward": 0.07, "optimizer": 0.01}
+    run = _summary(tmp_path / "hsdp", "hsdp", [{**phases, "sync": 0.01}] * 4, mesh_replicate_x_shard=mesh)
+    assert read_profile(run, {"hsdp"}).phase_s["optimizer"] == pytest.approx(mesh[1] * 0.01)
+
+
+@pytest.mark.parametrize("nodes", [8, 4])
+def test_two_levels_priced_by_hand_in_nodes_of_8(described: dict[str, Schedule], nodes: int) -> None:
+    """One 8 MiB tensor (one unit, one bucket) on `nodes` nodes of 8, FAST inside, SLOW between.
+    Inside a node a reduce_scatter or all_gather of 8 MiB takes 7 steps of alpha + 1 MiB / beta;
+    across the nodes each rank all-reduces its 1/8 (1 MiB) with one rank of every other node.
+    hierarchical: all three after backward. hsdp: the unit gathered before forward and again before
+    backward (exposed), its reduce_scatter and all_reduce after backward; the optimizer steps 1/8."""
+    mib = 2**20
+    phases = {"data": 0.0, "forward": 0.01, "backward": 0.02, "optimizer": 0.008}
+    profile = RunProfile(Path("run"), 1, "cpu", "none", 32, phases, (Tensor("a.weight", 8 * mib),))
+    topo = Topology(8 * nodes, 8, FAST, SLOW)
+    inside = 7 * (1e-6 + mib / 100e9)
+    across = 2 * (nodes - 1) * (5e-6 + mib / nodes / 10e9)
+    hierarchical = predict(profile, topo, "hierarchical", described["hierarchical"])
+    assert hierarchical.comm_s == pytest.approx(2 * inside + across) == hierarchical.exposed_s
+    assert hierarchical.step_s == pytest.approx(0.038 + 2 * inside + across)
+    hsdp = predict(profile, topo, "hsdp", described["hsdp"])
+    assert hsdp.comm_s == pytest.approx(3 * inside + across) == hsdp.exposed_s
+    assert hsdp.step_s == pytest.approx(0.03 + 0.008 / 8 + 3 * inside + across)
+    assert (hsdp.ranks, hsdp.nodes) == (8 * nodes, nodes)
+
+
 def test_one_rank_of_a_strategy_keeps_its_phases(tmp_path: Path) -> None:
     """On one rank nothing is sent: a strategy's timed waits (DDP's reducer, alone) stay compute."""
     phases = {"data": 0.0, "forward": 0.02, "backward": 0.07, "optimizer": 0.01}

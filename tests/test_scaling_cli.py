@@ -135,6 +135,7 @@ def test_command_prints_writes_and_plots(run_dir: Path, tmp_path: Path) -> None:
     assert proc.returncode == 0, text
     assert "note: the compute comes from a sync=ddp run on 1 rank(s)" in text
     assert "100gbe (alpha 15 us, beta 10 GB/s) between nodes, nvlink (alpha 2 us, beta 360 GB/s) inside" in text
+    assert "; 8 ranks per node (--gpus-per-node);" in text
     assert "best sync.bucket_cap_mb for sync=ddp: N=1:" in text and "N=16:" in text
     assert (tmp_path / "eff.png").read_bytes()[:4] == b"\x89PNG"
     rows: list[dict[str, Any]] = json.loads(out.read_text())["rows"]

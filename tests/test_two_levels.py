@@ -1,7 +1,8 @@
 """Two levels on a 2-D mesh (sync=hierarchical, sync=hsdp): 4 ranks as 2 nodes of 2 train what one
 process trains on the 4x batch, with sgd, adamw and the GPT recipe; replicas bit-identical; hsdp's
 checkpoints of both formats resume on another world size; on the emulated two-tier link only
-1/shard of the flat ring's bytes cross between nodes. Three spawns: 1 rank, 4 ranks, 2 ranks.
+1/shard of the flat ring's bytes cross between nodes (worked out by hand), and on one emulated node
+none; the sync line's mesh resolved. Three spawns: 1 rank, 4 ranks, 2 ranks.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from trainer.setup.precheck import check_overrides
 
 pytestmark = pytest.mark.slow
 
-MLP = ["logger=none", "model.hidden_sizes=[32,32]", *SIX_STEPS]
+# Every row's step sampled (no budget), so that every row carries the norm the tests compare.
+EVERY_ROW = ["trainer.sample_budget=null"]
+MLP = ["logger=none", "model.hidden_sizes=[32,32]", *SIX_STEPS, *EVERY_ROW]
 QUIET = ["logger=none", "model.hidden_sizes=[32,32]", "data.num_val_samples=16", "trainer.eval_every_n_steps=0"]
 QUIET += ["trainer.progress_bar=false"]
 TWO_BY_TWO = ["sync.shard=2", "data.batch_size=4"]  # 4 ranks: 2 nodes of 2, a quarter of the batch each
@@ -37,9 +40,11 @@ ADAMW = ["optim=adamw", "optim.lr=0.01"]
 RECIPE = ["logger=none", "trainer.progress_bar=false", "trainer.eval_every_n_steps=0", "trainer.max_steps=4"]
 RECIPE += ["trainer.log_every_n_steps=1", "model.activation_checkpointing=true", "trainer.max_grad_norm=0.05"]
 RECIPE += ["optim=adamw", "optim.lr=0.01", "optim.weight_decay=0.1", "optim.weight_decay_on=matrices"]
+RECIPE += EVERY_ROW
 STRATEGIES = ("hierarchical", "hsdp")
-LINK = [*QUIET, "data.num_samples=64", "network=1gbe", "network.gpus_per_node=2", "trainer.max_steps=4"]
-LINK += ["trainer.log_every_n_steps=4"]
+EMULATED = [*QUIET, "data.num_samples=64", "network=1gbe", "trainer.max_steps=4", "trainer.log_every_n_steps=4"]
+LINK = [*EMULATED, "network.gpus_per_node=2"]  # 2 emulated nodes of 2
+ONE_NODE = [*EMULATED, "network.gpus_per_node=4"]  # 1 emulated node of 4
 RESUMABLE = [*QUIET, "data.num_samples=512", "trainer.log_every_n_steps=2", *CUT]  # 12 steps of global batch 64
 SHARDED = ["trainer.checkpoint_format=sharded"]
 FP16 = ["trainer.precision=fp16", "trainer.log_every_n_steps=1"]
@@ -51,7 +56,7 @@ def train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dic
     trainer.fit()
     rows = [row for row in trainer._rows.rows if "comm/bytes_per_step" in row]
     norms = [row.get("train/grad_norm") for row in trainer._rows.rows]
-    return {"params": params_of(trainer), "rows": rows, "norms": norms}
+    return {"params": params_of(trainer), "rows": rows, "norms": norms, "sync": trainer.sync.describe()}
 
 
 def train_fp16(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dict[str, Any]:
@@ -92,6 +97,8 @@ def four_ranks(rank: int, world_size: int, gpt: list[str], root: str) -> dict[st
     cases["hierarchical-small-buckets"] = [*MLP, "sync=hierarchical", "sync.bucket_cap_mb=0.001", *TWO_BY_TWO]
     for sync in ("ddp", "fsdp", *STRATEGIES):  # the emulated two-tier link: 2 nodes of 2
         cases[f"link-{sync}"] = [*LINK, f"sync={sync}", "data.batch_size=4"]
+    for sync in STRATEGIES:  # one emulated node of 4: sync.shard follows it, one level
+        cases[f"one-node-{sync}"] = [*ONE_NODE, f"sync={sync}", "data.batch_size=4"]
     results = train_each(rank, world_size, train, cases, f"{root}/runs")
     fp16 = {f"{sync}-fp16": [*MLP, f"sync={sync}", *TWO_BY_TWO, *FP16] for sync in STRATEGIES}
     results |= train_each(rank, world_size, train_fp16, fp16, f"{root}/fp16")
@@ -160,17 +167,41 @@ def test_fp16_backs_off_alike_on_every_rank(four: tuple[list[dict[str, Any]], Pa
     assert all(torch.isfinite(t).all() for t in ranks[0]["params"].values())
 
 
-def inter_node_bytes(four: tuple[list[dict[str, Any]], Path], sync: str) -> list[float]:
-    return [rank["rows"][-1]["comm/inter_node_bytes_per_step"] for rank in case_results(four[0], f"link-{sync}")]
+def inter_node_bytes(four: tuple[list[dict[str, Any]], Path], case: str) -> list[float]:
+    return [rank["rows"][-1]["comm/inter_node_bytes_per_step"] for rank in case_results(four[0], case)]
 
 
 def test_only_a_shard_of_the_gradients_crosses_between_nodes(four: tuple[list[dict[str, Any]], Path]) -> None:
-    """2 nodes of 2: the flat ring sends each rank's 2(4-1)/4 of the gradients over the slow link;
-    hierarchical its shard's 2(2-1)/2 of a half: a third, under the 1/shard the two levels promise.
-    hsdp against fsdp likewise (fsdp's gathers and reduce-scatters all span the nodes)."""
-    for two_level, flat in (("hierarchical", "ddp"), ("hsdp", "fsdp")):
-        ours, theirs = inter_node_bytes(four, two_level), inter_node_bytes(four, flat)
-        assert all(0 < b <= f / 2 for b, f in zip(ours, theirs, strict=True)), (two_level, ours, flat, theirs)
+    """2 nodes of 2, the mlp's 2442 float32 gradients (9768 bytes): ddp's flat ring of 4 sends each
+    rank's 2(4-1)/4 of them over the slow link, 14652 bytes; hierarchical all-reduces its 1/2 of the
+    bucket (4884 bytes) with one rank in the other node, 2(2-1)/2 of it; hsdp its node's shard of each
+    unit (FSDP2's padding: none at 2), 4884 bytes in all. fsdp's gathers and reduce-scatters all span
+    the nodes: more than twice hsdp's."""
+    assert inter_node_bytes(four, "link-ddp") == [14652.0] * 4
+    assert inter_node_bytes(four, "link-hierarchical") == [4884.0] * 4
+    assert inter_node_bytes(four, "link-hsdp") == [4884.0] * 4
+    assert all(f > 2 * 4884 for f in inter_node_bytes(four, "link-fsdp"))
+
+
+@pytest.mark.parametrize("sync", STRATEGIES)
+def test_one_emulated_node_sends_nothing_across_nodes(four: tuple[list[dict[str, Any]], Path], sync: str) -> None:
+    """network.gpus_per_node=4 on 4 ranks: the mesh is one node of 4 (one level, said so), and the
+    link, which knows where its nodes are, measures 0 bytes between them: a measured zero."""
+    for rank in case_results(four[0], f"one-node-{sync}"):
+        assert rank["rows"][-1]["comm/inter_node_bytes_per_step"] == 0.0
+        assert rank["rows"][-1]["comm/bytes_per_step"] > 0
+        facts = rank["sync"]
+        assert (facts["replicate"], facts["shard"], facts["mesh_replicate_x_shard"]) == (1, 4, [1, 4])
+        assert facts["levels"] == "one level: all 4 ranks on one node; two levels need nodes > 1"
+
+
+@pytest.mark.parametrize("sync", STRATEGIES)
+def test_the_sync_line_gives_the_resolved_mesh(four: tuple[list[dict[str, Any]], Path], sync: str) -> None:
+    """sync.replicate=null resolved to the world size / shard: the numbers that run, never null."""
+    for rank in case_results(four[0], f"{sync}-sgd"):
+        facts = rank["sync"]
+        assert (facts["replicate"], facts["shard"], facts["mesh_replicate_x_shard"]) == (2, 2, [2, 2])
+        assert facts["levels"] == "two levels: 2 nodes of 2 ranks"
 
 
 def test_hsdp_resumes_both_formats_on_another_world_size(

@@ -41,7 +41,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--network", default="loopback", help=f"between nodes: {', '.join(PRESETS)} or alpha_us,beta_GBps"
     )
     parser.add_argument("--intra-network", help="inside a node (default: --network, i.e. one flat network)")
-    parser.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node (default 8)")
+    parser.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=8,
+        help="ranks per node (default 8): the node hierarchical and hsdp split over, and where a ring crosses nodes",
+    )
     parser.add_argument("--strategies", help="comma-separated options of conf/sync/ (default: all of them)")
     parser.add_argument(
         "--fsdp-wrap",
@@ -131,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     intra, inter = topologies[0].intra, topologies[0].inter
     where = inter.describe() if intra == inter else f"{inter.describe()} between nodes, {intra.describe()} inside"
     overlap = "communication overlaps compute" if args.overlap else "no overlap: every collective is exposed"
-    print(f"network: {where}; {args.gpus_per_node} ranks per node; {overlap}")
+    print(f"network: {where}; {args.gpus_per_node} ranks per node (--gpus-per-node); {overlap}")
     predictions = [
         predict(profile, topo, name, schedule, overlap=args.overlap)
         for name, schedule in chosen.items()

@@ -48,6 +48,9 @@ def _job_console_level() -> str:
 # resolves the run dir and its log file name itself, from its own environment.
 OmegaConf.register_new_resolver("ddplab.run_stamp", _run_stamp, replace=True)
 OmegaConf.register_new_resolver("ddplab.rank", _rank, replace=True)
+# The ranks per node the launcher reports (torchrun's LOCAL_WORLD_SIZE, submitit's tasks per node; 1
+# alone): network=none's gpus_per_node, and so the two-level strategies' default shard.
+OmegaConf.register_new_resolver("ddplab.local_world_size", lambda: read_launch_env().local_world_size, replace=True)
 # Every rank logs to its own file; only rank 0 talks on the console unless something is wrong.
 OmegaConf.register_new_resolver("ddplab.console_level", lambda: "INFO" if _rank() == 0 else "WARNING", replace=True)
 OmegaConf.register_new_resolver("ddplab.job_console_level", _job_console_level, replace=True)

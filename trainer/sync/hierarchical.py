@@ -65,9 +65,9 @@ class HierarchicalSync(SyncStrategy):
     def wrap(self, model: nn.Module) -> nn.Module:
         self.comm.broadcast_parameters(model)
         device = next(model.parameters()).device
-        self._node, self._peers = mesh.groups(
-            mesh.two_level_mesh(self.replicate, self.shard, dist.get_world_size(), device)
-        )
+        two_level = mesh.two_level_mesh(self.replicate, self.shard, dist.get_world_size(), device)
+        self.replicate, self.shard = two_level.shape  # resolved: the sync line shows what runs
+        self._node, self._peers = mesh.groups(two_level)
         params = [p for p in model.parameters() if p.requires_grad]
         self._flat = FlatGrads(self._groups(params), self.shard)
         self._arrivals = Arrivals(params, names_of(model, params), self.comm, self.name, self.find_unused_parameters)
@@ -117,6 +117,6 @@ class HierarchicalSync(SyncStrategy):
     def facts(self) -> dict[str, Any]:
         if self._flat is None:
             return {}
-        sizes = self._flat.sizes()
-        layout = mesh.sizes(self.replicate, self.shard, dist.get_world_size())
-        return {"num_buckets": len(sizes), "bucket_sizes_bytes": sizes, "mesh_replicate_x_shard": list(layout)}
+        sizes, layout = self._flat.sizes(), mesh.sizes(self.replicate, self.shard, dist.get_world_size())
+        facts = {"num_buckets": len(sizes), "bucket_sizes_bytes": sizes, "mesh_replicate_x_shard": list(layout)}
+        return facts | {"levels": mesh.levels(*layout)}

@@ -59,7 +59,8 @@ class HSDPSync(FSDPSync):
     def device_mesh(self, device: torch.device) -> DeviceMesh:
         """FSDP2 splits each unit across the mesh's shard dimension: the ranks of this node."""
         two_level = mesh.two_level_mesh(self.replicate, self.shard, dist.get_world_size(), device)
-        (self._nodes, _), self._peers = two_level.shape, mesh.groups(two_level)[1]
+        self._nodes, self._peers = two_level.shape[0], mesh.groups(two_level)[1]
+        self.replicate, self.shard = two_level.shape  # resolved: the sync line shows what runs
         self.norm_copies = self._nodes  # every shard is held by one rank in each node
         return two_level["shard"]
 
@@ -85,4 +86,5 @@ class HSDPSync(FSDPSync):
 
     def facts(self) -> dict[str, object]:
         facts = super().facts()
-        return facts and {**facts, "mesh_replicate_x_shard": [self._nodes, self._world_size]}
+        layout = [self._nodes, self._world_size]
+        return facts and {**facts, "mesh_replicate_x_shard": layout, "levels": mesh.levels(*layout)}

@@ -6,6 +6,11 @@ them and as network.gpus_per_node makes the emulated nodes); its columns are the
 (one rank of each node: the ranks that hold the same shard). Inside a shard group the fast link
 carries the whole buffer; across nodes only each rank's 1/shard of it travels.
 
+`sync.shard` defaults to `${network.gpus_per_node}`, the one home of "ranks per node": the emulated
+node's size, or with no emulated network (conf/network/none.yaml) the ranks per node torchrun
+reports (LOCAL_WORLD_SIZE). So on a real cluster the mesh has two levels without a word from the
+user, and on one node of N it is one level, which the sync line says (`levels`).
+
 The keys are declared here once (both strategies' signatures use them) and checked against the
 world size before any rank builds a model (`sizes`, called by precheck and by the builder).
 """
@@ -42,6 +47,18 @@ def sizes(replicate: int | None, shard: int, world_size: int) -> tuple[int, int]
         f"replicate x shard = {world_size}, shard one of {', '.join(map(str, divisors))} "
         "(sync.replicate=null: world size / shard)"
     )
+
+
+def levels(replicate: int, shard: int) -> str:
+    """For the sync line: two levels, or one and why (one node holds every rank, or every node one)."""
+    ranks = replicate * shard
+    if replicate > 1 and shard > 1:
+        return f"two levels: {replicate} nodes of {shard} ranks"
+    if ranks == 1:
+        return "one level: 1 rank"
+    if replicate == 1:
+        return f"one level: all {ranks} ranks on one node; two levels need nodes > 1"
+    return f"one level: {ranks} nodes of 1 rank; two levels need sync.shard > 1 (ranks per node)"
 
 
 def two_level_mesh(replicate: int | None, shard: int, world_size: int, device: torch.device) -> DeviceMesh:

@@ -15,7 +15,11 @@ or of two where the first unlocks the second (zero's stage=3 and reshard_after_f
 --device-gb: which fit in that many GiB, and each one's largest per-rank micro-batch that does;
 --ladder: the ZeRO paper's stages 0-3 (ddp, zero stage=1, 2, 3) in GB, each one's model states
 beside the paper's terms and what it keeps beyond them (figure 1: docs/memory.md);
---json: the same, as JSON (each kind in bytes).
+--json: the same, as JSON (each kind in bytes);
+--gpus-per-node G (default 8): the ranks of one node (fewer ranks than G: one node of them), which
+the header names. It is network.gpus_per_node, which sync=hierarchical's and sync=hsdp's sync.shard
+follow, so they are predicted in two levels as they would run on such nodes; a network.gpus_per_node
+among the overrides says it instead.
 """
 
 from __future__ import annotations
@@ -60,6 +64,8 @@ from trainer.sync.base import SyncStrategy
 from trainer.sync.master import DTYPES, SIXTEEN_BITS, cast_parameters
 
 SAME = 1e-3  # two variants whose every kind is this close (relative) are one row
+GPUS_PER_NODE = 8  # --gpus-per-node's default: a node of 8 GPUs, the common cluster node
+NODE_KEY = "network.gpus_per_node"
 Row = tuple[Prediction, dict[str, Any]]  # a strategy's prediction, and the sync config it was made for
 HEADERS = {
     "parameters": "params",
@@ -86,7 +92,49 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--all", action="store_true", help="every strategy of conf/sync/ and its variants")
     parser.add_argument("--ladder", action="store_true", help="the ZeRO paper's stages 0-3 against its terms, GB")
     parser.add_argument("--json", action="store_true", help="print JSON (bytes) instead of the table (MiB)")
+    parser.add_argument(
+        "--gpus-per-node",
+        type=int,
+        help=f"ranks per node (default {GPUS_PER_NODE}; fewer ranks: one node of them): hierarchical's and hsdp's "
+        "sync.shard (network.gpus_per_node)",
+    )
     return parser.parse_intermixed_args(argv)
+
+
+def ranks_per_node(ranks: int, gpus_per_node: int | None, overrides: Sequence[str]) -> tuple[int, str]:
+    """The node the prediction assumes, and where it comes from: network.gpus_per_node among the
+    overrides, else --gpus-per-node (default 8), at most the ranks; refused where the ranks do not
+    fill whole nodes or the two disagree."""
+    given = _node_override(overrides)
+    if given is not None:
+        node, source = given, NODE_KEY
+        if gpus_per_node is not None and gpus_per_node != node:
+            raise ConfigError(f"--gpus-per-node={gpus_per_node} and {NODE_KEY}={node} disagree: give one of them")
+    else:
+        node = GPUS_PER_NODE if gpus_per_node is None else gpus_per_node
+        source = "--gpus-per-node" + ("" if gpus_per_node is not None else f", default {GPUS_PER_NODE}")
+    if node < 1:
+        raise ConfigError(f"--gpus-per-node={node} is invalid: accepted: an integer >= 1")
+    if ranks > node and ranks % node:
+        raise ConfigError(
+            f"--ranks={ranks} does not fill nodes of {node} ({source}): accepted: a multiple of {node}, "
+            f"or a node size that divides {ranks}"
+        )
+    return min(node, ranks), f"{node} ({source})"
+
+
+def _layout(ranks: int, node: int) -> str:
+    return f"{ranks // node} nodes of {node}" if ranks > node else f"one node of {node}"
+
+
+def _node_override(overrides: Sequence[str]) -> int | None:
+    values = [o.split("=", 1)[1] for o in overrides if o.lstrip("+").split("=", 1)[0] == NODE_KEY]
+    if not values:
+        return None
+    try:
+        return int(values[-1])
+    except ValueError:
+        raise ConfigError(f"{NODE_KEY}={values[-1]} is invalid: accepted: an integer >= 1") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -197,9 +245,13 @@ def run(args: argparse.Namespace) -> Report:
         raise ConfigError(f"--ranks={args.ranks} is invalid: accepted: an integer >= 1")
     if args.device_gb is not None and not args.device_gb > 0:
         raise ConfigError(f"--device-gb={args.device_gb:g} is invalid: accepted: a number > 0 (GiB)")
+    node, assumed = ranks_per_node(args.ranks, args.gpus_per_node, args.overrides)
+    overrides = list(args.overrides)
+    if _node_override(overrides) is None:
+        overrides.append(f"{NODE_KEY}={node}")  # every composition below sees the node
     with from_leaves():
-        check_overrides(args.overrides, world_size=args.ranks)  # train.py's own check: its refusals, its words
-        cfg = compose_config(args.overrides)
+        check_overrides(overrides, world_size=args.ranks)  # train.py's own check: its refusals, its words
+        cfg = compose_config(overrides)
     settings: TrainSettings = check_group(cfg.trainer, "trainer")
     check_pairing(cfg)
     if settings.global_batch_size is not None:  # as the builder sets it (trainer/setup/build.py)
@@ -233,15 +285,15 @@ def run(args: argparse.Namespace) -> Report:
     numel = sum(p.numel() for p in model.parameters())
     paper, terms = None, (2, 2, 12)
     if args.ladder:
-        rows = list(_ladder(args.overrides, settings, predicted))
+        rows = list(_ladder(overrides, settings, predicted))
         # The paper's K: the optimizer's state per element, and the fp32 master copy where parameters are 16-bit
         size = dtype.itemsize
         terms = (size, size, state.per_element + (torch.float32.itemsize if dtype in SIXTEEN_BITS else 0))
         paper = [zero_model_states(numel, args.ranks, stage, *terms) for stage in range(4)]
     elif args.all:
-        rows = list(_every(cfg, settings, predicted, notes, args.overrides))
+        rows = list(_every(cfg, settings, predicted, notes, overrides))
     else:
-        rows = list(_chosen(cfg, settings, predicted))
+        rows = list(_chosen(cfg, settings, predicted, overrides))
     param_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / MIB
     k = settings.grad_accum_steps
     recipe = ""
@@ -255,9 +307,11 @@ def run(args: argparse.Namespace) -> Report:
         f"{state.per_tensor} per tensor stepped",
         f"activations: {activations.fixed / MIB:.2f} MiB + {activations.per_sample / MIB:.4f} MiB per sample, "
         f"from {activations.source}",
+        f"ranks per node: {assumed}: {_layout(args.ranks, node)}, hierarchical's and hsdp's sync.shard={node}",
     ]
     facts = {
         "ranks": args.ranks,
+        "gpus_per_node": node,
         "batch": batch,
         "grad_accum_steps": k,
         "precision": settings.precision,
@@ -314,13 +368,13 @@ def _ladder(overrides: Sequence[str], settings: TrainSettings, predicted: Predic
         yield predicted(label, strategy), _plain(cfg.sync)
 
 
-def _chosen(cfg: DictConfig, settings: TrainSettings, predicted: Predict) -> Iterator[Row]:
+def _chosen(cfg: DictConfig, settings: TrainSettings, predicted: Predict, context: Sequence[str]) -> Iterator[Row]:
     """The strategy the overrides chose: refused as train.py refuses it."""
     strategy = instantiate(cfg.sync)
     refusal = strategy.refuses(settings)
     if refusal:
         raise ConfigError(refusal)
-    name, default = _name_of(cfg.sync)
+    name, default = _name_of(cfg.sync, context)
     yield predicted(_label(name, cfg.sync, default), strategy), _plain(cfg.sync)
 
 
