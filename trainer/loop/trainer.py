@@ -333,15 +333,17 @@ class Trainer:
             self._saves.poll()  # rank 0 publishes a save that has finished writing (no collective)
         if is_due(self.step, s.log_every_n_steps, self.total_steps):
             checking = s.on_nonfinite == "raise"
-            budget = self.observer.budget
-            agreeing = checking or budget.active  # the row's one collective: non-finite answers, the budget
+            budget, sampled_s = self.observer.budget, self.observer.take_host_times()
+            budgeted = budget.active and self.observer.every > 0  # something to space out
+            agreeing = checking or budgeted  # the row's one collective: non-finite answers, the budget
             answers = self._nonfinite.previous() if agreeing else None  # the last row's, not read yet
             totals = self._window.totals(scale=self.runner.scale(), answers=answers)  # the row's one host read
             if agreeing:  # the last row's answers raise if bad; this row's are sent (its one collective)
-                steps = self.step - self._row_step  # this window's, and the host time of those sampled
-                budget.window(time.perf_counter() - self._window.started, steps, self.observer.take_host_times())
+                more: list[int] = []
+                if budgeted:  # this window: its time, its steps, the host time of those sampled
+                    budget.window(time.perf_counter() - self._window.started, self.step - self._row_step, sampled_s)
+                    more = budget.mine()
                 first_bad = totals[2] if checking else -1
-                more = budget.mine() if budget.active else ()
                 budget.agree(self._nonfinite.at_row(first_bad, self._window.extra.get("answers"), more))
             self._row_step = self.step
             epoch = epoch_of(self.step, self.steps_per_epoch)
