@@ -50,6 +50,7 @@ RUN = [
     "trainer.progress_bar=false",
     f"trainer.max_steps={STEPS}",
     "trainer.log_every_n_steps=1",  # every step a row, so every step sampled
+    "trainer.sample_budget=null",  # ... whatever the samples cost
     "trainer.eval_every_n_steps=0",
     "trainer.checkpoint_every_n_steps=0",
     "optim=adamw",
