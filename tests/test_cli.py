@@ -64,6 +64,7 @@ def test_torchrun_ddp_leaves_the_documented_files_and_wandb_runs(tmp_path: Path)
             "sync.bucket_cap_mb=5",
             "trainer.max_steps=20",
             "trainer.log_every_n_steps=5",
+            "trainer.sample_max_gap_steps=5",  # every row's step sampled, whatever the budget says
             "trainer.eval_every_n_steps=10",
             f"hydra.run.dir={run_dir}",
             *QUICK[1:],  # with the progress bar: the README's sample shows it
