@@ -184,7 +184,7 @@ def test_activation_checkpointing_trains_the_same_model(
     for rank, plain in zip(ranks, case_results(pairs, case), strict=True):
         assert bit_identical(rank["params"], plain)  # on CPU the recomputation repeats the same kernels
         # It applied: block 0 ran twice per training micro-batch (the recomputation in backward),
-        # and evaluation and the end-of-run sample (no grad) ran it plainly.
+        # and evaluation (no grad) ran it plainly.
         assert rank["grad_forwards"] == 2 * rank["micro_batches"]
 
 

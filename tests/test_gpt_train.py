@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -13,17 +14,17 @@ pytestmark = pytest.mark.slow
 
 
 def test_gpt_logs_tokens_per_s_perplexity_mfu_and_ends_with_a_sample(tmp_path: Path) -> None:
-    gpt = tiny_gpt(write_corpus(tmp_path / "c.txt", 3000), tmp_path / "tok")
+    corpus = write_corpus(tmp_path / "c.txt", 3000)
     run_dir = tmp_path / "run"
     args = [
         CPU,
-        *gpt,
         "logger=none",
         "trainer.max_steps=4",
         "trainer.log_every_n_steps=2",
         "trainer.progress_bar=false",
     ]
-    proc = python_train_forked([*args, "trainer.peak_tflops=0.5", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    gpt = tiny_gpt(corpus, tmp_path / "tok", sample_tokens=120)  # trainer.end_sample_tokens's default
+    proc = python_train_forked([*args, *gpt, "trainer.peak_tflops=0.5", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert proc.returncode == 0, output(proc)
     rows = train_rows(run_dir / "metrics" / "rank0.jsonl")
     assert all(r["throughput/tokens_per_s"] == pytest.approx(16 * r["throughput/samples_per_s"]) for r in rows)
@@ -31,11 +32,13 @@ def test_gpt_logs_tokens_per_s_perplexity_mfu_and_ends_with_a_sample(tmp_path: P
     assert "eval/perplexity" in proc.stdout and "sample (temperature 0.8" in proc.stdout
     assert (run_dir / "vocab.json").is_file()
 
-    # On CPU with no peak given, MFU is left out rather than invented.
+    # On CPU with no peak given, MFU is left out rather than invented; end_sample_tokens=0: no sample.
     other = tmp_path / "nopeak"
-    proc = python_train_forked([*args, f"hydra.run.dir={other}"], cwd=tmp_path)
+    gpt = tiny_gpt(corpus, tmp_path / "tok", sample_tokens=0)
+    proc = python_train_forked([*args, *gpt, f"hydra.run.dir={other}"], cwd=tmp_path)
     assert proc.returncode == 0, output(proc)
     assert not any("perf/mfu" in r for r in train_rows(other / "metrics" / "rank0.jsonl"))
+    assert "sample (" not in proc.stdout and "sample" not in json.loads((other / "summary.json").read_text())
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,7 @@ from tests.text_helpers import tiny_gpt, write_corpus
 from trainer.loop.rows import LIST_SHOWN, PAIRS_PER_LINE, sync_lines
 
 BLOCK = 16  # tiny_gpt's block_size: tokens per sample
+SAMPLE_TOKENS = 30  # the end-of-run sample's length (characters: the tokenizer is char-level)
 NOISE = ("USDT:", "gpuGetDeviceCount", "DeviceProperties.cpp", "Symlinked", "wandb: WARNING", "ChildFailedError")
 
 
@@ -28,7 +29,7 @@ def profiled(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Compl
     run_dir = root / "run"
     args = [
         CPU,
-        *tiny_gpt(write_corpus(root / "c.txt", 3000), root / "tok"),
+        *tiny_gpt(write_corpus(root / "c.txt", 3000), root / "tok", sample_tokens=SAMPLE_TOKENS),
         "sync=bucketed",
         "sync.bucket_cap_mb=0.001",  # many buckets: a long list on the sync: line
         "trainer.max_steps=6",
@@ -59,6 +60,17 @@ def test_a_profiled_run_with_wandb_prints_nothing_but_ours(
     (rank0,) = run_dir.glob("wandb/offline-run-*-rank0")
     trace = rank0 / "files" / "timeline.json"  # still in the W&B run, now a file of its own
     assert trace.is_file() and not trace.is_symlink()
+
+
+@pytest.mark.slow
+def test_the_end_of_run_sample_is_as_long_as_asked_in_the_summary_and_on_screen(
+    profiled: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    proc, run_dir = profiled
+    sample = json.loads((run_dir / "summary.json").read_text())["sample"]
+    assert len(sample) == 1 + SAMPLE_TOKENS  # the prompt (a newline) and the tokens generated
+    assert "sample (temperature 0.8, top-k 40):" in proc.stdout
+    assert sample.strip().split("\n")[0] in proc.stdout
 
 
 @pytest.mark.slow

@@ -23,8 +23,10 @@ def write_corpus(path: Path, num_chars: int, seed: int = 0) -> Path:
     return path
 
 
-def tiny_gpt(corpus: Path, cache_dir: Path) -> list[str]:
-    """2 blocks of 2 heads x 8 channels over 16-token windows: 28 gradient tensors, a tied head."""
+def tiny_gpt(corpus: Path, cache_dir: Path, sample_tokens: int = 0) -> list[str]:
+    """2 blocks of 2 heads x 8 channels over 16-token windows: 28 gradient tensors, a tied head. No
+    end-of-run sample unless asked for (tests/test_screen.py reads one): at 2 ranks it took about a
+    third of an equivalence module's time."""
     return [
         "model=gpt",
         "model.n_layer=2",
@@ -34,6 +36,7 @@ def tiny_gpt(corpus: Path, cache_dir: Path) -> list[str]:
         "data=text",
         f"data.path={corpus}",
         f"data.cache_dir={cache_dir}",
+        f"trainer.end_sample_tokens={sample_tokens}",
     ]
 
 

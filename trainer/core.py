@@ -123,6 +123,9 @@ class TrainSettings:
     on_nonfinite: Annotated[Literal["raise", "skip"], Field(description="skip: skip the step on all ranks alike")]
     check_replicas_every_n_steps: Annotated[int, Field(ge=0, description="0: off")]
     compile: Annotated[bool, Field(description="torch.compile the model before the sync strategy wraps it")]
+    end_sample_tokens: Annotated[
+        int, Field(ge=0, description="tokens of the end-of-run text sample (data with a vocabulary); 0: none")
+    ]
     peak_tflops: Annotated[
         float | None, Field(gt=0, description="the device's peak for perf/mfu; null: a table on CUDA, none on CPU")
     ]

@@ -85,9 +85,10 @@ def write_vocab(ctx: DistContext, run_dir: Path, vocab: dict[str, object] | None
 
 def end_of_run_sample(model: nn.Module, data: DataModule, tokens: int = 120) -> str | None:
     """A short greedy-free sample (temperature 0.8, top-k 40, seed 0), the same on every rank; None
-    for data without a vocabulary. Every rank must call it: a sharded model's forward communicates."""
+    for data without a vocabulary or for tokens=0. Every rank must call it: a sharded model's forward
+    communicates."""
     vocab = data.vocabulary()
-    if vocab is None:
+    if vocab is None or tokens == 0:
         return None
     prompt = encode("\n", vocab) if "\n" in str(vocab.get("chars", "\n")) else [0]
     # Eager even under trainer.compile: the context grows a token at a time, and torch.compile would

@@ -428,7 +428,8 @@ class Trainer:
         }
         facts["epochs"] = self.step / self.steps_per_epoch
         facts |= {"global_batch_size": self.global_batch_size, "wall_time_s": wall_s, **final_eval}
-        sample = end_of_run_sample(self.model, self.data)  # every rank: an FSDP forward gathers on all
+        # Every rank: an FSDP forward gathers on all
+        sample = end_of_run_sample(self.model, self.data, self.settings.end_sample_tokens)
         if sample is not None:
             facts["sample"] = sample
         summary = gather_summary(mine, self.ctx, str(self.run_dir), facts)

@@ -39,6 +39,7 @@ NOT_TRAINING = (
     "trainer.eval_max_samples",  # what evaluation reads, not what is trained
     "model.activation_checkpointing",  # the same gradients, recomputed
     "trainer.progress_bar",
+    "trainer.end_sample_tokens",  # what is printed after training
     "trainer.profile",
     "trainer.collective_timeout_s",
     "trainer.step_grace_s",
