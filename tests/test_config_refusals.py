@@ -153,6 +153,7 @@ TABLE: list[Row] = [
     Row("trainer=default", "trainer.grad_accum_steps=0", "low", "trainer.grad_accum_steps=0"),
     Row("trainer=default", "trainer.global_batch_size=0", "low", "trainer.global_batch_size=0"),
     Row("trainer=default", "trainer.max_grad_norm=0", "low", "trainer.max_grad_norm=0"),
+    Row("trainer=default", "trainer.end_sample_tokens=-1", "low", "trainer.end_sample_tokens=-1"),
     Row("trainer=default", "trainer.device=mps", "choice", "trainer.device='mps'"),
     Row("trainer=default", "trainer.precision=fp8", "choice", "trainer.precision='fp8'"),
     Row("trainer=default", "trainer.param_dtype=fp8", "choice", "trainer.param_dtype='fp8'"),
