@@ -44,7 +44,7 @@ from pathlib import Path
 
 from benchmarks.overhead_loops import MODELS, Framework, HandWritten
 from benchmarks.rounds import iqr, timed
-from trainer.measures import wire_factor
+from trainer.comm_math import wire_factor
 from trainer.setup import dist as ddist
 from trainer.tools.collective_ops import measure
 

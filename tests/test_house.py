@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.compose import REPO, compose_config
 from trainer.errors import ConfigError
@@ -223,6 +224,23 @@ def test_a_strategy_file_is_its_algorithm(name: str) -> None:
     assert not measuring, f"trainer/sync/{name}.py measures: {measuring}"
     bookkeeping = [n for n, text, fn in lines if fn in BOOKKEEPING_DEFS or any(w in text for w in BOOKKEEPING_WORDS)]
     assert len(bookkeeping) <= 0.15 * len(lines), (name, len(bookkeeping), len(lines))
+
+
+def strategy_modules() -> list[str]:
+    """Every module a sync option builds its strategy from (conf/sync/*.yaml's _target_), and zero
+    stage 3's, which zero_sync returns for sync.stage=3."""
+    targets = {yaml.safe_load(path.read_text())["_target_"] for path in (REPO / "conf" / "sync").glob("*.yaml")}
+    return sorted({target.split(".")[2] for target in targets} | {"zero3"})
+
+
+def test_no_strategy_module_measures() -> None:
+    """The measuring half of the check above, on every strategy's module (the observer measures)."""
+    modules = strategy_modules()
+    assert len(modules) == 9 and set(STRATEGY_FILES) < set(modules), modules
+    for name in modules:
+        lines = _code_lines(REPO / "trainer" / "sync" / f"{name}.py")
+        measuring = [f"{n}: {text.strip()}" for n, text, _ in lines if MEASURING.search(text.split("#")[0])]
+        assert not measuring, f"trainer/sync/{name}.py measures: {measuring}"
 
 
 def test_the_bookkeeping_counted_above(capsys: pytest.CaptureFixture[str]) -> None:

@@ -269,6 +269,10 @@ def test_comm_metrics_arithmetic() -> None:
     gather = [Collective("all_gather", 4000, 4, False, 0.0, 1.0, 0.0)]
     broadcasts = [Collective("broadcast", 1000, 4, False, 0.0, 1.0, 0.0) for _ in range(4)]
     assert comm_row(gather, False)["comm/bytes_per_step"] == comm_row(broadcasts, False)["comm/bytes_per_step"] == 3000
+    # busbw is nccl-tests' (trainer/comm_math.py's bus factors): the gather's busiest link carries 3/4 of
+    # its S in the second, each broadcast's the whole of its slice.
+    assert comm_row(gather, False)["comm/busbw_GBps"] == pytest.approx(3000 / 1e9)
+    assert comm_row(broadcasts, False)["comm/busbw_GBps"] == pytest.approx(4000 / 1e9)
     assert wire_bytes("reduce_scatter", 4000, 4) == 3000 and wire_bytes("all_reduce", 4000, 4) == 6000
     assert wire_bytes("all_reduce", 4000, 1) == 0  # one rank sends nothing
     assert comm_row([control], False) == {"comm/control_bytes_per_step": 4, "comm/control_collectives_per_step": 1}

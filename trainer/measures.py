@@ -8,11 +8,9 @@ here turn them into the numbers of a row. Nothing else computes a row's time, by
 - The sampled step: 1 step in `trainer.sample_every_n_steps`, the one before each row by default;
   the same step for every quantity and every strategy. Other steps are not watched at all.
 - Bytes (`comm/bytes_per_step`): what this rank puts on the wire, from the collective's kind, the
-  bytes of its buffer S and the ranks n of the group it runs on, as a ring moves them: all_reduce
-  2(n-1)/n S, reduce_scatter (n-1)/n S (S: the full input), all_gather (n-1)/n S (S: the full
-  output), broadcast (n-1)/n S (n-1 ranks receive S and the ring's hops send it, averaged over the
-  n ranks). So the same data moved the same way counts the same, whichever collectives carry it:
-  an all_gather, or a broadcast from each rank of its slice. Control collectives (agreements of a
+  bytes of its buffer S and the ranks n of the group it runs on, as a ring moves them: S times
+  trainer/comm_math.py's wire factor (all_reduce 2(n-1)/n; reduce_scatter, all_gather and
+  broadcast (n-1)/n). Control collectives (agreements of a
   few bytes: a flag per parameter, the cap tuner's vote, a gradient norm) count apart
   (`comm/control_bytes_per_step`), never in the gradient and parameter traffic.
 - Bytes across nodes (`comm/inter_node_bytes_per_step`, network=<preset> with network.gpus_per_node
@@ -28,6 +26,9 @@ here turn them into the numbers of a row. Nothing else computes a row's time, by
   torch waits for inside backward, DDP's buckets, the end of backward's computation: the last
   one's launch) until the result was there. Never more than the communication time.
 - Overlap (`comm/overlap_fraction`): 1 - exposed / communication time.
+- Bus bandwidth (`comm/busbw_GBps`): nccl-tests' busbw over the step, the sum of each data
+  collective's S times its bus factor (trainer/comm_math.py: the wire factor but for a broadcast's
+  1), over the communication time.
 - Bus bandwidth (`comm/busbw_GBps`): bytes / communication time: the rate this rank sent at while
   communicating, comparable with a link's speed whatever the kind.
 - The link's ideal (`time/comm_exposed_link_s`, network=<preset>): what the step would have waited
@@ -68,21 +69,11 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from trainer.comm_math import busy_time
+from trainer.comm_math import KINDS, bus_factor, busy_time, overlap_fraction, wire_factor
 
-KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 PHASES = ("data", "forward", "backward", "sync", "optimizer")  # the loop's marks, in a step's order
 MEMORY_KINDS = ("parameters", "gradients", "optimizer_state", "comm_buffers", "activations")
 MIB = 2**20
-
-
-def wire_factor(kind: str, ranks: int) -> float:
-    """The share of a collective's buffer one rank puts on the wire (module docstring)."""
-    if kind not in KINDS:
-        raise ValueError(f"unknown collective {kind!r}; one of {', '.join(KINDS)}")
-    if ranks < 1:
-        raise ValueError(f"need ranks >= 1, got {ranks}")
-    return (2 if kind == "all_reduce" else 1) * (ranks - 1) / ranks
 
 
 def wire_bytes(kind: str, nbytes: int, ranks: int) -> float:
@@ -145,13 +136,6 @@ def link_ideal(collectives: Sequence[Collective]) -> float:
     return exposed
 
 
-def overlap_fraction(comm_s: float, exposed_s: float) -> float:
-    """comm/overlap_fraction: the share of communication time hidden under compute (at least 0)."""
-    if comm_s <= 0:
-        raise ValueError(f"comm_s={comm_s}: an overlap needs communication time > 0")
-    return max(0.0, 1.0 - exposed_s / comm_s)
-
-
 def comm_row(collectives: Sequence[Collective], emulated: bool) -> dict[str, float]:
     """A sampled step's comm/* and time/comm* keys (none when it sent nothing)."""
     if not collectives:
@@ -183,7 +167,7 @@ def comm_row(collectives: Sequence[Collective], emulated: bool) -> dict[str, flo
         row["time/comm_exposed_link_s"] = link_ideal(data)
     if busy > 0:
         row["comm/overlap_fraction"] = overlap_fraction(busy, exposed)
-        row["comm/busbw_GBps"] = total / busy / 1e9
+        row["comm/busbw_GBps"] = sum(bus_factor(c.kind, c.ranks) * c.nbytes for c in data) / busy / 1e9
     return row
 
 

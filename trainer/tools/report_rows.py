@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from trainer.comm_math import hidden_time
 from trainer.errors import ConfigError
 from trainer.tools.report_layout import Units, bucket_layout, cap_in_use, mark_same_layouts, other_units
 
@@ -178,7 +179,7 @@ class JobRow:
         """Communication that ran under backward (comm minus exposed); 0 when all of it was exposed."""
         if self.comm_ms is None or self.comm_exposed_ms is None:
             return None
-        return max(0.0, self.comm_ms - self.comm_exposed_ms)
+        return hidden_time(self.comm_ms, self.comm_exposed_ms)
 
     @property
     def compute_ms(self) -> float | None:
