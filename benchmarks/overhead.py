@@ -12,7 +12,7 @@
 Each section is a module of its own (benchmarks/overhead_<section>.py, its docstring says what it
 measures and how); they share the two implementations they time (overhead_loops.py) and the way
 rounds are timed (rounds.py). `pieces` and `command` run in one process, the others under
-torchrun. docs/performance.md has each section's command and measurements.
+torchrun. docs/performance.md has each section's command; benchmarks/results/ the measurements.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ Each round times both trainers (the order reversed every other round) for the sa
 after a barrier, the slower rank's time; reported: the median of the per-round differences in µs
 per step, with their interquartile range, and the ratio. With the clip every step computes the
 global norm (sharded strategies: one all_reduce of a scalar) and scales the gradients; without it,
-only logged steps compute the norm (for train/grad_norm).
+only sampled steps compute the norm (for train/grad_norm).
 """
 
 from __future__ import annotations
