@@ -1,7 +1,7 @@
 """The scaling model against the emulated network: python -m trainer.scaling's prediction for a
 strategy on a link, next to the same strategy run on that link emulated in the loop (network=...).
 
-    python benchmarks/network_check.py                 # ~8 min on 2 cores; the table in docs/network.md
+    python benchmarks/network_check.py                 # ~8 min on 2 cores; its tables in benchmarks/results/
     python benchmarks/network_check.py --rounds 1 --steps 10 --strategies manual,ddp   # a quick look
 
 Each round runs, one after another: a profile run without emulation (sync=none, network=none, on
