@@ -1,5 +1,6 @@
-"""The docs hold together: every relative link and image in README.md and docs/*.md resolves (heading
-anchors included), and every config key under conf/ is documented in docs/configuration.md."""
+"""The docs hold together: every relative link and image in README.md, docs/*.md and the measurements
+in benchmarks/results/*.md resolves (heading anchors included), every config key under conf/ is
+documented in docs/configuration.md, and no page is longer than a reference page should be."""
 
 import re
 from collections.abc import Iterator
@@ -11,7 +12,9 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+RESULTS = sorted((REPO / "benchmarks" / "results").glob("*.md"))  # dated measurements the pages link to
 REFERENCE = REPO / "docs" / "configuration.md"
+MAX_PAGE_LINES = 400
 FENCE = re.compile(r"^\s*(```|~~~)")
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 SKIPPED_KEYS = {"defaults", "_target_"}
@@ -59,7 +62,7 @@ def anchors(path: Path) -> set[str]:
 
 
 def links() -> Iterator[tuple[Path, str]]:
-    for doc in DOCS:
+    for doc in [*DOCS, *RESULTS]:
         for line in prose(doc.read_text()):
             for target in LINK.findall(line):
                 if not re.match(r"[a-z]+:", target):  # http:, https:, mailto: are not checked here
@@ -72,6 +75,14 @@ def test_docs_exist_and_link_to_each_other() -> None:
     targets = {(doc.name, target) for doc, target in links()}
     for doc in DOCS[1:]:  # the README's map reaches every page of docs/
         assert ("README.md", f"docs/{doc.name}") in targets, f"README.md's map lacks docs/{doc.name}"
+
+
+def test_every_page_is_a_reference_of_at_most_400_lines() -> None:
+    """Measurements live in benchmarks/results/ (dated), linked from the page that explains them."""
+    long = {doc.name: n for doc in DOCS if (n := len(doc.read_text().splitlines())) > MAX_PAGE_LINES}
+    assert not long, f"pages over {MAX_PAGE_LINES} lines: {long}"
+    linked = {(doc.parent / target.partition("#")[0]).resolve() for doc, target in links() if doc in DOCS}
+    assert all(result.resolve() in linked for result in RESULTS), [r.name for r in RESULTS if r.resolve() not in linked]
 
 
 @pytest.mark.parametrize("doc,target", sorted({(d.relative_to(REPO).as_posix(), t) for d, t in links()}))

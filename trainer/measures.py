@@ -28,9 +28,7 @@ here turn them into the numbers of a row. Nothing else computes a row's time, by
 - Overlap (`comm/overlap_fraction`): 1 - exposed / communication time.
 - Bus bandwidth (`comm/busbw_GBps`): nccl-tests' busbw over the step, the sum of each data
   collective's S times its bus factor (trainer/comm_math.py: the wire factor but for a broadcast's
-  1), over the communication time.
-- Bus bandwidth (`comm/busbw_GBps`): bytes / communication time: the rate this rank sent at while
-  communicating, comparable with a link's speed whatever the kind.
+  1), over the communication time: comparable with a link's speed whatever the kind.
 - The link's ideal (`time/comm_exposed_link_s`, network=<preset>): what the step would have waited
   for if only the emulated link cost time. The step is replayed: its compute keeps its length, each
   wait of the training thread takes only what the link would have made it wait, and whatever came
