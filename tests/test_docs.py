@@ -15,6 +15,7 @@ DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 RESULTS = sorted((REPO / "benchmarks" / "results").glob("*.md"))  # dated measurements the pages link to
 REFERENCE = REPO / "docs" / "configuration.md"
 MAX_PAGE_LINES = 400
+MAX_DOCS_WORDS = 48_805  # docs/ on 2026-12-06 (issue 74): a reference grows by replacing, not by adding
 FENCE = re.compile(r"^\s*(```|~~~)")
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 SKIPPED_KEYS = {"defaults", "_target_"}
@@ -83,6 +84,11 @@ def test_every_page_is_a_reference_of_at_most_400_lines() -> None:
     assert not long, f"pages over {MAX_PAGE_LINES} lines: {long}"
     linked = {(doc.parent / target.partition("#")[0]).resolve() for doc, target in links() if doc in DOCS}
     assert all(result.resolve() in linked for result in RESULTS), [r.name for r in RESULTS if r.resolve() not in linked]
+
+
+def test_the_docs_stay_within_their_word_budget() -> None:
+    words = sum(len(doc.read_text().split()) for doc in DOCS[1:])  # docs/*.md, as wc -w counts
+    assert words <= MAX_DOCS_WORDS, f"docs/ holds {words} words, over its {MAX_DOCS_WORDS}: move measurements out"
 
 
 @pytest.mark.parametrize("doc,target", sorted({(d.relative_to(REPO).as_posix(), t) for d, t in links()}))
