@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from benchmarks.rounds import iqr  # noqa: E402
+from benchmarks.parts.rounds import iqr  # noqa: E402
 from models.gpt import GPT  # noqa: E402
 
 VOCAB = 166  # the default corpus's char vocabulary (docs/gpt.md)

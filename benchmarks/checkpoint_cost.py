@@ -29,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
-from benchmarks.rounds import iqr  # noqa: E402
+from benchmarks.parts.rounds import iqr  # noqa: E402
 
 MODEL = ["model.hidden_sizes=[2048,2048,2048]", "optim=adamw", "data.num_samples=2048"]
 RUN = ["trainer.device=cpu", "logger=none", "trainer.progress_bar=false", "trainer.eval_every_n_steps=0"]

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
-from benchmarks.gpu_check_numbers import (  # noqa: E402
+from benchmarks.parts.gpu_check_numbers import (  # noqa: E402
     collectives_numbers,
     demo_numbers,
     fallback_numbers,

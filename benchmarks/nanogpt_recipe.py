@@ -29,8 +29,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from benchmarks.overhead_loops import Framework  # noqa: E402
-from benchmarks.rounds import iqr, timed  # noqa: E402
+from benchmarks.parts.overhead_loops import Framework  # noqa: E402
+from benchmarks.parts.rounds import iqr, timed  # noqa: E402
 from data.text import Windows  # noqa: E402
 from trainer.setup import dist as ddist  # noqa: E402
 from trainer.setup.build import build_parts, prepare_data  # noqa: E402

@@ -9,9 +9,9 @@
     python benchmarks/overhead.py command [flags]                       # how long a bad command takes to refuse
     python benchmarks/overhead.py <section> --help                      # a section's own flags
 
-Each section is a module of its own (benchmarks/overhead_<section>.py, its docstring says what it
-measures and how); they share the two implementations they time (overhead_loops.py) and the way
-rounds are timed (rounds.py). `pieces` and `command` run in one process, the others under
+Each section is a module of its own (benchmarks/parts/overhead_<section>.py, its docstring says what it
+measures and how); they share the two implementations they time (parts/overhead_loops.py) and the way
+rounds are timed (parts/rounds.py). `pieces` and `command` run in one process, the others under
 torchrun. docs/performance.md has each section's command; benchmarks/results/ the measurements.
 """
 
@@ -25,13 +25,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 SECTIONS = {
-    "step": "benchmarks.overhead_step",
-    "link": "benchmarks.overhead_link",
-    "row": "benchmarks.overhead_row",
-    "pieces": "benchmarks.overhead_pieces",
-    "sampled": "benchmarks.overhead_sampled",
-    "clip": "benchmarks.overhead_clip",
-    "command": "benchmarks.overhead_command",
+    "step": "benchmarks.parts.overhead_step",
+    "link": "benchmarks.parts.overhead_link",
+    "row": "benchmarks.parts.overhead_row",
+    "pieces": "benchmarks.parts.overhead_pieces",
+    "sampled": "benchmarks.parts.overhead_sampled",
+    "clip": "benchmarks.parts.overhead_clip",
+    "command": "benchmarks.parts.overhead_command",
 }
 DEFAULT = "step"
 

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.rounds import iqr  # noqa: E402
+from benchmarks.parts.rounds import iqr  # noqa: E402
 from trainer.sync.comm import Comm  # noqa: E402
 from trainer.sync.network import Network  # noqa: E402
 from trainer.sync.zero import zero_sync  # noqa: E402

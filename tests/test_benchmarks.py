@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks.gpu_check import OVERHEAD, plan
-from benchmarks.gpu_check_numbers import memory_numbers, overhead_numbers, pieces_numbers
 from benchmarks.overhead import SECTIONS
+from benchmarks.parts.gpu_check_numbers import memory_numbers, overhead_numbers, pieces_numbers
 from tests import forks
 from tests.cli import TORCHRUN, env, run_torchrun
 from tests.compose import REPO
@@ -68,6 +68,18 @@ def number(cell: str) -> float:
 
 def positive(*values: object) -> bool:
     return all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values)
+
+
+def test_at_most_12_entry_points_each_documented_and_smoke_tested() -> None:
+    """benchmarks/'s scripts are the few entry points a reader meets (what they share is in
+    benchmarks/parts/): each has a row in docs/performance.md and a run in this file (gpu_check's
+    plan here, its run in tests/test_gpu.py)."""
+    scripts = sorted(path.name for path in BENCHMARKS.glob("*.py"))
+    assert len(scripts) <= 12, scripts
+    page, here = (REPO / "docs" / "performance.md").read_text(), Path(__file__).read_text()
+    assert [s for s in scripts if f"`{s}`" not in page] == []
+    smoke = {s for s in scripts if f'"{s}"' in here or f'"{s[:-3]}"' in here or f"import {s[:-3]}" in here}
+    assert smoke | {"gpu_check.py"} >= set(scripts) and "from benchmarks.gpu_check import" in here, set(scripts) - smoke
 
 
 def test_overhead_refuses_an_unknown_section(tmp_path: Path) -> None:

@@ -70,7 +70,9 @@ class DDPSync(SyncStrategy):
         powersgd_start_step: Annotated[
             int, Field(ge=2, description="plain all-reduce steps first; with error feedback and warm start at least 2")
         ],
-        time_buckets: Annotated[bool, Field(description="the all-reduce as a Python hook through the communication object")],
+        time_buckets: Annotated[
+            bool, Field(description="the all-reduce as a Python hook through the communication object")
+        ],
     ) -> None:
         super().__init__()
         self.bucket_cap_mb: float | str = bucket_cap_mb if bucket_cap_mb == "auto" else float(bucket_cap_mb)

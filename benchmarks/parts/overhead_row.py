@@ -15,7 +15,7 @@ side by side:
 - `no non-finite agreement`: the same, with trainer.on_nonfinite=raise's per-row all_gather (the
   ranks agree whether any saw a non-finite loss) taken out, by hand: the only collective of a row.
 - `no rows`: trainer.log_every_n_steps past the run's end: the step path alone.
-- `hand-written`: benchmarks/overhead_loops.py's tutorial loop (the reference of the ratios).
+- `hand-written`: benchmarks/parts/overhead_loops.py's tutorial loop (the reference of the ratios).
 - `hand-written + 1 collective / 10 steps`: that loop, launching a one-element all_gather every 10
   steps and waiting for it 10 steps later, as the row's agreement does.
 
@@ -43,8 +43,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.overhead_loops import MODELS, Framework, HandWritten
-from benchmarks.rounds import iqr
+from benchmarks.parts.overhead_loops import MODELS, Framework, HandWritten
+from benchmarks.parts.rounds import iqr
 from trainer.setup import dist as ddist
 
 ROW_EVERY = 10  # the framework's default trainer.log_every_n_steps

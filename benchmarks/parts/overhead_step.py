@@ -42,8 +42,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.overhead_loops import MODELS, Framework, HandWritten
-from benchmarks.rounds import iqr, timed
+from benchmarks.parts.overhead_loops import MODELS, Framework, HandWritten
+from benchmarks.parts.rounds import iqr, timed
 from trainer.comm_math import wire_factor
 from trainer.setup import dist as ddist
 from trainer.tools.collective_ops import measure

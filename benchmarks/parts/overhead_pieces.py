@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.overhead_loops import MODELS, Framework
+from benchmarks.parts.overhead_loops import MODELS, Framework
 from trainer.measures import PHASES
 from trainer.reliability import fault as faults
 from trainer.setup import dist as ddist

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from benchmarks.overhead_loops import MODELS, Framework
+from benchmarks.parts.overhead_loops import MODELS, Framework
 from trainer.setup import dist as ddist
 
 

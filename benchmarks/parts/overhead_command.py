@@ -24,9 +24,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.rounds import iqr
+from benchmarks.parts.rounds import iqr
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 LABELS = {"torchrun": "torchrun train.py", "launch": "python -m trainer.tools.launch", "make": "make train"}
 

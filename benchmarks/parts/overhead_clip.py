@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.overhead_loops import MODELS, Framework
-from benchmarks.rounds import iqr, timed
+from benchmarks.parts.overhead_loops import MODELS, Framework
+from benchmarks.parts.rounds import iqr, timed
 from trainer.setup import dist as ddist
 
 STRATEGIES = ("manual", "bucketed", "ddp", "zero:stage=1", "zero", "zero:stage=3", "fsdp")

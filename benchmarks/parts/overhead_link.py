@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from benchmarks.overhead_loops import MODELS, Framework
-from benchmarks.rounds import iqr, timed
+from benchmarks.parts.overhead_loops import MODELS, Framework
+from benchmarks.parts.rounds import iqr, timed
 from trainer.setup import dist as ddist
 from trainer.sync.comm import Comm
 from trainer.sync.network import EmulatedLink, Network
