@@ -27,6 +27,7 @@ CapMb = Annotated[
 CandidatesMb = Annotated[list[Annotated[float, Field(gt=0)]], Field(min_length=1)]
 StepsPerTrial = Annotated[int, Field(ge=1, description="timed steps per candidate cap")]
 WarmupSteps = Annotated[int, Field(ge=1, description="untimed steps per candidate first")]
+AUTO_CANDIDATES_MB = [1.0, 5.0, 25.0, 100.0]  # the caps tried, in order: the signatures' default (copied)
 
 # The strategy's rule: the tensors each bucket would hold if built with this cap (MiB), in order.
 Layout = Callable[[float], Sequence[Sequence[torch.Tensor]]]

@@ -39,7 +39,7 @@ from torch.utils.hooks import RemovableHandle
 from trainer.comm_schedule import Buckets, Hop, Schedule
 from trainer.errors import ConfigError
 from trainer.footprint import Footprint, Plan
-from trainer.sync.autotune import CandidatesMb, CapMb, CapTuner, StepsPerTrial, WarmupSteps
+from trainer.sync.autotune import AUTO_CANDIDATES_MB, CandidatesMb, CapMb, CapTuner, StepsPerTrial, WarmupSteps
 from trainer.sync.base import SyncStrategy
 from trainer.sync.buckets import InOrder
 from trainer.sync.flat import Collective, FlatGrads, group_by_size, names_of
@@ -55,11 +55,11 @@ class BucketedSync(SyncStrategy):
 
     def __init__(
         self,
-        bucket_cap_mb: CapMb,
-        auto_candidates_mb: CandidatesMb,
-        auto_steps_per_trial: StepsPerTrial,
-        auto_warmup_steps: WarmupSteps,
-        collective: Collective,
+        bucket_cap_mb: CapMb = 25.0,
+        auto_candidates_mb: CandidatesMb = AUTO_CANDIDATES_MB,
+        auto_steps_per_trial: StepsPerTrial = 3,
+        auto_warmup_steps: WarmupSteps = 2,
+        collective: Collective = "all_reduce",
     ) -> None:
         super().__init__()
         self.bucket_cap_mb = bucket_cap_mb if bucket_cap_mb == "auto" else float(bucket_cap_mb)

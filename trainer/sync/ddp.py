@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from trainer.comm_schedule import Buckets, Hop, Schedule
 from trainer.errors import ConfigError
 from trainer.footprint import Footprint, Plan, replicated, whole, wire
-from trainer.sync.autotune import CandidatesMb, CapMb, CapTuner, StepsPerTrial, WarmupSteps
+from trainer.sync.autotune import AUTO_CANDIDATES_MB, CandidatesMb, CapMb, CapTuner, StepsPerTrial, WarmupSteps
 from trainer.sync.base import SyncStrategy
 from trainer.sync.ddp_hooks import AllReduceHook, CommHook, SwappableDDP, TorchHook
 from trainer.sync.ddp_private import bucket_layout, logging_data, planned_buckets
@@ -56,23 +56,23 @@ class DDPSync(SyncStrategy):
 
     def __init__(
         self,
-        bucket_cap_mb: CapMb,
-        auto_candidates_mb: CandidatesMb,
-        auto_steps_per_trial: StepsPerTrial,
-        auto_warmup_steps: WarmupSteps,
-        gradient_as_bucket_view: bool,
-        static_graph: bool,
-        find_unused_parameters: bool,
-        broadcast_buffers: bool,
-        comm_hook: CommHook,
-        powersgd_rank: Annotated[int, Field(ge=1, description="PowerSGD's matrix_approximation_rank")],
+        bucket_cap_mb: CapMb = 25.0,
+        auto_candidates_mb: CandidatesMb = AUTO_CANDIDATES_MB,
+        auto_steps_per_trial: StepsPerTrial = 3,
+        auto_warmup_steps: WarmupSteps = 2,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        find_unused_parameters: bool = False,
+        broadcast_buffers: bool = True,
+        comm_hook: CommHook = "none",
+        powersgd_rank: Annotated[int, Field(ge=1, description="PowerSGD's matrix_approximation_rank")] = 1,
         # With error feedback and warm start PowerSGD refuses less: DDP rebuilds its buckets after step 1.
         powersgd_start_step: Annotated[
             int, Field(ge=2, description="plain all-reduce steps first; with error feedback and warm start at least 2")
-        ],
+        ] = 10,
         time_buckets: Annotated[
             bool, Field(description="the all-reduce as a Python hook through the communication object")
-        ],
+        ] = False,
     ) -> None:
         super().__init__()
         self.bucket_cap_mb: float | str = bucket_cap_mb if bucket_cap_mb == "auto" else float(bucket_cap_mb)

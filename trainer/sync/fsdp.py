@@ -143,9 +143,9 @@ class FSDPSync(SyncStrategy):
 
     def __init__(
         self,
-        reshard_after_forward: ReshardAfterForward,
-        wrap: Units,
-        find_unused_parameters: CheckEveryForward,
+        reshard_after_forward: ReshardAfterForward = True,
+        wrap: Units = "auto",
+        find_unused_parameters: CheckEveryForward = False,
     ) -> None:
         super().__init__()
         # true: every training forward is checked as the first is (a unit or parameter some rank

@@ -39,11 +39,12 @@ class HSDPSync(FSDPSync):
 
     def __init__(
         self,
-        reshard_after_forward: ReshardAfterForward,
-        wrap: Units,
-        find_unused_parameters: CheckEveryForward,
-        replicate: mesh.Replicate,
-        shard: mesh.Shard,
+        *,
+        shard: mesh.Shard,  # no default here: the YAML's is the node's ranks, ${network.gpus_per_node}
+        replicate: mesh.Replicate = None,
+        reshard_after_forward: ReshardAfterForward = True,
+        wrap: Units = "auto",
+        find_unused_parameters: CheckEveryForward = False,
     ) -> None:
         super().__init__(reshard_after_forward, wrap, find_unused_parameters)
         self.replicate, self.shard = replicate, shard

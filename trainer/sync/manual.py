@@ -43,9 +43,9 @@ class ManualSync(SyncStrategy):
 
     def __init__(
         self,
-        coalesce_mb: Annotated[float, Field(ge=0, description="0: one buffer per gradient tensor")],
-        collective: Collective,
-        find_unused_parameters: bool,
+        coalesce_mb: Annotated[float, Field(ge=0, description="0: one buffer per gradient tensor")] = 25.0,
+        collective: Collective = "all_reduce",
+        find_unused_parameters: bool = False,
     ) -> None:
         super().__init__()
         self.coalesce_mb = float(coalesce_mb)

@@ -464,8 +464,8 @@ def zero_sync(
             description="1: optimizer state sharded; 2: gradients too; 3: parameters too; stage 0 (nothing "
             "sharded) is sync=ddp or sync=bucketed"
         ),
-    ],
-    bucket_cap_mb: Annotated[float, Field(gt=0, description="stages 1, 2: MiB of gradients per bucket")],
+    ] = 2,
+    bucket_cap_mb: Annotated[float, Field(gt=0, description="stages 1, 2: MiB of gradients per bucket")] = 25.0,
     num_buckets_staged: Annotated[
         int,
         Field(
@@ -473,11 +473,13 @@ def zero_sync(
             description="stage 2: gradient buckets alive at once in backward (the one filling and those "
             "being reduced); the oldest reduction is waited for before another is staged",
         ),
-    ],
-    find_unused_parameters: bool,
-    wrap: Annotated[Wrap, Field(description="stage 3: the units, as sync=fsdp's")],
-    prefetch: Annotated[int, Field(ge=0, description="stage 3: units gathered ahead of the one computing")],
-    reshard_after_forward: Annotated[bool, Field(description="stage 3: free a unit's parameters after its forward")],
+    ] = 2,
+    find_unused_parameters: bool = False,
+    wrap: Annotated[Wrap, Field(description="stage 3: the units, as sync=fsdp's")] = "auto",
+    prefetch: Annotated[int, Field(ge=0, description="stage 3: units gathered ahead of the one computing")] = 1,
+    reshard_after_forward: Annotated[
+        bool, Field(description="stage 3: free a unit's parameters after its forward")
+    ] = True,
 ) -> SyncStrategy:
     """sync=zero's builder: stages 1 and 2 bucket the gradients (bucket_cap_mb; stage 2 keeps
     num_buckets_staged of them alive); stage 3 shards the parameters by fsdp's units instead (wrap,
