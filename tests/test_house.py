@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import re
 import subprocess
@@ -274,3 +275,24 @@ def test_each_strategy_states_its_keys_defaults_and_its_yaml_repeats_them() -> N
             value = OmegaConf.to_object(node[key]) if OmegaConf.is_config(node[key]) else node[key]
             expected = list(default) if isinstance(default, tuple) else default
             assert default is not inspect.Parameter.empty and value == expected, (name, key, value, default)
+
+
+def test_the_network_keys_are_declared_once() -> None:
+    """trainer/sync/network.py's Network holds each network key's type, bounds and default (it is also
+    the schema); conf/network/none.yaml repeats them (gpus_per_node: the launcher's ranks per node), and
+    each preset's YAML extends it, setting only its preset and one rank per node."""
+    from trainer.sync.network import Network
+
+    defaults = {f.name: f.default for f in dataclasses.fields(Network)}
+    node = compose_config(["network=none"]).network
+    keys = [k for k in node if k != "_target_"]
+    assert sorted(keys) == sorted(defaults), keys
+    for key in keys:
+        if not OmegaConf.is_interpolation(node, key):
+            assert node[key] == defaults[key], (key, node[key], defaults[key])
+    assert OmegaConf.is_interpolation(node, "gpus_per_node")
+    for path in sorted((REPO / "conf" / "network").glob("*.yaml")):
+        if path.stem != "none":
+            raw = yaml.safe_load(path.read_text())
+            assert raw["defaults"] == ["none", "_self_"] and raw["preset"] == path.stem, path.name
+            assert set(raw) == {"defaults", "_target_", "preset", "gpus_per_node"}, (path.name, sorted(raw))

@@ -23,9 +23,9 @@ from trainer.links import EMULATED, PRESETS, ring_s
 from trainer.links import Preset as Link
 from trainer.loop.rows import sync_facts
 from trainer.loop.summary import format_report
-from trainer.setup.schema import Network as NetworkConfig
 from trainer.sync.comm import Comm
 from trainer.sync.network import Network
+from trainer.sync.network import Network as NetworkConfig  # the schema is the class (it moved from schema.py)
 
 SLOW = Network(preset="1gbe", latency_us=20_000.0)  # 20 ms a ring step: far above gloo's own time here
 MIB = 2**20

@@ -26,7 +26,6 @@ from pydantic import ConfigDict, Field
 from data.bpe import MIN_VOCAB
 from data.tokens import MAX_VOCAB, Tokenizer
 from trainer.core import CONF_DIR, SEED_BOUND, TrainSettings
-from trainer.links import EMULATED, Preset
 from trainer.logger.wandb import Mode as WandbMode
 from trainer.sync.base import WeightDecayOn
 
@@ -157,14 +156,18 @@ class SignatureSchemas(Mapping[str, type]):
 
     def __init__(self, group_dir: Path) -> None:
         self._paths = {path.stem: path for path in sorted(group_dir.glob("*.yaml"))}
-        self._built: dict[str, type] = {}
+        self._targets: dict[str, str] = {}  # option -> the _target_ its YAML names
+        self._built: dict[str, type] = {}  # by target: options that build the same class share its schema
 
     def __getitem__(self, option: str) -> type:
-        if option not in self._built:
+        if option not in self._targets:
             yaml = OmegaConf.load(self._paths[option])  # KeyError for an option with no YAML
             assert isinstance(yaml, DictConfig), self._paths[option]
-            self._built[option] = signature_schema(hydra.utils.get_object(str(yaml._target_)))
-        return self._built[option]
+            self._targets[option] = str(yaml._target_)
+        target = self._targets[option]
+        if target not in self._built:
+            self._built[target] = signature_schema(hydra.utils.get_object(target))
+        return self._built[target]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._paths)
@@ -204,7 +207,7 @@ class AdamW(Optim):
     amsgrad: bool
 
 
-# schedule, logger, network
+# schedule, logger (network: trainer/sync/network.py's Network is its own schema)
 
 
 @dataclass
@@ -220,18 +223,6 @@ class Wandb(Target):
     entity: Annotated[str | None, Field(description="null: your W&B default")]
 
 
-@dataclass
-class Network(Target):
-    preset: Annotated[Literal["none"] | Preset, Field(description="the link between nodes; none: no emulation")]
-    latency_us: Annotated[float | None, Field(ge=0, description="per ring step; null: the preset's")]
-    bandwidth_gbps: Annotated[float | None, Field(gt=0, description="per rank and direction, Gb/s; null: the preset's")]
-    gpus_per_node: Annotated[int, Field(ge=1, description="ranks per emulated node, a divisor of the world size")]
-    intra: Annotated[Preset, Field(description="the link inside a node (gpus_per_node > 1)")]
-    intra_latency_us: Annotated[float | None, Field(ge=0, description="null: the intra preset's")]
-    intra_bandwidth_gbps: Annotated[float | None, Field(gt=0, description="Gb/s; null: the intra preset's")]
-    time_scale: Annotated[float, Field(gt=0, description="every link time is multiplied by it")]
-
-
 SCHEMAS: dict[str, Mapping[str, type]] = {
     "model": {"mlp": MLP, "cnn": CNN, "resnet18": ResNet18, "gpt": GPT},
     "data": {"synthetic": Synthetic, "fake": Fake, "mnist": Mnist, "cifar10": Cifar10, "text": Text},
@@ -240,5 +231,5 @@ SCHEMAS: dict[str, Mapping[str, type]] = {
     "schedule": {"constant": Target, "warmup_cosine": WarmupCosine},
     "trainer": {"default": TrainSettings},
     "logger": {"wandb": Wandb, "none": Target},
-    "network": {name: Network for name in ("none", *EMULATED)},
+    "network": signature_schemas(CONF_DIR / "network"),  # trainer/sync/network.py's Network, one class
 }

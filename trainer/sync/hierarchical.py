@@ -44,9 +44,9 @@ class HierarchicalSync(SyncStrategy):
     def __init__(
         self,
         *,
-        shard: mesh.Shard,  # no default here: the YAML's is the node's ranks, ${network.gpus_per_node}
-        replicate: mesh.Replicate = None,
         bucket_cap_mb: Annotated[float, Field(gt=0, description="MiB of gradients per bucket")] = 25.0,
+        replicate: mesh.Replicate = None,
+        shard: mesh.Shard,  # no default here: the YAML's is the node's ranks, ${network.gpus_per_node}
         find_unused_parameters: Annotated[
             bool, Field(description="a flag per parameter and a small all_reduce per step (sync=manual's rule)")
         ] = False,

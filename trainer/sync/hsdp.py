@@ -40,11 +40,11 @@ class HSDPSync(FSDPSync):
     def __init__(
         self,
         *,
-        shard: mesh.Shard,  # no default here: the YAML's is the node's ranks, ${network.gpus_per_node}
-        replicate: mesh.Replicate = None,
         reshard_after_forward: ReshardAfterForward = True,
         wrap: Units = "auto",
         find_unused_parameters: CheckEveryForward = False,
+        replicate: mesh.Replicate = None,
+        shard: mesh.Shard,  # no default here: the YAML's is the node's ranks, ${network.gpus_per_node}
     ) -> None:
         super().__init__(reshard_after_forward, wrap, find_unused_parameters)
         self.replicate, self.shard = replicate, shard

@@ -33,15 +33,17 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import torch
 import torch.distributed as dist
+from pydantic import Field
 from torch.profiler import record_function
 
 from trainer.errors import ConfigError
 from trainer.links import EMULATED, PRESETS, Topology
 from trainer.links import Network as Preset
+from trainer.links import Preset as PresetName
 from trainer.trace_names import completion_mark
 
 
@@ -50,14 +52,20 @@ class Network:
     """What conf/network/<option>.yaml builds: a preset between emulated nodes, optionally overridden,
     and the link inside a node when gpus_per_node > 1. preset `none`: no emulation at all."""
 
-    preset: str = "none"
-    latency_us: float | None = None  # per ring step; None: the preset's
-    bandwidth_gbps: float | None = None  # per rank and direction, in Gb/s (bits); None: the preset's
-    gpus_per_node: int = 1  # ranks per emulated node: 1, every collective crosses the preset's link
-    intra: str = "nvlink"  # the link inside a node
-    intra_latency_us: float | None = None
-    intra_bandwidth_gbps: float | None = None
-    time_scale: float = 1.0  # every link time multiplied by it (docs/network.md, choosing time_scale)
+    preset: Annotated[Literal["none"] | PresetName, Field(description="the link between nodes; none: no emulation")] = (
+        "none"
+    )
+    latency_us: Annotated[float | None, Field(ge=0, description="per ring step; null: the preset's")] = None
+    bandwidth_gbps: Annotated[
+        float | None, Field(gt=0, description="per rank and direction, Gb/s; null: the preset's")
+    ] = None
+    # network=none's YAML gives the launcher's ranks per node instead (${ddplab.local_world_size:})
+    gpus_per_node: Annotated[int, Field(ge=1, description="ranks per emulated node, a divisor of the world size")] = 1
+    intra: Annotated[PresetName, Field(description="the link inside a node (gpus_per_node > 1)")] = "nvlink"
+    intra_latency_us: Annotated[float | None, Field(ge=0, description="null: the intra preset's")] = None
+    intra_bandwidth_gbps: Annotated[float | None, Field(gt=0, description="Gb/s; null: the intra preset's")] = None
+    # docs/network.md, choosing time_scale
+    time_scale: Annotated[float, Field(gt=0, description="every link time is multiplied by it")] = 1.0
 
     def link(self, world_size: int) -> EmulatedLink | None:
         """The job's link at this world size, or None for network=none; bad combinations refused."""
