@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import inspect
 import re
 import subprocess
 import sys
@@ -12,13 +11,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hydra.utils import get_object
 from omegaconf import OmegaConf
 
 from tests.compose import REPO, compose_config
 from trainer.errors import ConfigError
 from trainer.setup.build import instantiate
-from trainer.setup.config import sync_options
 
 PACKAGES = ("trainer", "models", "data", "hydra_plugins")
 
@@ -255,26 +252,6 @@ def test_the_bookkeeping_counted_above(capsys: pytest.CaptureFixture[str]) -> No
         lines = _code_lines(REPO / "trainer" / "sync" / f"{name}.py")
         kept = [n for n, t, fn in lines if fn in BOOKKEEPING_DEFS or any(w in t for w in BOOKKEEPING_WORDS)]
         assert f"{name} {len(kept)} of {len(lines)}" in text, (name, len(kept), len(lines))
-
-
-def test_each_strategy_states_its_keys_defaults_and_its_yaml_repeats_them() -> None:
-    """A strategy's keys, types, bounds and defaults are its builder's signature; conf/sync/<name>.yaml
-    holds the same keys with the same values (so `sync.key=value` overrides them), checked here. The one
-    default a signature cannot hold, the node's ranks (${network.gpus_per_node}), is an interpolation
-    in the YAML and a required parameter in the signature."""
-    for name, node in sync_options().items():
-        built = get_object(node["_target_"])
-        params = {k: p for k, p in inspect.signature(built).parameters.items() if k != "self"}
-        keys = [k for k in node if k != "_target_"]
-        assert sorted(keys) == sorted(params), (name, keys, list(params))
-        for key in keys:
-            default = params[key].default
-            if OmegaConf.is_interpolation(node, key):
-                assert default is inspect.Parameter.empty, (name, key, default)
-                continue
-            value = OmegaConf.to_object(node[key]) if OmegaConf.is_config(node[key]) else node[key]
-            expected = list(default) if isinstance(default, tuple) else default
-            assert default is not inspect.Parameter.empty and value == expected, (name, key, value, default)
 
 
 def test_the_network_keys_are_declared_once() -> None:

@@ -1,6 +1,7 @@
-"""A sync key is declared once: its type, range and meaning in the strategy's signature, its default
-in conf/sync/<option>.yaml; the config layer reads the schema from the signature, so a new strategy
-is its module and its YAML (docs/architecture.md, one declaration per key)."""
+"""A sync key is declared once: its type, range, meaning and default in the strategy's signature,
+repeated (and checked) in conf/sync/<option>.yaml; the config layer reads the schema from the
+signature, so a new strategy is its module and its YAML (docs/architecture.md, one declaration per
+key)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pydantic import ValidationError
 import trainer.sync
 from tests.compose import CONF_DIR
 from trainer.errors import ConfigError
+from trainer.setup.config import sync_options
 from trainer.setup.precheck import check_overrides
 from trainer.setup.schema import SCHEMAS, signature_schemas
 from trainer.setup.validate import adapter, refusal
@@ -57,18 +59,33 @@ def _strategy_classes() -> list[type[SyncStrategy]]:
     return [cls for cls in found if cls.__module__.startswith("trainer.sync.")]
 
 
-def test_no_sync_key_has_a_default_in_python() -> None:
-    """The YAML is the one place a default lives: a constructor's (or zero_sync's) default would be a
-    second, which `grep` finds apart from the first and nothing keeps equal."""
-    built = [*(target_of(o) for o in OPTIONS), *_strategy_classes()]
-    assert {"ZeroSync", "Zero3Sync", "DDPSync", "zero_sync"} <= {b.__name__ for b in built}
-    defaults = [
-        f"{b.__module__}.{b.__name__}({name}={param.default!r})"
-        for b in built
-        for name, param in inspect.signature(b).parameters.items()
+def test_a_sync_keys_default_is_its_builders_and_the_yaml_repeats_it() -> None:
+    """Issue 74 moved a key's default into its builder's signature (the strategy file states what it
+    runs with); the YAML repeats it so that Hydra can override it. Nothing may hold a default that
+    nothing keeps equal: the YAML's value equals the builder's, and a class a builder constructs
+    (zero's stages) takes its keys without defaults of its own. The one default a signature cannot
+    hold, the node's ranks (${network.gpus_per_node}), is an interpolation in the YAML and a required
+    parameter."""
+    targets = {option: target_of(option) for option in OPTIONS}
+    assert {"DDPSync", "zero_sync"} <= {t.__name__ for t in targets.values()}
+    for option, node in sync_options().items():
+        params = inspect.signature(targets[option]).parameters
+        for key in (k for k in node if k != "_target_"):
+            default = params[key].default
+            if OmegaConf.is_interpolation(node, key):
+                assert default is inspect.Parameter.empty, (option, key, default)
+                continue
+            value = OmegaConf.to_object(node[key]) if OmegaConf.is_config(node[key]) else node[key]
+            assert default is not inspect.Parameter.empty and value == default, (option, key, value, default)
+    inner = [c for c in _strategy_classes() if c not in targets.values()]
+    assert {"ZeroSync", "Zero3Sync"} <= {c.__name__ for c in inner}
+    second = [
+        f"{c.__module__}.{c.__name__}({name}={param.default!r})"
+        for c in inner
+        for name, param in inspect.signature(c).parameters.items()
         if param.default is not inspect.Parameter.empty
     ]
-    assert not defaults, f"give these defaults in conf/sync/<option>.yaml only: {defaults}"
+    assert not second, f"give these defaults in the builder's signature only: {second}"
 
 
 def test_the_schemas_keep_the_names_messages_print() -> None:
