@@ -75,7 +75,9 @@ if __name__ == "__main__":
     with stopped_by_ctrl_c(SAYS):
         launch = dist.read_launch_env()
         store = dist.job_store(launch)
-        # Bad input stops every rank here (exit 2), before Hydra's app creates the run dir.
-        precheck.check_command_line(sys.argv[1:], launch.rank, dist.rank0_signal(store, launch), launch.world_size)
+        # Bad input stops every rank here (exit 2), before Hydra's app creates the run dir. The check
+        # imports the strategy's modules: a Ctrl-C is held through it (see the imports above).
+        with ctrl_c_held(SAYS):
+            precheck.check_command_line(sys.argv[1:], launch.rank, dist.rank0_signal(store, launch), launch.world_size)
         conf.set_run_stamp(dist.agree_on_run_stamp(store, launch))
         main()

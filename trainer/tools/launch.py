@@ -29,6 +29,7 @@ import signal
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from trainer.reliability.exits import ctrl_c_held
 from trainer.setup.torch_version import refuse_old_torch
@@ -104,15 +105,19 @@ def _quiet_torchrun() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     refuse_old_torch()  # an older torch than the floor: one line and exit 2, before torch is imported
-    with ctrl_c_held(BEFORE_WORKERS):  # importing torch takes a second or two: a Ctrl-C in it, one line
+    # Importing torch and checking the command line (which imports the strategy's modules) take a
+    # second or two: a Ctrl-C there is held until both are done, then one line and exit 130. Taken
+    # inside an import's C code it could be swallowed (the job started anyway), end the launcher by
+    # SIGINT at exit, or break Hydra's composition into a bogus "configuration error".
+    with ctrl_c_held(BEFORE_WORKERS):
         from torch.distributed import run as torchrun
-    return _launch(torchrun, argv)
+
+        args = _checked_args(torchrun, argv)
+    return _launch(torchrun, args)
 
 
-def _launch(torchrun: ModuleType, argv: list[str] | None) -> int:
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
+def _checked_args(torchrun: ModuleType, argv: list[str] | None) -> Any:
+    """torchrun's arguments, parsed, with train.py's command line checked."""
     parser = torchrun.get_args_parser()
     parser.prog = "python -m trainer.tools.launch"
     parser.description = (
@@ -125,9 +130,16 @@ def _launch(torchrun: ModuleType, argv: list[str] | None) -> int:
     if "OMP_NUM_THREADS" not in os.environ and str(args.nproc_per_node) not in ("1", "auto", "cpu", "gpu", "xpu"):
         os.environ["OMP_NUM_THREADS"] = "1"
     _quiet_torchrun()
+    if _is_train_py(args.training_script, args.module):
+        _check(list(args.training_script_args), _world_size(str(args.nnodes), str(args.nproc_per_node)))
+    return args
+
+
+def _launch(torchrun: ModuleType, args: Any) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
     try:
-        if _is_train_py(args.training_script, args.module):
-            _check(list(args.training_script_args), _world_size(str(args.nnodes), str(args.nproc_per_node)))
         torchrun.run(args)
     except ChildFailedError as failed:
         rank, failure = failed.get_first_failure()
