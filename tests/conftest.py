@@ -1,4 +1,5 @@
 import os
+import signal
 import types
 from collections.abc import Callable
 from typing import Any
@@ -8,6 +9,11 @@ import pytest
 # Tests never reach W&B's servers: offline runs only, and quietly.
 os.environ["WANDB_MODE"] = "offline"
 os.environ["WANDB_SILENT"] = "true"
+# Ctrl-C reaches the processes the tests start as it reaches a command typed at a terminal: a
+# shell starts a background job (`make test &`, a script's `... &`) with SIGINT ignored, which
+# every child would inherit through exec, and the tests that send Ctrl-C would see it lost. A
+# handler here (each xdist worker imports this file) is reset to the default in every child.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # What starts a process: spawned gloo ranks, torchrun, train.py under plain python, any subprocess.
 STARTS_A_PROCESS = {"run_on_ranks", "torchrun", "python_train", "subprocess"}
