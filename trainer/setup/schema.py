@@ -135,9 +135,10 @@ class Text(Data):
 
 
 def signature_schema(target: Callable[..., Any]) -> type:
-    """The schema of a target that declares its keys in its signature (`Annotated[type, Field(...)]`,
-    no default): a dataclass of its parameters, named after the target less its "Sync" (DDPSync: DDP,
-    zero_sync: Zero), which messages print; Target itself for a target that takes no key."""
+    """The schema of a target that declares its keys in its signature (`Annotated[type, Field(...)]`
+    and a default the YAML repeats): a dataclass of its parameters without their defaults (the YAML
+    gives every key), named after the target less its "Sync" (DDPSync: DDP, zero_sync: Zero), which
+    messages print; Target itself for a target that takes no key."""
     hints = typing.get_type_hints(target.__init__ if inspect.isclass(target) else target, include_extras=True)
     fields = [(name, hints[name]) for name in inspect.signature(target).parameters]
     if not fields:
