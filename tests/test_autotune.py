@@ -24,6 +24,7 @@ from trainer.loop.rows import sync_facts, sync_lines
 from trainer.setup.precheck import check_overrides
 from trainer.sync.autotune import CapTuner
 from trainer.sync.ddp_private import planned_buckets
+from trainer.sync.describe import describe
 
 # Fed step times (seconds) per rank and candidate: one untimed warm-up step, then two timed ones.
 # Alone, rank 0 would pick 1 MiB (median 0.2 s); but rank 1 is slow there, and the job runs at the
@@ -174,7 +175,7 @@ def train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dic
     return {
         "params": params_of(trainer),
         "rows": trainer._rows.rows,
-        "sync": trainer.sync.describe(),
+        "sync": describe(trainer.sync),
         "trials": tuner.table() if tuner else [],
         "line": sync_lines(sync_facts(trainer.sync, None)),
         "planned": planned,

@@ -15,6 +15,7 @@ from tests.dist_helpers import run_on_ranks
 from tests.observe_helpers import sampled
 from tests.sync_helpers import from_yaml
 from trainer.measures import KINDS
+from trainer.sync.describe import describe
 
 
 def _model(seed: int = 0) -> nn.Module:
@@ -30,7 +31,7 @@ def _backward(model: nn.Module, rank: int) -> None:
 def _mechanism(rank: int, world_size: int, collective: str, timed: bool = True) -> dict[str, Any]:
     sync = from_yaml("bucketed", bucket_cap_mb=300 / 2**20, collective=collective)  # ~300 B buckets
     model = sync.wrap(_model(seed=rank))  # rank 1's different draw is replaced by rank 0's
-    buckets = sync.describe()["num_buckets"]
+    buckets = describe(sync)["num_buckets"]
     # Step 1 learns each parameter's hook calls per backward: its buckets start in after_backward.
     _backward(model, rank)
     learning = len(sync._works)

@@ -13,6 +13,7 @@ from tests.train_helpers import build, case_results, params_of, train_each
 from trainer.errors import ConfigError
 from trainer.setup.build import build_parts
 from trainer.setup.precheck import check_overrides
+from trainer.sync.describe import describe
 
 # 32 samples, 2 ranks x 8: 2 steps per epoch, so 12 steps see each sample 6 times; a row every 2 steps.
 COMMON = [
@@ -36,7 +37,7 @@ def train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dic
     """The real build path of train.py on the helper's gloo group: final parameters and every logged row."""
     trainer = build(rank, world_size, COMMON + overrides, run_dir)
     trainer.fit()
-    return {"params": params_of(trainer), "rows": trainer._rows.rows, "sync": trainer.sync.describe()}
+    return {"params": params_of(trainer), "rows": trainer._rows.rows, "sync": describe(trainer.sync)}
 
 
 def parameter_shapes() -> list[torch.Size]:

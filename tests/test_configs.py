@@ -16,6 +16,7 @@ from trainer.logger.jsonl import JsonlLogger
 from trainer.setup.build import instantiate, optimizer_factory
 from trainer.setup.validate import validate
 from trainer.sync.base import SyncStrategy
+from trainer.sync.describe import describe
 
 GROUPS = ("model", "data", "sync", "optim", "schedule", "trainer", "logger", "network", "strategy", "experiment")
 
@@ -76,7 +77,7 @@ def test_option_composes_and_instantiates(group: str, option: str, tmp_path: Pat
         assert isinstance(instantiate(cfg.sync), SyncStrategy)
     elif group == "strategy":  # a sync choice plus its knobs; its name says which sync it picks
         sync = instantiate(cfg.sync)
-        assert isinstance(sync, SyncStrategy) and sync.describe()["strategy"] == option.split("_")[0]
+        assert isinstance(sync, SyncStrategy) and describe(sync)["strategy"] == option.split("_")[0]
     elif group == "optim":
         # optim.weight_decay_on is the builder's key: the node is built through its optimizer_factory.
         optimizer = optimizer_factory(cfg.optim)([nn.Parameter(torch.zeros(3))])

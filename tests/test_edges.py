@@ -21,6 +21,7 @@ from tests.observe_helpers import on_the_wire, sampled, sent, watch_every_step
 from tests.sync_helpers import class_from_yaml, from_yaml
 from tests.test_fsdp import real_collectives
 from trainer.sync.comm import Comm
+from trainer.sync.describe import describe
 from trainer.sync.flat import FlatGrads
 from trainer.sync.fsdp import FSDPSync
 from trainer.sync.none import NoSync
@@ -293,7 +294,7 @@ def _fsdp_comm(rank: int, wrap: str) -> dict[str, Any]:
         F.cross_entropy(model(x), y).backward()
         sync.after_backward(model)
         sync.optimizer_step(optimizer)
-    return {"counted": sent(row), "real": on_the_wire(real, 2), "describe": sync.describe()}
+    return {"counted": sent(row), "real": on_the_wire(real, 2), "describe": describe(sync)}
 
 
 def _shard_ops(rank: int, world_size: int, native: bool) -> tuple[torch.Tensor, torch.Tensor, list[str]]:

@@ -23,6 +23,7 @@ from trainer.errors import ConfigError
 from trainer.loop.metrics import optimizer_state_mb
 from trainer.setup.build import build_parts, check_device
 from trainer.setup.precheck import check_overrides
+from trainer.sync.describe import describe
 
 # As tests/test_equivalence.py: 64 samples, 2 ranks x 8 = 4 steps per epoch, 6 steps cross an epoch.
 COMMON = [
@@ -111,7 +112,7 @@ def comm(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dict
         "real": on_the_wire(real, world_size),
         "counted_after_eval": sent(counted_after_eval),
         "real_after_eval": on_the_wire(real_after_eval, world_size),
-        "describe": trainer.sync.describe(),
+        "describe": describe(trainer.sync),
     }
 
 
@@ -138,7 +139,7 @@ OTHERS = {
         "trainer.max_steps=9",
     ],
     # A NaN loss on rank 1 at step 3: every rank's gradient shard is NaN after the reduce-scatter,
-    # and all agree (grads_finite's all_reduce) to skip that step.
+    # and all agree (the gradient norm's all_reduce) to skip that step.
     "nan-skip": [
         "sync=fsdp",
         "data.batch_size=8",

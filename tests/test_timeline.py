@@ -42,6 +42,7 @@ from trainer.logger.timeline_trace import TimelineError, link_starts, read_rank
 from trainer.logger.wandb import WandbLogger
 from trainer.logger.wandb_files import read_run
 from trainer.loop.profiling import add_lab_events
+from trainer.sync.describe import describe
 from trainer.tools import report, report_timelines, timeline
 
 COMMON = [
@@ -91,7 +92,7 @@ def _train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> di
         trace_names.collective = named
     for logger in loggers:
         logger.close()
-    return {"sync": trainer.sync.describe(), "named": len(calls), "timer": type(trainer.observer).__name__}
+    return {"sync": describe(trainer.sync), "named": len(calls), "timer": type(trainer.observer).__name__}
 
 
 @pytest.fixture(scope="module")

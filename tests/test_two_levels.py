@@ -27,6 +27,7 @@ from tests.train_helpers import (
 )
 from trainer.errors import ConfigError
 from trainer.setup.precheck import check_overrides
+from trainer.sync.describe import describe
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +57,7 @@ def train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dic
     trainer.fit()
     rows = [row for row in trainer._rows.rows if "comm/bytes_per_step" in row]
     norms = [row.get("train/grad_norm") for row in trainer._rows.rows]
-    return {"params": params_of(trainer), "rows": rows, "norms": norms, "sync": trainer.sync.describe()}
+    return {"params": params_of(trainer), "rows": rows, "norms": norms, "sync": describe(trainer.sync)}
 
 
 def train_fp16(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dict[str, Any]:

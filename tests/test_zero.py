@@ -38,6 +38,8 @@ from trainer.reliability.checkpoint import load_checkpoint
 from trainer.scaling.memory import window
 from trainer.setup.build import build_parts
 from trainer.setup.precheck import check_overrides
+from trainer.sync.describe import describe
+from trainer.sync.grads import grad_norm
 from trainer.sync.zero import ZeroSync
 
 # As test_equivalence's COMMON, but hidden sizes whose 2399 parameters do not split evenly over 2
@@ -100,7 +102,7 @@ def _train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> di
         "state_mb": optimizer_state_mb(trainer.optimizer),
         "optimizer": optimizer_state,
         "checkpoint": load_checkpoint(Path(run_dir) / "checkpoints" / "last.pt")["optimizer"],
-        "describe": trainer.sync.describe(),
+        "describe": describe(trainer.sync),
         "row": trainer._rows.rows[-1],  # the last row: the run's last steps are sampled
         "comm_buffers_peaks": {  # per sampled step, the observer's memory/comm_buffers_peak_mb
             row["observer/sampled_step"]: row["memory/comm_buffers_peak_mb"]
@@ -159,7 +161,7 @@ def _mechanism(rank: int, world_size: int, stage: int, cap_mb: float) -> dict[st
         sync.comm.observer.mark("sync")  # on the sampled step: the gradients held now are the row's
         if poison:
             sync._grads.shard[0] = float("nan")  # type: ignore[union-attr]  # one rank's shard: both must answer False
-        return sync.grads_finite(model, optimizer)
+        return bool(torch.isfinite(grad_norm(sync, optimizer)))  # the step's finite check: the agreed norm's
 
     with sampled(sync, model, optimizer) as counts:  # the observer watches this step (the loop: 1 in n)
         finite = backward()
@@ -213,7 +215,7 @@ def _mechanism(rank: int, world_size: int, stage: int, cap_mb: float) -> dict[st
         "settled_by_forward": settled_by_forward,
         "refused": refused,
         "refusals": refusals,
-        "describe": sync.describe(),
+        "describe": describe(sync),
         "params": [p.detach().clone() for p in model.parameters()],
     }
 

@@ -37,6 +37,7 @@ from tests.train_helpers import (
 from trainer.errors import ConfigError
 from trainer.setup.build import build_parts, check_device
 from trainer.sync.comm import Comm
+from trainer.sync.describe import describe
 from trainer.sync.zero3 import Zero3Sync
 
 S3 = ["sync=zero", "sync.stage=3", "data.batch_size=8"]
@@ -73,7 +74,7 @@ def _train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> di
     return {
         "params": params_of(trainer),
         "rows": [row for row in trainer._rows.rows if "train/loss" in row],
-        "describe": trainer.sync.describe(),
+        "describe": describe(trainer.sync),
         "optimizer": optimizer_state,
     }
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.optim import Optimizer
 
-from trainer.sync.base import NormLater
+from trainer.sync.grads import NormLater
 
 
 class Window:

@@ -21,6 +21,7 @@ from trainer.measures import cuda_peak_mb
 from trainer.observer import Observer
 from trainer.reliability.save_cost import ResidentMemory
 from trainer.sync.base import SyncStrategy
+from trainer.sync.describe import describe, settled
 from trainer.windows import CHECKPOINT, ROW, TRAIN
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ def sync_facts(sync: SyncStrategy, network: str | None, trials: bool = False) ->
     (trials=True) also keeps bucket_cap_mb=auto's trials with every timed step (`auto_trials`),
     which the line shows rounded."""
     observer = sync.comm.observer
-    info = {**sync.describe(), "comm_timing": observer.describe()}
+    info = {**describe(sync), "comm_timing": observer.describe()}
     if observer.every and observer.budget.active:  # how often a candidate step is sampled
         info["sample_budget"] = observer.budget.describe()
     if trials and sync.tuner is not None:
@@ -142,7 +143,7 @@ class TrainRows:
             **({"trainer/profiled_steps": observer.profiled} if observer.profiled else {}),
         }
         observer.profiled = 0
-        if not self._sync_line_shown and self.sync.settled():
+        if not self._sync_line_shown and settled(self.sync):
             self.show_sync_line()
         if self.ctx.device.type == "cuda":
             row["memory/cuda_max_allocated_mb"] = cuda_peak_mb(self.ctx.device)

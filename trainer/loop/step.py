@@ -25,7 +25,8 @@ from trainer.loop.device_skip import DeviceSkip
 from trainer.loop.loss_scale import AgreedScaler
 from trainer.loop.metrics import Window
 from trainer.observer import Observer
-from trainer.sync.base import SyncStrategy, optimizer_grads
+from trainer.sync.base import SyncStrategy
+from trainer.sync.grads import grad_norm, grad_norm_later, optimizer_grads, scale_grads
 
 log = logging.getLogger(__name__)
 
@@ -130,10 +131,10 @@ class StepRunner:
             scaler.unscale(optimizer_grads(optimizer))
         norm = None
         if max_norm is not None or self.checks_finite:
-            norm = self.sync.grad_norm(optimizer)  # the same on every rank: also the agreement on an overflow
+            norm = grad_norm(self.sync, optimizer)  # the same on every rank: also the agreement on an overflow
             self.window.add_grad_norm(norm, step, sampled, every_step=max_norm is not None)
         elif sampled:  # for the row only: finished there, on the host
-            self.window.add_norm_later(self.sync.grad_norm_later(optimizer))
+            self.window.add_norm_later(grad_norm_later(self.sync, optimizer))
         found_inf = nonfinite = None
         if self.checks_finite:
             assert norm is not None
@@ -142,7 +143,7 @@ class StepRunner:
             self.window.add_found_inf(found_inf, step)
         if max_norm is not None:  # clip the averaged gradient by its global norm, as one process would
             assert norm is not None
-            self.sync.scale_grads(optimizer, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+            scale_grads(optimizer, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
         if nonfinite is None:
             self.sync.optimizer_step(optimizer)
         elif self.skips_on_device:  # the optimizer leaves every parameter and its state as they were

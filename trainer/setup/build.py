@@ -207,7 +207,6 @@ def check_device(parts: Parts, device: torch.device) -> None:
     process group, the loggers and the W&B runs exist."""
     if parts.sync_batchnorm:
         _refuse_sync_batchnorm_on_cpu(device)
-    parts.sync.check_device(device)
     if parts.link is not None and device.type != "cpu":
         raise ConfigError(
             f"network={parts.link.describe()!r} cannot run on {device}: the emulated link times collectives "

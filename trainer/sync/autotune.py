@@ -113,6 +113,7 @@ class CapTuner:
         comm: Comm | None = None,
         layout: Layout | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        rebuild: Callable[[float], None] | None = None,
     ) -> None:
         if not candidates_mb or steps_per_trial < 1 or warmup_steps < 1:
             raise ValueError("CapTuner needs candidates, steps_per_trial >= 1 and warmup_steps >= 1")
@@ -128,6 +129,7 @@ class CapTuner:
         self.chosen_mb: float | None = None  # set once the choice is made
         self.reason = ""  # why the choice, for the sync line
         self._clock = Clock(device, source=clock)
+        self._rebuild = rebuild  # the strategy's: remakes its buckets with a cap, between steps
         self.comm = Comm() if comm is None else comm  # the strategy's: its votes counted as control traffic
         self._step = 0  # steps run with the current layout
         self._last: Mark = None  # the clock at the previous call
@@ -145,7 +147,14 @@ class CapTuner:
         return self.chosen_mb is not None
 
     def after_step(self) -> float | None:
-        """Note one step; returns the cap to rebuild with when it changes, else None."""
+        """Note one step (every rank at the same point, the step's communication done); when the cap
+        changes, rebuild with it and return it, else None."""
+        cap_mb = self._next_cap()
+        if cap_mb is not None and self._rebuild is not None:
+            self._rebuild(cap_mb)
+        return cap_mb
+
+    def _next_cap(self) -> float | None:
         if self.chosen_mb is not None:
             return None
         now = self._clock.now()  # a fresh event on CUDA: only while trials run

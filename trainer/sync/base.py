@@ -15,16 +15,12 @@ unsharded model's terms: a checkpoint looks the same whichever strategy wrote it
 
 from __future__ import annotations
 
-import math
-import typing
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
@@ -107,9 +103,6 @@ class SyncStrategy(ABC):
     def wrap(self, model: nn.Module) -> nn.Module:
         """Return the module the forward pass runs; every replica must start equal after this."""
 
-    def check_device(self, device: torch.device) -> None:
-        """Refuse (ConfigError) options this device cannot run; called before any process group exists."""
-
     def refuses(self, settings: TrainSettings) -> str | None:
         """Why this strategy cannot run with these trainer settings (one line naming the key and
         what is accepted), or None; asked before any process group exists."""
@@ -142,52 +135,6 @@ class SyncStrategy(ABC):
         the optimizer step, which it waits for only before the next forward): the trainer calls it
         before it reads the parameters outside a forward (the replica check, a fault that nudges
         them, the end of train()). Cheap when nothing is in flight."""
-
-    def grads_finite(self, model: nn.Module, optimizer: Optimizer) -> bool:
-        """Whether the gradients the optimizer is about to use are finite: the same answer on every
-        rank (trainer.on_nonfinite=skip skips the step everywhere or nowhere).
-
-        After after_backward the full gradients are equal on every rank, so each rank answers
-        alone; a strategy whose ranks hold different gradient shards must agree through a collective.
-        """
-        flags = [torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None]
-        return bool(torch.stack(flags).all()) if flags else True
-
-    def grad_norm(self, optimizer: Optimizer) -> torch.Tensor:
-        """The global L2 norm of the averaged gradient optimizer_step is about to use: the same on every rank.
-
-        Computed on what the optimizer reads. Replicated, that is the whole averaged gradient on
-        every rank, and each rank answers alone. Sharded, each rank holds a disjoint piece: the
-        sum of the pieces' squares is reduced once (a plain clip_grad_norm_ there would see only
-        this rank's shard, or under zero stage 1 the unaveraged sums in the parameters' .grad).
-        """
-        grads = optimizer_grads(optimizer)
-        device = optimizer.param_groups[0]["params"][0].device
-        norm = total_norm(grads) if grads else torch.zeros((), device=device)
-        if not self.grads_sharded:
-            return norm
-        squares = norm.to(torch.float32) ** 2
-        self.comm.agree(squares)  # a control collective: a few bytes, not gradient traffic
-        return squares.sqrt() if self.norm_copies == 1 else (squares / self.norm_copies).sqrt()
-
-    def grad_norm_later(self, optimizer: Optimizer) -> NormLater:
-        """grad_norm(), for the row to finish on the host where nothing on the device needs it (the
-        sampled step's norm, without a clip or a finite check): each gradient's norm where every
-        rank holds the whole averaged gradient (two kernels fewer on the step); where the ranks
-        hold shards, this rank's sum of squares with its agreement launched, waited for by the row
-        (the step does not wait for the other ranks, which its unsampled steps never do)."""
-        grads = optimizer_grads(optimizer)
-        if not self.grads_sharded:
-            return NormLater(norm_pieces(grads) if grads else [])
-        device = optimizer.param_groups[0]["params"][0].device
-        squares = (total_norm(grads) if grads else torch.zeros((), device=device)).to(torch.float32) ** 2
-        return NormLater([], [squares], self.comm.agree_later(squares), self.norm_copies)
-
-    def scale_grads(self, optimizer: Optimizer, factor: torch.Tensor) -> None:
-        """Multiply the gradients optimizer_step is about to use by `factor` (a 0-dim tensor: no host sync)."""
-        grads = optimizer_grads(optimizer)
-        if grads:
-            torch._foreach_mul_(grads, factor.to(grads[0].device))  # what clip_grad_norm_ itself does
 
     def full_model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The whole model's state_dict on every rank: a sharded tensor (fsdp's DTensor) gathered, so
@@ -237,16 +184,10 @@ class SyncStrategy(ABC):
         optimizer.zero_grad(set_to_none=True)
         self.masters.zero_grad()
 
-    def rebuild(self, cap_mb: float) -> None:
-        """Remake the buckets with this cap (bucket_cap_mb=auto's tuner calls it between steps)."""
-        raise NotImplementedError(f"sync={self.name} has no bucket cap to tune")
-
     def after_step(self) -> None:
         """The loop ends a step (every rank at the same point): bucket_cap_mb=auto's trials run here."""
         if self.tuner is not None:
-            cap_mb = self.tuner.after_step()
-            if cap_mb is not None:  # every rank at the same step; the step's communication is done
-                self.rebuild(cap_mb)
+            self.tuner.after_step()  # rebuilds the strategy's buckets when the cap changes
 
     def facts(self) -> dict[str, Any]:
         """What the algorithm built, for the sync line and summary.json (its buckets, its units)."""
@@ -269,71 +210,3 @@ class SyncStrategy(ABC):
         trainer/scaling/predict.py's arithmetic): its buckets or units, each collective and its group.
         No default: a guess would be predicted as if it were the strategy's own algorithm."""
         raise NotImplementedError(f"sync={self.name} does not say what its step sends (SyncStrategy.schedule)")
-
-    def describe(self) -> dict[str, Any]:
-        """The sync line: the strategy's name, the keys it was built with (its constructor's
-        parameters, read back; a key named after an option of another key, `auto_*` or
-        `powersgd_*`, only while that option is chosen), the tuner's trials, the facts of what it built."""
-        hints = typing.get_type_hints(type(self).__init__)
-        options = {key: _literals(hint) for key, hint in hints.items()}
-        values = {k: getattr(self, self.key_attributes.get(k, k)) for k in hints if k != "return"}
-        info: dict[str, Any] = {"strategy": self.name}
-        for key, value in values.items():
-            prefix = key.split("_")[0]
-            chooser = next((k for k, choices in options.items() if prefix in choices and k != key), None)
-            if chooser is None or values[chooser] == prefix:
-                info[key] = value
-        if self.tuner is not None:
-            info |= self.tuner.describe()
-        return info | self.facts()
-
-    def settled(self) -> bool:
-        """Whether describe()'s layout is final: the run's `sync:` line waits for it (bucket_cap_mb=auto
-        is still trying caps before that)."""
-        return self.tuner is None or self.tuner.done
-
-
-def _literals(hint: Any) -> set[Any]:
-    """The values a type hint's Literal parts allow (float | Literal["auto"]: {"auto"})."""
-    if typing.get_origin(hint) is Literal:
-        return set(typing.get_args(hint))
-    return set().union(*(_literals(arg) for arg in typing.get_args(hint)))
-
-
-@dataclass
-class NormLater:
-    """A gradient norm left for the host to finish: sqrt((sum of norms² + sum of squares) / copies),
-    once `pending` (the squares' agreement across ranks) is waited for."""
-
-    norms: list[torch.Tensor]
-    squares: list[torch.Tensor] = field(default_factory=list)
-    pending: dist.Work | None = None
-    copies: int = 1
-
-    def finish(self, norms: list[float], squares: list[float]) -> float:
-        """The norm from the values of `norms` and `squares`, read on the host."""
-        if not squares and self.copies == 1:
-            return math.hypot(*norms)  # one norm: itself, exactly
-        return math.sqrt((sum(n * n for n in norms) + sum(squares)) / self.copies)
-
-
-def norm_pieces(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """0-dim tensors whose root-sum-of-squares is the L2 norm of all these tensors together: each
-    one's norm, in one foreach call where they share a device (torch's get_total_norm groups them
-    in Python first), else the total itself."""
-    if len({t.device for t in tensors}) > 1:
-        return [torch.nn.utils.get_total_norm(tensors)]
-    return list(torch._foreach_norm(tensors))
-
-
-def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The L2 norm of all these tensors together, as torch.nn.utils.get_total_norm computes it."""
-    pieces = norm_pieces(tensors)
-    return pieces[0] if len(pieces) == 1 else torch.linalg.vector_norm(torch.stack(pieces))
-
-
-def optimizer_grads(optimizer: Optimizer) -> list[torch.Tensor]:
-    """The gradients the optimizer reads, as plain tensors (a DTensor's local shard)."""
-    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    # A DTensor's _local_tensor is what to_local() returns a view of, without its autograd Function (µs each).
-    return [g if type(g) is torch.Tensor else getattr(g, "_local_tensor", g) for g in grads]

@@ -84,7 +84,9 @@ class BucketedSync(SyncStrategy):
         self._calls = [0] * len(self._params)
         if self.bucket_cap_mb == "auto":  # the tuner tries caps in the first steps (SyncStrategy.after_step)
             candidates, steps, warmup = self.auto_candidates_mb, self.auto_steps_per_trial, self.auto_warmup_steps
-            self.tuner = CapTuner(candidates, steps, warmup, self._params[0].device, self.comm, self._groups)
+            self.tuner = CapTuner(
+                candidates, steps, warmup, self._params[0].device, self.comm, self._groups, rebuild=self.rebuild
+            )
         self.rebuild(self.tuner.cap_mb if self.tuner else float(self.bucket_cap_mb))
         return model
 

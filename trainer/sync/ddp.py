@@ -113,7 +113,7 @@ class DDPSync(SyncStrategy):
             return self._build(float(self.bucket_cap_mb))
         candidates, steps, warmup = self.auto_candidates_mb, self.auto_steps_per_trial, self.auto_warmup_steps
         layout = partial(planned_buckets, model)  # caps that build the same buckets are timed once
-        self.tuner = CapTuner(candidates, steps, warmup, device, self.comm, layout)  # tries caps: after_step
+        self.tuner = CapTuner(candidates, steps, warmup, device, self.comm, layout, rebuild=self.rebuild)  # after_step
         self._proxy = SwappableDDP(self._build(self.tuner.cap_mb))
         return self._proxy
 
@@ -144,11 +144,6 @@ class DDPSync(SyncStrategy):
     def no_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
         assert self._ddp is not None and model in (self._ddp, self._proxy), "no_sync needs the module wrap() returned"
         return self._ddp.no_sync()
-
-    def settled(self) -> bool:
-        # bucket_cap_mb=auto: the trials, then the chosen cap's DDP, whose buckets are final once
-        # rebuilt after its first step.
-        return self.tuner is None or (self.tuner.done and bool(self.facts().get("buckets_rebuilt")))
 
     def facts(self) -> dict[str, Any]:
         if self._ddp is None:

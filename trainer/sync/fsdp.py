@@ -256,17 +256,6 @@ class FSDPSync(SyncStrategy):
             module.reset_iter_state()
             self._evaluated = False
 
-    def grads_finite(self, model: nn.Module, optimizer: Optimizer) -> bool:
-        """Each rank sees only its gradient shard: every rank must agree (one tiny all_reduce)."""
-        params = list(model.parameters())
-        if not params:
-            return True
-        flags = [torch.isfinite(local_of(p.grad)).all() for p in params if p.grad is not None]
-        finite = torch.stack(flags).all() if flags else torch.tensor(True)
-        agreed = finite.to(device=local_of(params[0]).device, dtype=torch.int32)
-        self.comm.agree(agreed, dist.ReduceOp.MIN)  # every rank calls this, whatever its shard held
-        return bool(agreed.item())
-
     def state_dicts(self, model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
         """The full unsharded state on rank 0 (others get empty dicts): the plain model's keys, and
         the optimizer's usual state_dict() layout, numbered in its parameter order."""

@@ -361,13 +361,6 @@ class ZeroSync(SyncStrategy):
         if not self._grads_cleared:  # a skipped step (on_nonfinite=skip)
             self._grads.zero()
 
-    def grads_finite(self, model: nn.Module, optimizer: Optimizer) -> bool:
-        """Each rank holds only its shard's average: the ranks agree (a one-element control all_reduce)."""
-        assert self._grads is not None, "build_optimizer() first"
-        finite = torch.isfinite(self._grads.shard).all().to(torch.int32)
-        self.comm.agree(finite, dist.ReduceOp.MIN)  # every rank must reach this
-        return bool(finite.item())
-
     def footprint(self, plan: Plan) -> Footprint:
         """The full parameter buffer and this rank's shard of it; stage 1 the full gradient buckets and
         a shard, stage 2 a shard (and the full .grad while micro-batches accumulate), with

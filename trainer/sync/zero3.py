@@ -496,13 +496,6 @@ class Zero3Sync(SyncStrategy):
         finally:
             self._accumulating = False
 
-    def grads_finite(self, model: nn.Module, optimizer: Optimizer) -> bool:
-        """Each rank holds only its shard: the ranks agree (a one-element control all_reduce)."""
-        assert self._grads is not None, "build_optimizer() first"
-        finite = torch.isfinite(self._grads).all().to(torch.int32)
-        self.comm.agree(finite, dist.ReduceOp.MIN)  # every rank must reach this
-        return bool(finite.item())
-
     def footprint(self, plan: Plan) -> Footprint:
         """Its shard of parameters and gradient. In forward and backward the root gathered, and each
         unit with the next `prefetch` (every unit, kept from forward for backward, without
