@@ -230,7 +230,7 @@ def train(rank: int, case: Case, alone: bool = False) -> dict[str, Any]:
                 optimizer.zero_grad()
             else:
                 sync.zero_grad(optimizer)
-        state, _ = sync.state_dicts(model, optimizer)
+        state, _ = sync.checkpointing.state_dicts(model, optimizer)
     except ConfigError as err:
         if not alone:
             dist.barrier()

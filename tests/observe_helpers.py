@@ -22,7 +22,7 @@ def sampled(
     collectives must all be waited for; `observer.mark("sync")` inside notes the gradients held)."""
     observer = sync.comm.observer
     if model is not None and optimizer is not None:
-        observer.probe = MemoryProbe(model, optimizer, sync.held, sync.gathers_parameters)
+        observer.probe = MemoryProbe(model, optimizer, sync.comm.held, sync.gathers_parameters)
     observer.every = 1  # this step and every other one is sampled while the block runs
     observer.begin_step(1)
     row: dict[str, Any] = {}

@@ -33,7 +33,8 @@ def train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dic
     end_of_run_sample(trainer.model, trainer.data)
     sample_graphs = counters["stats"]["unique_graphs"] - graphs
     trainer.fit()
-    full, _ = trainer.sync.state_dicts(trainer.model, trainer.optimizer)  # FSDP's shards gathered (rank 0 only)
+    # FSDP's shards gathered (rank 0 only)
+    full, _ = trainer.sync.checkpointing.state_dicts(trainer.model, trainer.optimizer)
     weights = {k: v.detach().cpu().clone() for k, v in full.items()}
     return {**weights, SAMPLE_GRAPHS: torch.tensor(sample_graphs)}
 

@@ -35,7 +35,7 @@ COMMON = [
 
 def full_params(trainer: Any) -> dict[str, torch.Tensor]:
     """The full model on rank 0 ({} elsewhere): a collective, so every rank calls it."""
-    model_state, _ = trainer.sync.state_dicts(trainer.model, trainer.optimizer)
+    model_state, _ = trainer.sync.checkpointing.state_dicts(trainer.model, trainer.optimizer)
     return {k: v.detach().cpu().clone() for k, v in model_state.items()}
 
 

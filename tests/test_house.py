@@ -187,7 +187,7 @@ STRATEGY_FILES = ("manual", "bucketed", "zero", "zero3")
 # it holds (for the observer's memory probe) and keeps (for the memory predictor), its name, and the
 # wiring of bucket_cap_mb=auto's tuner.
 BOOKKEEPING_DEFS = ("facts", "held", "footprint", "describe", "settled")
-BOOKKEEPING_WORDS = ("tuner", "CapTuner", "auto_", 'name = "', "key_attributes")
+BOOKKEEPING_WORDS = ("tuner", "CapTuner", "auto_", 'name = "', "key_attributes", "comm.holds")
 # A strategy measures nothing: no clock, no counter, no peak (trainer/observer.py does).
 MEASURING = re.compile(r"perf_counter|\bClock\b|peak|_count\(|counts?\b\s*[+-]?=|time\.time|elapsed_time|Event\(")
 

@@ -50,7 +50,8 @@ def train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dic
         # the same kind of scaler the trainer chose, started where it must overflow
         trainer.runner.scaler = type(scaler)(device="cpu", init_scale=HUGE_SCALE)
     trainer.fit()
-    _, optimizer_state = trainer.sync.state_dicts(trainer.model, trainer.optimizer)  # a collective when sharded
+    # a collective when sharded
+    _, optimizer_state = trainer.sync.checkpointing.state_dicts(trainer.model, trainer.optimizer)
     saved = torch.load(Path(run_dir) / "checkpoints" / "last.pt", weights_only=False) if scaler else {}
     # trainer.resume=auto: a new trainer in the same run dir starts from the checkpoint's scale.
     resumed = build(rank, world_size, [*COMMON, *overrides], run_dir).runner.scaler if scaler else None

@@ -64,7 +64,7 @@ def fit(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dict:
         return {"error": f"{type(err).__name__}: {err}"}
     finally:
         logger.close()
-    model = trainer.sync.full_model_state(trainer.model)  # gathered where sharded (every rank calls it)
+    model = trainer.sync.checkpointing.full_model_state(trainer.model)  # gathered where sharded (every rank calls it)
     return {"model": {k: v.clone() for k, v in model.items()}, "step": trainer.step}
 
 

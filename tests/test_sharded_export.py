@@ -77,7 +77,7 @@ def _train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> di
     params = params_of(trainer)  # every rank: gathered where sharded
     optimizer: dict[str, Any] = {}
     if "sync=zero" in overrides:  # its full state, as a full checkpoint gathers it (a collective)
-        _, full = trainer.sync.state_dicts(trainer.model, trainer.optimizer)
+        _, full = trainer.sync.checkpointing.state_dicts(trainer.model, trainer.optimizer)
         names = [name for name, _ in trainer.model.named_parameters()]  # a plain optimizer's order: its ids
         optimizer = {names[i]: dict(entry) for i, entry in full["state"].items()}
     return {"params": params, "optimizer": optimizer, "resumed_at": resumed_at}

@@ -59,7 +59,7 @@ CASES = {
 def train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dict[str, Any]:
     trainer = build(rank, world_size, COMMON + overrides, run_dir)
     summary = trainer.fit()
-    model_state, _ = trainer.sync.state_dicts(trainer.model, trainer.optimizer)  # full, on rank 0
+    model_state, _ = trainer.sync.checkpointing.state_dicts(trainer.model, trainer.optimizer)  # full, on rank 0
     local = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()} if rank else {}
     return {"full": model_state, "local": local, "summary": summary, "steps": trainer.step}
 

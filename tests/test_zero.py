@@ -96,7 +96,7 @@ def _train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> di
     trainer = build(rank, world_size, COMMON + overrides, run_dir)
     trainer.fit()
     assert trainer.step == 6
-    _, optimizer_state = trainer.sync.state_dicts(trainer.model, trainer.optimizer)
+    _, optimizer_state = trainer.sync.checkpointing.state_dicts(trainer.model, trainer.optimizer)
     return {
         "params": params_of(trainer),
         "state_mb": optimizer_state_mb(trainer.optimizer),

@@ -70,7 +70,7 @@ def _common(overrides: list[str]) -> list[str]:
 def _train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dict[str, Any]:
     trainer = build(rank, world_size, _common(overrides), run_dir)
     trainer.fit()
-    _, optimizer_state = trainer.sync.state_dicts(trainer.model, trainer.optimizer)
+    _, optimizer_state = trainer.sync.checkpointing.state_dicts(trainer.model, trainer.optimizer)
     return {
         "params": params_of(trainer),
         "rows": [row for row in trainer._rows.rows if "train/loss" in row],

@@ -48,7 +48,7 @@ def build(
 def params_of(trainer: Trainer) -> dict[str, torch.Tensor]:
     """The full parameters; sharded ones (fsdp's DTensors, zero stage 3's units) are gathered, so every
     rank must call this together."""
-    state = trainer.sync.full_model_state(trainer.model)
+    state = trainer.sync.checkpointing.full_model_state(trainer.model)
     return {name: t.detach().cpu().clone() for name, t in state.items()}
 
 

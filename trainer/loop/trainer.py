@@ -128,7 +128,7 @@ class Trainer:
         # The one instrument, which the builder gave the strategy's communication object: it watches
         # the sampled step (trainer/observer.py), memory included.
         self.observer = sync.comm.observer
-        self.observer.probe = MemoryProbe(self.model, self.optimizer, self._held, self.sync.gathers_parameters)
+        self.observer.probe = MemoryProbe(self.model, self.optimizer, sync.comm.held, sync.gathers_parameters)
         self.observer.watch_group = sync.torch_collectives  # the process group's hooks: only where they see something
         self.observer.last_step = self.total_steps
         self._window = Window(ctx.device)
@@ -159,11 +159,6 @@ class Trainer:
         # checkpoint_async: the save in flight, its collectives on a gloo group of their own (every rank makes it)
         timeout = dt.timedelta(seconds=settings.collective_timeout_s)
         self._saves = InFlight(checkpoint_group(timeout)) if settings.checkpoint_async else None
-
-    def _held(self) -> dict[str, int]:
-        """What the strategy and its communication object hold beyond the model's and optimizer's tensors."""
-        held, wire = self.sync.held(), self.sync.comm.held()
-        return held if not wire else {k: held.get(k, 0) + wire.get(k, 0) for k in held.keys() | wire.keys()}
 
     def resume_from_checkpoint(self) -> None:
         """trainer.resume: continue from a checkpoint if there is one (every rank, a collective)."""
@@ -204,7 +199,7 @@ class Trainer:
             self.model,
             self.optimizer,
             self.scheduler,
-            self.sync,
+            self.sync.checkpointing,
             self.step,
             self.epoch,
             into_epoch,

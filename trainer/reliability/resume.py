@@ -34,7 +34,7 @@ from trainer.reliability.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from trainer.sync.base import SyncStrategy
+from trainer.sync.checkpointing import Checkpointing
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class TrainState:
     model: nn.Module  # unwrapped: its state_dict keys are the plain model's
     optimizer: Optimizer
     scheduler: LRScheduler
-    full_state: SyncStrategy  # a sharded one gathers the full state for a full checkpoint's file
+    checkpointing: Checkpointing  # the strategy's (sync.checkpointing): a sharded one gathers a full checkpoint's state
     step: int  # optimizer steps done
     epoch: int  # the epoch the next step belongs to
     batches_into_epoch: int  # micro-batches of that epoch already trained on
@@ -76,10 +76,18 @@ def save(
     if layout == "sharded":
         model, optimizer = state.model, state.optimizer
         sharded.save(
-            in_flight, ctx.is_main_process, directory, keep, state.full_state, model, optimizer, facts, before_publish
+            in_flight,
+            ctx.is_main_process,
+            directory,
+            keep,
+            state.checkpointing,
+            model,
+            optimizer,
+            facts,
+            before_publish,
         )
         return
-    model_state, optimizer_state = state.full_state.state_dicts(state.model, state.optimizer)  # every rank
+    model_state, optimizer_state = state.checkpointing.state_dicts(state.model, state.optimizer)  # every rank
     if ctx.is_main_process:
         save_checkpoint(directory, {"model": model_state, "optimizer": optimizer_state, **facts}, keep, before_publish)
     elif before_publish is not None:
@@ -245,7 +253,7 @@ def restore(ctx: DistContext, path: Path, saved: dict[str, Any], state: TrainSta
     """
     then, now = world_change.saved_shape(saved), (ctx.world_size, state.batch_size, state.grad_accum_steps)
     world_change.check_global_batch(path, then, now)
-    world_change.check_world_change(path, saved, ctx.world_size, state.model, state.full_state.trains_one_model)
+    world_change.check_world_change(path, saved, ctx.world_size, state.model, state.checkpointing.trains_one_model)
     mapped = (*world_change.BATCH_SHAPE, *world_change.LENGTH)
     if saved["fingerprint"] != fingerprint(config) and (
         diffs := "; ".join(config_differences(saved["config"], config, option_defaults(CONF_DIR, config), mapped))
@@ -261,9 +269,9 @@ def restore(ctx: DistContext, path: Path, saved: dict[str, Any], state: TrainSta
             "raise trainer.max_steps (or num_epochs) to train on from it, or start fresh with trainer.resume=never"
         )
     if saved.get("sharded"):  # every rank reads its own part (any world size): DCP, a collective
-        sharded.load(state.full_state, state.model, state.optimizer, path, saved["param_groups"])
+        sharded.load(state.checkpointing, state.model, state.optimizer, path, saved["param_groups"])
     else:
-        state.full_state.load_state_dicts(state.model, state.optimizer, saved["model"], saved["optimizer"])
+        state.checkpointing.load_state_dicts(state.model, state.optimizer, saved["model"], saved["optimizer"])
     horizons = [getattr(f, "total_steps", None) for f in getattr(state.scheduler, "lr_lambdas", [])]
     state.scheduler.load_state_dict(saved["scheduler"])  # its multipliers' attributes: the saved run's horizon
     longer = world_change.continue_schedule(state.scheduler, horizons, saved["step"], state.total_steps)

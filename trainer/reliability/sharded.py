@@ -38,7 +38,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from trainer.reliability.checkpoint import FORMAT, CheckpointError
-from trainer.sync.base import SyncStrategy
+from trainer.sync.checkpointing import Checkpointing
 
 META = "meta.pt"  # rank 0's: everything of a checkpoint but the model's and optimizer's tensors
 LAST = "last"
@@ -172,7 +172,7 @@ def save(
     is_main: bool,
     directory: Path,
     keep: int,
-    strategy: SyncStrategy,
+    checkpointing: Checkpointing,
     model: nn.Module,
     optimizer: Optimizer,
     meta: dict[str, Any],
@@ -194,8 +194,9 @@ def save(
         shutil.rmtree(partial, ignore_errors=True)  # a save that died half-way
         partial.mkdir(parents=True)
     dist.barrier(group)
-    tensors, groups = strategy.sharded_state(model, optimizer)
-    tensors = mine_to_write(tensors, dist.get_rank(group), dist.get_world_size(group), strategy.trains_one_model)
+    tensors, groups = checkpointing.sharded_state(model, optimizer)
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    tensors = mine_to_write(tensors, rank, world_size, checkpointing.trains_one_model)
     meta = {"format": FORMAT, "sharded": True, **meta, "param_groups": groups}
 
     def publish() -> None:
@@ -271,7 +272,9 @@ def load_model(checkpoint: Path) -> dict[str, torch.Tensor]:
     return {flat.removeprefix("model/"): value for flat, value in template.items()}
 
 
-def load(strategy: SyncStrategy, model: nn.Module, optimizer: Optimizer, checkpoint: Path, groups: list[Any]) -> None:
+def load(
+    checkpointing: Checkpointing, model: nn.Module, optimizer: Optimizer, checkpoint: Path, groups: list[Any]
+) -> None:
     """Read this rank's new part of a step-<n>/ checkpoint into the model and optimizer (a collective):
     the strategy lays out what it holds (sharded_state's template), DCP fills it."""
     import torch.distributed.checkpoint as dcp
@@ -279,4 +282,4 @@ def load(strategy: SyncStrategy, model: nn.Module, optimizer: Optimizer, checkpo
     def read(template: dict[str, Any]) -> None:
         dcp.load(template, checkpoint_id=str(checkpoint))
 
-    strategy.load_sharded_state(model, optimizer, saved_tensors(checkpoint), read, groups)
+    checkpointing.load_sharded_state(model, optimizer, saved_tensors(checkpoint), read, groups)

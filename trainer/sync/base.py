@@ -1,16 +1,34 @@
-"""The interface every gradient-sync strategy implements; the trainer calls nothing else.
+"""The interface every gradient-sync strategy implements: the calls the trainer makes, in its order.
 
-A step, as the trainer runs it (k = grad_accum_steps):
+Before any process group exists (the launcher's check and every rank's):
 
+    sync.check_world_size(world_size)          # a layout this many ranks cannot form: ConfigError
+    sync.refuses(settings)                     # trainer settings it cannot train with: why, or None
+
+Set-up, then each step (k = grad_accum_steps):
+
+    model = sync.wrap(model)                   # every replica starts equal
+    optimizer = sync.build_optimizer(model, factory)   # a sharded strategy's steps its shard
     for each of the first k-1 micro-batches:  with sync.no_sync(model): forward; backward
     last micro-batch:                          forward; backward
-    sync.after_backward(model)                 # gradients are now equal on every rank
+    sync.after_backward(model)                 # the gradients the optimizer reads are averaged
     sync.optimizer_step(optimizer)             # optimizer.step(), plus what sharding needs after it
     sync.zero_grad(optimizer)
+    sync.after_step()                          # bucket_cap_mb=auto's trials
+    sync.wait_for_parameters()                 # only before reading the parameters outside a forward
 
-The optimizer comes from build_optimizer (a sharded strategy's optimizer holds only its shard),
-and checkpoints go through state_dicts / load_state_dicts, which always speak in the full,
-unsharded model's terms: a checkpoint looks the same whichever strategy wrote it.
+Each method exists because the trainer cannot derive it: it is where the algorithms differ. What
+follows from a strategy's flags is not asked of it: the global gradient norm and the clip
+(trainer/sync/grads.py), the sync line (trainer/sync/describe.py). Checkpoints are an object beside
+the strategy, `sync.checkpointing` (trainer/sync/checkpointing.py): they speak in the full,
+unsharded model's terms, so a checkpoint looks the same whichever strategy wrote it, and only the
+trainer's reliability code reads them. What a strategy holds beyond the model's and the
+optimizer's tensors it declares where it allocates it, in one line (`self.comm.holds(...)`, read
+by the memory probe). Beyond the step's calls, three say what the algorithm is to the tools that
+compare strategies: `facts()` (what it built, for the sync line), `footprint()` and `schedule()`
+(what it would hold and send at any world size, for the memory predictor and the scaling model).
+The last two describe the algorithm a second time, beside its code: nothing yet derives them
+from running it.
 """
 
 from __future__ import annotations
@@ -28,9 +46,9 @@ from trainer.comm_schedule import Schedule
 from trainer.core import TrainSettings
 from trainer.footprint import Footprint, Plan, replicated
 from trainer.sync.autotune import CapTuner
+from trainer.sync.checkpointing import Checkpointing
 from trainer.sync.comm import Comm
 from trainer.sync.master import Masters
-from trainer.sync.sharded_state import Read, load_state_parts, state_parts
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
 WeightDecayOn = Literal["all", "matrices"]
@@ -73,14 +91,17 @@ class SyncStrategy(ABC):
     """How the replicas' gradients become one averaged gradient.
 
     A strategy sends every collective through `self.comm` (trainer/sync/comm.py) and measures
-    nothing: the observer (trainer/observer.py) watches its collectives, and reads the facts it
-    states (`facts()`, `held()`). `keeps_replicas_equal` says every rank holds the same full
-    parameters after each step (the trainer's replica check compares them; a strategy whose ranks
-    hold shards sets it False). `grads_sharded` says the gradients its optimizer reads are this
-    rank's shard of the averaged gradient (zero, fsdp), so their global norm needs a reduction
-    across ranks (`norm_copies`: how many times that reduction counts each element, hsdp's once per
-    node). `trains_one_model` says the ranks train one model between them (False for
-    sync=none, where each trains its own): only then does a checkpoint continue at another world size.
+    nothing: the observer (trainer/observer.py) watches its collectives. Its flags are what the
+    trainer needs to know of its layout and cannot see from the outside:
+    `keeps_replicas_equal`: every rank holds the same full parameters after each step (the replica
+    check compares them; sync=none, and a strategy whose ranks hold parameter shards, set it False);
+    `grads_sharded`: the gradients its optimizer reads are this rank's shard of the averaged
+    gradient (zero, fsdp), so their global norm needs a reduction across ranks (`norm_copies`: the
+    ranks holding each shard, which that reduction counts so often; hsdp's nodes);
+    `gathers_parameters`: the model's parameters are full copies gathered per unit from the
+    optimizer's shard (zero stage 3), which the memory probe counts as communication buffers;
+    `torch_collectives`: torch launches some of its collectives from C++, past `self.comm` (DDP's
+    reducer), so the observer also watches the process group (a cost every other strategy skips).
     """
 
     name = ""  # its option in conf/sync/, for the sync line
@@ -89,7 +110,6 @@ class SyncStrategy(ABC):
     grads_sharded: bool = False  # each rank's optimizer reads its own disjoint shard of the gradient
     norm_copies: int = 1  # grads_sharded: ranks holding each shard (the world's sum of squares counts it so often)
     gathers_parameters: bool = False  # the model's parameters are full copies gathered per unit, not the optimizer's
-    trains_one_model: bool = True  # the ranks train one model (sync=none: one each)
     torch_collectives: bool = False  # torch launches some of its collectives from C++, past self.comm (DDP's reducer)
     tuner: CapTuner | None = None  # bucket_cap_mb=auto: tries caps, then rebuild() with the fastest
 
@@ -98,6 +118,9 @@ class SyncStrategy(ABC):
         # 16-bit parameters (trainer.param_dtype): the fp32 copies build_optimizer() has the optimizer
         # step, for a strategy whose optimizer steps the model's parameters (trainer/sync/master.py)
         self.masters = Masters()
+        # How its state goes into checkpoints and comes back (trainer/sync/checkpointing.py): read by
+        # trainer/reliability/, never by the step. A sharding strategy replaces it with its own.
+        self.checkpointing = Checkpointing(self.masters)
 
     @abstractmethod
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -136,45 +159,6 @@ class SyncStrategy(ABC):
         before it reads the parameters outside a forward (the replica check, a fault that nudges
         them, the end of train()). Cheap when nothing is in flight."""
 
-    def full_model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The whole model's state_dict on every rank: a sharded tensor (fsdp's DTensor) gathered, so
-        every rank must call it. For comparing models (tests, tools), not for checkpoints."""
-        state = self.masters.model_state(model)  # 16-bit parameters: their fp32 copies
-        return {name: t.full_tensor() if hasattr(t, "full_tensor") else t for name, t in state.items()}
-
-    def state_dicts(self, model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(model state, optimizer state) of the full unsharded model, for a checkpoint.
-
-        Every rank calls it (a sharded strategy gathers); only global rank 0's result is written,
-        so other ranks may return empty dicts. 16-bit parameters: their fp32 copies' values.
-        """
-        return self.masters.model_state(model), optimizer.state_dict()
-
-    def load_state_dicts(
-        self, model: nn.Module, optimizer: Optimizer, model_state: dict[str, Any], optimizer_state: dict[str, Any]
-    ) -> None:
-        """Load what state_dicts returned (every rank holds the full dicts, read from the file)."""
-        model.load_state_dict(model_state)
-        self.masters.load_model_state(model, model_state)
-        optimizer.load_state_dict(optimizer_state)
-
-    def sharded_state(self, model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        """This rank's part of a sharded checkpoint (flat keys: model/<name>, optim/<name>/<key>; a
-        shard where ranks hold parts), and the param groups by name. Every rank calls it."""
-        return state_parts(model, optimizer, self.masters)
-
-    def load_sharded_state(
-        self,
-        model: nn.Module,
-        optimizer: Optimizer,
-        saved: dict[str, Any],
-        read: Read,
-        groups: list[dict[str, Any]],
-    ) -> None:
-        """Load this rank's part of a sharded checkpoint, at any world size: lay out what this rank
-        holds from `saved` (the checkpoint's metadata by flat key), `read` fills it (a collective)."""
-        load_state_parts(model, optimizer, saved, read, groups, self.masters)
-
     def zero_grad(self, optimizer: Optimizer) -> None:
         """After optimizer.step(): clear the gradients for the next step.
 
@@ -191,13 +175,6 @@ class SyncStrategy(ABC):
 
     def facts(self) -> dict[str, Any]:
         """What the algorithm built, for the sync line and summary.json (its buckets, its units)."""
-        return {}
-
-    def held(self) -> dict[str, int]:
-        """Bytes this strategy holds now, by kind of memory, beyond what the model's parameters and
-        gradients and the optimizer's parameters and state show (`comm_buffers`: a bucket being
-        reduced, DDP's reducer buckets, gathered units; `gradients`: full ones outside any .grad);
-        the observer asks on the sampled step."""
         return {}
 
     def footprint(self, plan: Plan) -> Footprint:

@@ -82,6 +82,7 @@ class BucketedSync(SyncStrategy):
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._names = names_of(model, self._params)
         self._calls = [0] * len(self._params)
+        self.comm.holds(lambda: self._flat.held() if self._flat is not None else {})  # rebuild() remakes it
         if self.bucket_cap_mb == "auto":  # the tuner tries caps in the first steps (SyncStrategy.after_step)
             candidates, steps, warmup = self.auto_candidates_mb, self.auto_steps_per_trial, self.auto_warmup_steps
             self.tuner = CapTuner(
@@ -220,9 +221,6 @@ class BucketedSync(SyncStrategy):
         cap_mb = max(self.auto_candidates_mb) if self.bucket_cap_mb == "auto" else float(self.bucket_cap_mb)
         groups = list(group_by_size(reversed(plan.trainable), int(cap_mb * 2**20)))
         return FlatGrads.replica(plan, groups, plan.world_size, self.collective == "rs_ag")  # all in flight at once
-
-    def held(self) -> dict[str, int]:
-        return self._flat.held() if self._flat is not None else {}
 
     def facts(self) -> dict[str, Any]:
         if self._flat is None:

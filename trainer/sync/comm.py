@@ -93,6 +93,7 @@ class Comm:
         self.link = link  # network=<preset>
         self.reduce_dtype = reduce_dtype  # trainer.reduce_dtype; None: each buffer's own
         self._wire_bytes = 0  # the copies in reduce_dtype in flight
+        self._holdings: list[Callable[[], dict[str, int]]] = []  # what the strategy declared it holds (holds())
         # A strategy built alone (a test) gets an observer that samples nothing; the builder gives the run's.
         self.observer = observer or Observer(torch.device("cpu"))
         self.recording = False  # the profiler records: each launch is named in its trace
@@ -148,10 +149,21 @@ class Comm:
     def _landed(self, nbytes: int) -> None:
         self._wire_bytes -= nbytes
 
+    def holds(self, nbytes: Callable[[], dict[str, int]]) -> None:
+        """The strategy declares, where it allocates them, tensors the memory probe cannot see: bytes by
+        kind beyond the model's parameters and gradients and the optimizer's tensors (`comm_buffers`:
+        a bucket being reduced, DDP's reducer buckets, gathered units; `gradients`: full ones outside
+        any .grad). `nbytes` is read on the sampled step only."""
+        self._holdings.append(nbytes)
+
     def held(self) -> dict[str, int]:
-        """Bytes this object holds now: the reductions' copies in reduce_dtype in flight (communication
-        buffers, for the memory probe)."""
-        return {"comm_buffers": self._wire_bytes} if self._wire_bytes else {}
+        """Bytes held now beyond what the probe sees: the reductions' copies in reduce_dtype in flight,
+        and what the strategy declared (holds())."""
+        held = {"comm_buffers": self._wire_bytes} if self._wire_bytes else {}
+        for nbytes in self._holdings:
+            for kind, n in nbytes().items():
+                held[kind] = held.get(kind, 0) + n
+        return held
 
     # Control collectives: a few bytes that keep the ranks in step, waited for at once (or where needed).
 

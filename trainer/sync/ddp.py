@@ -103,6 +103,8 @@ class DDPSync(SyncStrategy):
                 "(needs 2.10+); use fp16, or trainer.device=cpu (gloo)"
             )
         self._module = model
+        if not self.gradient_as_bucket_view:  # DDP's reducer keeps the gradients in buckets of its own
+            self.comm.holds(lambda: {"comm_buffers": sum(self._sizes)})
         if self.comm_hook != "none":
             self._hook = TorchHook(self.comm_hook, self.comm, self.powersgd_rank, self.powersgd_start_step)
         elif self.time_buckets or self.comm.link is not None or self.comm.reduce_dtype not in (None, dtype):
@@ -161,10 +163,6 @@ class DDPSync(SyncStrategy):
         copies = (not self.gradient_as_bucket_view) + (self.comm_hook == "powersgd")
         sent = wire(plan, [sum(p.numel() * p.element_size() for p in plan.trainable)])  # every bucket in flight
         return replicated(plan, whole("gradients", plan.trainable), *[grads] * copies, *sent)
-
-    def held(self) -> dict[str, int]:
-        """DDP's reducer keeps the gradients in buckets of its own, unless they are the .grad tensors."""
-        return {} if self.gradient_as_bucket_view else {"comm_buffers": sum(self._sizes)}
 
     def schedule(self) -> Schedule:
         """DDP's buckets in gradient-ready order, the first of about 1 MiB (torch's

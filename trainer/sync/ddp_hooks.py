@@ -52,10 +52,15 @@ class TorchHook:
             self.powersgd = powerSGD_hook.PowerSGDState(
                 process_group=None, matrix_approximation_rank=powersgd_rank, start_powerSGD_iter=powersgd_start_step
             )
+            comm.holds(self._error_feedback)  # PowerSGD's own copy of the gradients, made at its first compression
         self._cast = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}.get(name)
 
     def hook(self, state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         return self.comm.hooked(lambda: self._send(bucket), bucket.index())
+
+    def _error_feedback(self) -> dict[str, int]:
+        assert self.powersgd is not None
+        return {"comm_buffers": sum(t.numel() * t.element_size() for t in self.powersgd.error_dict.values())}
 
     def _send(self, bucket: dist.GradBucket) -> tuple[Future[Any], str, int, int]:
         """Run torch's hook on the bucket: its future, and what it sent (kind, bytes, calls)."""

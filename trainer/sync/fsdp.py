@@ -28,13 +28,6 @@ import torch
 import torch.distributed as dist
 from pydantic import Field
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
@@ -46,11 +39,10 @@ from trainer.footprint import Footprint, Held, Plan
 from trainer.sync.base import OptimizerFactory, SyncStrategy
 from trainer.sync.comm import Comm
 from trainer.sync.fsdp_buffers import backward_buffers, forward_buffers
-from trainer.sync.fsdp_state import by_index, by_name
+from trainer.sync.fsdp_state import FSDPCheckpointing
 from trainer.sync.fsdp_units import Wrap, choose_units, resolve, unit_parameters
 from trainer.sync.fsdp_usage import FirstForwardCheck, expected_usage
 from trainer.sync.master import SIXTEEN_BITS, cast_parameters
-from trainer.sync.sharded_state import Read
 
 # fsdp's keys, declared once (sync=hsdp takes them too).
 ReshardAfterForward = Annotated[bool, Field(description="free a unit's parameters after its forward")]
@@ -148,6 +140,7 @@ class FSDPSync(SyncStrategy):
         find_unused_parameters: CheckEveryForward = False,
     ) -> None:
         super().__init__()
+        self.checkpointing = FSDPCheckpointing(self.masters, lambda: self._param_names)
         # true: every training forward is checked as the first is (a unit or parameter some rank
         # leaves out in a later step is refused there, not left to FSDP2's unpaired collectives)
         self.find_unused_parameters = find_unused_parameters
@@ -198,6 +191,7 @@ class FSDPSync(SyncStrategy):
         root_reshard = None if self.reshard_after_forward else False
         fully_shard(model, mesh=mesh, reshard_after_forward=root_reshard, mp_policy=policy)
         self._fsdp_units = [*layers, model]
+        self.comm.holds(self._fsdp_holds)  # what FSDP2 allocates beside the registered shards
         for unit in self._fsdp_units:  # every unit's collectives through self.comm
             assert isinstance(unit, FSDPModule)
             self.connect(unit, names[id(unit)] or "root")
@@ -256,34 +250,6 @@ class FSDPSync(SyncStrategy):
             module.reset_iter_state()
             self._evaluated = False
 
-    def state_dicts(self, model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The full unsharded state on rank 0 (others get empty dicts): the plain model's keys, and
-        the optimizer's usual state_dict() layout, numbered in its parameter order."""
-        reshard(model)  # collective: every rank gathers its part
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_state = get_model_state_dict(model, options=options)
-        optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)
-        return model_state, by_index(optimizer_state, self._param_names)
-
-    def sharded_state(self, model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        reshard(model)  # the state-dict functions name the registered parameters: the optimizer's shards
-        return super().sharded_state(model, optimizer)
-
-    def load_sharded_state(
-        self, model: nn.Module, optimizer: Optimizer, saved: dict[str, Any], read: Read, groups: list[dict[str, Any]]
-    ) -> None:
-        reshard(model)
-        super().load_sharded_state(model, optimizer, saved, read, groups)
-
-    def load_state_dicts(
-        self, model: nn.Module, optimizer: Optimizer, model_state: dict[str, Any], optimizer_state: dict[str, Any]
-    ) -> None:
-        # Every rank read the whole file: each keeps its own shard, no broadcast needed.
-        reshard(model)
-        options = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(model, model_state, options=options)
-        set_optimizer_state_dict(model, optimizer, by_name(optimizer_state, self._param_names), options=options)
-
     def facts(self) -> dict[str, Any]:
         if not self._unit_bytes:
             return {}
@@ -330,10 +296,10 @@ class FSDPSync(SyncStrategy):
         ]
         return Footprint(tuple(held), tuple(padded_numel(p.shape, n) // n for p in plan.trainable))
 
-    def held(self) -> dict[str, int]:
+    def _fsdp_holds(self) -> dict[str, int]:
         """FSDP2's unsharded parameters of the units gathered now (and their all-gather buffers), the
         flat gradients being reduce-scattered, and the full gradients until then: outside the
-        model's registered DTensors."""
+        model's registered DTensors, allocated by FSDP2 (declared in wrap())."""
         flat = [t for rs in self._reduce_scatters for t in rs.inputs] + [
             t for ag in self._all_gathers for t in ag.outputs
         ]
@@ -365,12 +331,3 @@ class FSDPSync(SyncStrategy):
 def local_of(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor; a plain tensor as it is."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def reshard(model: nn.Module) -> None:
-    """Register every unit's shards again, freeing what an evaluation left gathered (the root; every
-    unit with reshard_after_forward=false): the state-dict functions read the registered
-    parameters, which must be the shards the optimizer holds."""
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()

@@ -70,6 +70,7 @@ class HierarchicalSync(SyncStrategy):
         self._node, self._peers = mesh.groups(two_level)
         params = [p for p in model.parameters() if p.requires_grad]
         self._flat = FlatGrads(self._groups(params), self.shard)
+        self.comm.holds(self._flat.held)  # its shards, beyond the .grad views the probe sees
         self._arrivals = Arrivals(params, names_of(model, params), self.comm, self.name, self.find_unused_parameters)
         return model
 
@@ -110,9 +111,6 @@ class HierarchicalSync(SyncStrategy):
     def footprint(self, plan: Plan) -> Footprint:
         """A replica's, with its buckets padded to the node's ranks and each one's shard."""
         return FlatGrads.replica(plan, self._groups(plan.trainable), self.shard)  # every reduce_scatter, then waits
-
-    def held(self) -> dict[str, int]:
-        return self._flat.held() if self._flat is not None else {}
 
     def facts(self) -> dict[str, Any]:
         if self._flat is None:

@@ -61,6 +61,7 @@ class ManualSync(SyncStrategy):
         params = [p for p in model.parameters() if p.requires_grad]
         flat, self._in_place = self._split(params)
         self._flat = FlatGrads(flat, dist.get_world_size(), self._shards)
+        self.comm.holds(self._flat.held)  # its shards (rs_ag), beyond the .grad views the probe sees
         names = names_of(model, params)
         self._arrivals = Arrivals(params, names, self.comm, "manual", self.find_unused_parameters)
         return model
@@ -105,9 +106,6 @@ class ManualSync(SyncStrategy):
         """Its flat buffers (padded) and their shards, and the gradients all-reduced alone, one at a time."""
         flat, alone = self._split(plan.trainable)
         return FlatGrads.replica(plan, flat, plan.world_size, self._shards, alone, at_once=1)
-
-    def held(self) -> dict[str, int]:
-        return self._flat.held() if self._flat is not None else {}
 
     def facts(self) -> dict[str, Any]:
         if self._flat is None:

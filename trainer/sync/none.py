@@ -9,6 +9,7 @@ from torch import nn
 
 from trainer.comm_schedule import Nothing, Schedule
 from trainer.sync.base import SyncStrategy
+from trainer.sync.checkpointing import Checkpointing
 
 log = logging.getLogger(__name__)
 
@@ -18,7 +19,10 @@ class NoSync(SyncStrategy):
 
     name = "none"
     keeps_replicas_equal = False
-    trains_one_model = False  # each rank trains its own: a checkpoint holds rank 0's
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checkpointing = Checkpointing(self.masters, trains_one_model=False)  # a checkpoint holds rank 0's
 
     def wrap(self, model: nn.Module) -> nn.Module:
         if dist.get_world_size() > 1 and dist.get_rank() == 0:

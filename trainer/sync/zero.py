@@ -62,26 +62,21 @@ from torch.optim import Optimizer
 
 from trainer.comm_schedule import Buckets, Hop, Schedule
 from trainer.footprint import Footprint, Held, Plan, nbytes, whole, wire
-from trainer.sync import zero_checkpoint
 from trainer.sync.base import DecayGroups, OptimizerFactory, SyncStrategy
 from trainer.sync.buckets import InOrder
 from trainer.sync.flat import group_by_size, names_of
 from trainer.sync.fsdp_units import Wrap
 from trainer.sync.master import master_dtype
-from trainer.sync.sharded_state import Read
 from trainer.sync.unused import Arrivals, fewest_and_most
 from trainer.sync.zero3 import Zero3Sync
 from trainer.sync.zero_buckets import GradientBuckets
+from trainer.sync.zero_checkpoint import ZeroCheckpointing
 from trainer.sync.zero_state import (
     ELEMENTWISE,
     Layout,
     Skipped,
     check_one_kind,
     check_optimizer,
-    gather_full_model,
-    gather_full_state,
-    shard_of_full_model,
-    shard_of_full_state,
     unchanged,
 )
 
@@ -102,6 +97,7 @@ class ZeroSync(SyncStrategy):
         self, stage: Literal[1, 2], bucket_cap_mb: float, num_buckets_staged: int, find_unused_parameters: bool
     ) -> None:
         super().__init__()
+        self.checkpointing = ZeroCheckpointing(self)
         self.stage, self.bucket_cap_mb = stage, float(bucket_cap_mb)
         self.num_buckets_staged = num_buckets_staged
         self.find_unused_parameters = find_unused_parameters
@@ -171,6 +167,7 @@ class ZeroSync(SyncStrategy):
         self.full_groups = [[position[id(p)] for p in group] for group, _ in groups]
         # Stage 2 stages each bucket in the dtype it is reduced in (trainer.reduce_dtype)
         self._grads = GradientBuckets(self.stage, buckets, layout, self._rank, self._make_room, self.comm.reduce_dtype)
+        self.comm.holds(lambda: {"comm_buffers": self._grads.staged_bytes() if self._grads is not None else 0})
         self._names = names_of(model, params)
         self._calls = [0] * len(params)
         self._arrivals = Arrivals(params, self._names, self.comm, "zero", self.find_unused_parameters)
@@ -389,44 +386,6 @@ class ZeroSync(SyncStrategy):
             grads += [whole("gradients", plan.trainable)] if plan.accumulating else []
         held = (Held("parameters", (full, shard, *nbytes(plan.frozen))), *grads)
         return Footprint(held, tuple(hi - lo for lo, hi in layout.group_spans([len(g) for g in per_group])))
-
-    def held(self) -> dict[str, int]:
-        return {"comm_buffers": self._grads.staged_bytes()} if self._grads is not None else {}
-
-    def state_dicts(self, model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The model's state is full on every rank already; the optimizer's is gathered (a collective)."""
-        assert self.layout is not None, "build_optimizer() first"
-        self.wait_for_parameters()
-        state = gather_full_state(optimizer.state_dict(), self.layout, self.spans, self.full_groups, self.comm)
-        return self.full_model_state(model), state
-
-    def full_model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """Full on every rank already; 16-bit parameters: their fp32 copies, gathered from the shards."""
-        assert self.layout is not None and self.flat is not None and self.param_shard is not None
-        if self.param_shard.dtype == self.flat.dtype:
-            return model.state_dict()
-        return gather_full_model(model, self.layout, self.param_shard, self.comm)
-
-    def load_state_dicts(
-        self, model: nn.Module, optimizer: Optimizer, model_state: dict[str, Any], optimizer_state: dict[str, Any]
-    ) -> None:
-        assert self.layout is not None and self.flat is not None and self.param_shard is not None
-        self.wait_for_parameters()  # a gather landing after the load would overwrite it
-        model.load_state_dict(model_state)  # copies into the parameters: into the flat buffer
-        with torch.no_grad():  # the file's values, not the buffer's (16-bit: rounded)
-            self.param_shard.copy_(shard_of_full_model(model, self.layout, self._rank, model_state, self.param_shard))
-        optimizer.load_state_dict(
-            shard_of_full_state(optimizer_state, self.layout, self._rank, self.spans, self.full_groups)
-        )
-
-    def sharded_state(self, model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        """Its shard as per-parameter ranges (zero_checkpoint.py): the optimizer steps a flat shard."""
-        return zero_checkpoint.state_parts(self, model, optimizer)
-
-    def load_sharded_state(
-        self, model: nn.Module, optimizer: Optimizer, saved: dict[str, Any], read: Read, groups: list[Any]
-    ) -> None:
-        zero_checkpoint.load_state_parts(self, model, optimizer, saved, read, groups)
 
     def facts(self) -> dict[str, Any]:
         if self.layout is None or self._grads is None:

@@ -72,23 +72,18 @@ from trainer.comm_schedule import Schedule, ShardedUnits
 from trainer.core import TrainSettings
 from trainer.errors import ConfigError
 from trainer.footprint import Footprint, Held, Plan, nbytes
-from trainer.sync import zero_checkpoint
 from trainer.sync.base import DecayGroups, OptimizerFactory, SyncStrategy
 from trainer.sync.buckets import InOrder
 from trainer.sync.flat import names_of
 from trainer.sync.fsdp_units import Wrap, choose_units, resolve, unit_parameters
 from trainer.sync.master import master_dtype
-from trainer.sync.sharded_state import Read
 from trainer.sync.unused import Arrivals
+from trainer.sync.zero_checkpoint import Zero3Checkpointing
 from trainer.sync.zero_state import (
     Layout,
     Skipped,
     check_one_kind,
     check_optimizer,
-    gather_full_model,
-    gather_full_state,
-    shard_of_full_model,
-    shard_of_full_state,
     unchanged,
 )
 
@@ -111,6 +106,7 @@ class Zero3Sync(SyncStrategy):
         find_unused_parameters: bool,
     ) -> None:
         super().__init__()
+        self.checkpointing = Zero3Checkpointing(self)
         self.wrap_policy, self.prefetch = wrap, prefetch
         self.reshard_after_forward, self.find_unused_parameters = reshard_after_forward, find_unused_parameters
         self.layout: Layout | None = None
@@ -175,6 +171,9 @@ class Zero3Sync(SyncStrategy):
         names = {id(m): name for name, m in model.named_modules()}
         self._labels = [f"zero unit {names[id(m)] or 'root'}" for m in self._units]
         self._trainable = [any(p.requires_grad for p in m.parameters()) for m in self._units]
+        # The padded gradient buckets filled and being reduced (_reduce); the full gradients and the
+        # shards are .grad tensors, which the probe sees.
+        self.comm.holds(lambda: {"comm_buffers": sum(b.numel() * b.element_size() for _, b in self._filled)})
         return model  # sharded in build_optimizer(), by the optimizer's groups
 
     def build_optimizer(self, model: nn.Module, factory: OptimizerFactory) -> Optimizer:
@@ -421,7 +420,7 @@ class Zero3Sync(SyncStrategy):
         unit's."""
         assert self.layout is not None and self._grads is not None
         self._settle()
-        self._filled = [(b, self._fill(b)) for b in self._buckets[u]]  # alive until settled (held())
+        self._filled = [(b, self._fill(b)) for b in self._buckets[u]]  # alive until settled (declared in wrap())
         for b, bucket in self._filled:
             _, shard_at, size = self.layout.pieces(self._rank)[b]
             if self._native:  # each rank receives only its 1/N slice of the sum
@@ -534,19 +533,9 @@ class Zero3Sync(SyncStrategy):
         ]
         return Footprint(tuple(held), tuple(hi - lo for lo, hi in layout.group_spans(per_group)))
 
-    def held(self) -> dict[str, int]:
-        """The padded gradient buckets filled and being reduced (the full gradients and the shards are
-        .grad tensors)."""
-        return {"comm_buffers": sum(bucket.numel() * bucket.element_size() for _, bucket in self._filled)}
-
-    # Checkpoints: the full model in the usual terms, or this rank's shard.
-
-    def full_model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The whole model's state_dict on every rank (a collective): each unit gathered in turn, copied,
-        freed; 16-bit parameters: their fp32 copies, gathered from the shards."""
-        assert self.layout is not None and self.param_shard is not None
-        if self._full and self._full[0].dtype != self.param_shard.dtype:
-            return gather_full_model(model, self.layout, self.param_shard, self.comm)
+    def gathered_model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The whole model's state_dict on every rank (a collective): each unit gathered in turn,
+        copied, freed (its checkpoints: zero_checkpoint.Zero3Checkpointing)."""
         state = {}
         for u in range(len(self._units)):
             self._wait(u)
@@ -556,41 +545,8 @@ class Zero3Sync(SyncStrategy):
             self._free(u)
         return {name: state.get(id(t), t).detach() for name, t in model.state_dict(keep_vars=True).items()}
 
-    def state_dicts(self, model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The full model and the full optimizer state, in a plain optimizer's terms (collectives)."""
-        assert self.layout is not None
-        full = gather_full_state(optimizer.state_dict(), self.layout, self.spans, self.full_groups, self.comm)
-        return self.full_model_state(model), full
-
-    def load_state_dicts(
-        self, model: nn.Module, optimizer: Optimizer, model_state: dict[str, Any], optimizer_state: dict[str, Any]
-    ) -> None:
-        """Every rank read the whole file: each keeps its own shard of the parameters and optimizer state."""
-        assert self.layout is not None and self.param_shard is not None
-        own = model.state_dict(keep_vars=True)  # a tied parameter under each of its names
-        missing, unexpected = sorted(own.keys() - model_state.keys()), sorted(model_state.keys() - own.keys())
-        if missing or unexpected:  # what load_state_dict(strict=True) refuses, before anything is changed
-            raise RuntimeError(
-                f"the checkpoint's model does not match: missing keys {missing}, unexpected keys {unexpected}"
-            )
-        with torch.no_grad():
-            self.param_shard.copy_(shard_of_full_model(model, self.layout, self._rank, model_state, self.param_shard))
-        sharded = {id(p) for p in model.parameters() if p.requires_grad}  # their storage is freed: never written
-        rest = {k: v for k, v in model_state.items() if id(own[k]) not in sharded}
-        model.load_state_dict(rest, strict=False)  # buffers and frozen parameters, whole on every rank
-        state = shard_of_full_state(optimizer_state, self.layout, self._rank, self.spans, self.full_groups)
-        optimizer.load_state_dict(state)
-
-    def sharded_state(self, model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        return zero_checkpoint.state_parts(self, model, optimizer)
-
     def gather_parameters(self) -> None:
         """Nothing to gather after a sharded checkpoint's load: each unit is gathered in its turn."""
-
-    def load_sharded_state(
-        self, model: nn.Module, optimizer: Optimizer, saved: dict[str, Any], read: Read, groups: list[Any]
-    ) -> None:
-        zero_checkpoint.load_state_parts(self, model, optimizer, saved, read, groups)
 
     def facts(self) -> dict[str, Any]:
         info: dict[str, Any] = {

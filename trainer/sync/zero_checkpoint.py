@@ -31,12 +31,24 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from trainer.sync.checkpointing import Checkpointing
 from trainer.sync.flat import names_of
+from trainer.sync.master import Masters
 from trainer.sync.sharded_state import Read, optimizer_entries
-from trainer.sync.zero_state import Layout, _group_of, _is_piece
+from trainer.sync.zero_state import (
+    Layout,
+    _group_of,
+    _is_piece,
+    gather_full_model,
+    gather_full_state,
+    shard_of_full_model,
+    shard_of_full_state,
+)
 
 if TYPE_CHECKING:  # DCP is imported where a checkpoint is written or read (trainer/reliability/sharded.py)
     from torch.distributed.checkpoint import CheckpointableTensor
+
+    from trainer.sync.comm import Comm
 
 
 class ZeroShard(Protocol):
@@ -47,10 +59,105 @@ class ZeroShard(Protocol):
     flat: torch.Tensor | None  # the full parameters (stages 1, 2); None where they are sharded (stage 3)
     param_shard: torch.Tensor | None
     full_groups: list[list[int]]
+    comm: Comm
+    masters: Masters
 
     def wait_for_parameters(self) -> None: ...
 
     def gather_parameters(self) -> None: ...
+
+
+class Zero3Shard(ZeroShard, Protocol):
+    """Stage 3 gathers its units for a full model."""
+
+    def gathered_model_state(self, model: nn.Module) -> dict[str, torch.Tensor]: ...
+
+
+class ZeroCheckpointing(Checkpointing):
+    """sync=zero's checkpoints: the optimizer steps this rank's slice of a flat shard, so the full
+    state is gathered from the slices, and a loaded one is cut back into them. Stages 1 and 2 hold
+    the full parameters on every rank; stage 3 gathers them unit by unit (Zero3Checkpointing)."""
+
+    def __init__(self, strategy: ZeroShard) -> None:
+        super().__init__(strategy.masters)
+        self.strategy = strategy
+
+    def full_model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Full on every rank already; 16-bit parameters: their fp32 copies, gathered from the shards."""
+        zero = self.strategy
+        assert zero.layout is not None and zero.flat is not None and zero.param_shard is not None
+        if zero.param_shard.dtype == zero.flat.dtype:
+            return model.state_dict()
+        return gather_full_model(model, zero.layout, zero.param_shard, zero.comm)
+
+    def state_dicts(self, model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The full model, and the optimizer's state gathered into a plain optimizer's terms (collectives)."""
+        zero = self.strategy
+        assert zero.layout is not None, "build_optimizer() first"
+        zero.wait_for_parameters()
+        state = gather_full_state(optimizer.state_dict(), zero.layout, zero.spans, zero.full_groups, zero.comm)
+        return self.full_model_state(model), state
+
+    def load_state_dicts(
+        self, model: nn.Module, optimizer: Optimizer, model_state: dict[str, Any], optimizer_state: dict[str, Any]
+    ) -> None:
+        zero = self.strategy
+        assert zero.layout is not None and zero.param_shard is not None
+        zero.wait_for_parameters()  # a gather landing after the load would overwrite it
+        model.load_state_dict(model_state)  # copies into the parameters: into the flat buffer
+        self._load_shards(model, optimizer, model_state, optimizer_state)
+
+    def _load_shards(
+        self, model: nn.Module, optimizer: Optimizer, model_state: dict[str, Any], optimizer_state: dict[str, Any]
+    ) -> None:
+        """This rank's slices of the file's parameters (its values, not the buffer's: 16-bit ones are
+        rounded there) and of its optimizer state."""
+        zero, rank = self.strategy, dist.get_rank()
+        assert zero.layout is not None and zero.param_shard is not None
+        with torch.no_grad():
+            zero.param_shard.copy_(shard_of_full_model(model, zero.layout, rank, model_state, zero.param_shard))
+        optimizer.load_state_dict(shard_of_full_state(optimizer_state, zero.layout, rank, zero.spans, zero.full_groups))
+
+    def sharded_state(self, model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """Its shard as per-parameter ranges: the optimizer steps a flat shard."""
+        return state_parts(self.strategy, model, optimizer)
+
+    def load_sharded_state(
+        self, model: nn.Module, optimizer: Optimizer, saved: dict[str, Any], read: Read, groups: list[Any]
+    ) -> None:
+        load_state_parts(self.strategy, model, optimizer, saved, read, groups)
+
+
+class Zero3Checkpointing(ZeroCheckpointing):
+    """Stage 3: no rank holds the full parameters between steps."""
+
+    def __init__(self, strategy: Zero3Shard) -> None:
+        super().__init__(strategy)
+        self.zero3 = strategy
+
+    def full_model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The whole model's state_dict on every rank (a collective); 16-bit parameters: their fp32
+        copies, gathered from the shards."""
+        zero = self.strategy
+        assert zero.layout is not None and zero.param_shard is not None
+        if any(p.dtype != zero.param_shard.dtype for p in model.parameters() if p.requires_grad):
+            return gather_full_model(model, zero.layout, zero.param_shard, zero.comm)
+        return self.zero3.gathered_model_state(model)
+
+    def load_state_dicts(
+        self, model: nn.Module, optimizer: Optimizer, model_state: dict[str, Any], optimizer_state: dict[str, Any]
+    ) -> None:
+        """Every rank read the whole file: each keeps its own shard of the parameters and optimizer state."""
+        own = model.state_dict(keep_vars=True)  # a tied parameter under each of its names
+        missing, unexpected = sorted(own.keys() - model_state.keys()), sorted(model_state.keys() - own.keys())
+        if missing or unexpected:  # what load_state_dict(strict=True) refuses, before anything is changed
+            raise RuntimeError(
+                f"the checkpoint's model does not match: missing keys {missing}, unexpected keys {unexpected}"
+            )
+        self._load_shards(model, optimizer, model_state, optimizer_state)
+        sharded = {id(p) for p in model.parameters() if p.requires_grad}  # their storage is freed: never written
+        rest = {k: v for k, v in model_state.items() if id(own[k]) not in sharded}
+        model.load_state_dict(rest, strict=False)  # buffers and frozen parameters, whole on every rank
 
 
 Chunk = tuple[int, int, int]  # (start, end) in the flattened parameter, and where the start lies in the shard
