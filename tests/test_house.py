@@ -182,6 +182,25 @@ def test_checking_a_command_imports_only_the_chosen_strategy() -> None:
     assert proc.stdout.strip() == "['trainer.sync.ddp'] False"
 
 
+def test_the_scaling_and_memory_tools_build_strategies_without_the_trainers_loop() -> None:
+    # They ask each conf/sync/ option what it sends and keeps: the strategies, not the loop that
+    # trains with them. --help answers before torch is imported.
+    code = (
+        "import sys, runpy; sys.argv = ['trainer.scaling', '--help']\n"
+        "try:\n    runpy.run_module('trainer.scaling', run_name='__main__')\n"
+        "except SystemExit:\n    pass\n"
+        "print('torch' in sys.modules)\n"
+        "from trainer.scaling.options import schedules; from trainer.tools import memory; schedules()\n"
+        "print(sorted({m.split('.')[1] for m in sys.modules if m.startswith('trainer.') and m.count('.') >= 1}))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-2] == "False", proc.stdout
+    packages = set(eval(lines[-1]))
+    assert "sync" in packages and not packages & {"loop", "reliability"}, packages
+
+
 STRATEGY_FILES = ("manual", "bucketed", "zero", "zero3")
 # What a strategy may say beside its algorithm: the facts of what it built (for the sync line), what
 # it holds (for the observer's memory probe) and keeps (for the memory predictor), its name, and the

@@ -11,10 +11,8 @@ from pathlib import Path
 from trainer.comm_schedule import Schedule
 from trainer.errors import ConfigError
 from trainer.links import PRESETS, Topology
-from trainer.scaling import report
 from trainer.scaling.caps import cap_advice, logged_step_s, noise_warning
 from trainer.scaling.networks import fit_network, parse_network
-from trainer.scaling.options import schedules
 from trainer.scaling.predict import FSDP_WRAPS, predict
 from trainer.scaling.profile import RunProfile, read_profile
 
@@ -128,6 +126,11 @@ def _chosen(
 
 
 def run(args: argparse.Namespace) -> int:
+    # Imported once the command line is read: building the strategies brings torch, the plot
+    # matplotlib (--help and a bad flag answer without either).
+    from trainer.scaling import report
+    from trainer.scaling.options import schedules
+
     described, silent = schedules()
     chosen, left_out = _chosen(args, described, silent)
     caps = _numbers(args.bucket_caps, "--bucket-caps")

@@ -8,8 +8,8 @@ of names lives in trainer/scaling/.
 from __future__ import annotations
 
 from trainer.comm_schedule import Buckets, Nothing, Schedule
-from trainer.setup.build import instantiate
 from trainer.setup.config import sync_options
+from trainer.setup.instantiate import instantiate
 
 
 def schedules() -> tuple[dict[str, Schedule], list[str]]:

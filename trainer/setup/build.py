@@ -15,14 +15,13 @@ import hydra
 import numpy as np
 import torch
 import torch.distributed as dist
-from hydra.errors import InstantiationException
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, open_dict
 from torch import nn
 from torch.optim import Optimizer
 
 from data.base import DataModule
 from trainer.core import DistContext, TrainSettings, hostname
-from trainer.errors import ConfigError, check, from_leaves
+from trainer.errors import ConfigError, from_leaves
 from trainer.logger.base import MetricLogger
 from trainer.logger.jsonl import JsonlLogger
 from trainer.loop.lm import compiler_missing
@@ -30,35 +29,14 @@ from trainer.loop.profiling import ProfiledObserver
 from trainer.loop.trainer import Trainer
 from trainer.observer import Observer
 from trainer.sample_budget import SampleBudget
+from trainer.setup.instantiate import instantiate, optimizer_factory, split_sync_batchnorm
 from trainer.setup.validate import check_group, check_pairing, per_rank_batch
-from trainer.sync.base import DecayGroups, SyncStrategy
+from trainer.sync.base import SyncStrategy
 from trainer.sync.comm import Comm
 from trainer.sync.master import DTYPES
 from trainer.sync.network import EmulatedLink
 
 log = logging.getLogger(__name__)
-
-
-def instantiate(node: DictConfig, **runtime: Any) -> Any:
-    """hydra.utils.instantiate, with runtime objects bound after Hydra is done with the config.
-
-    Runtime kwargs (shapes, a run's config dict) are passed to the constructor untouched rather
-    than merged into the config, where Hydra would try to instantiate any `_target_` inside them.
-    Hydra wraps constructor errors in InstantiationException; a constructor's ValueError (the
-    leaves' way to reject a value, and ConfigError's base) is let through as a ConfigError, so a bad
-    value reads as the constructor's own message, not a framework traceback.
-    """
-    try:
-        with from_leaves():
-            if not runtime:
-                return hydra.utils.instantiate(node, _convert_="all")
-            return hydra.utils.instantiate(node, _partial_=True, _convert_="all")(**runtime)
-    except InstantiationException as err:
-        if isinstance(err.__cause__, ValueError):
-            raise (
-                err.__cause__ if isinstance(err.__cause__, ConfigError) else ConfigError(str(err.__cause__))
-            ) from None
-        raise
 
 
 def seed_everything(seed: int) -> None:
@@ -164,37 +142,6 @@ def build_parts(cfg: DictConfig, world_size: int = 1) -> Parts:
         schedule_factory=hydra.utils.instantiate(cfg.schedule, _partial_=True, _convert_="all"),
         link=instantiate(cfg.network).link(world_size),
     )
-
-
-def optimizer_factory(node: DictConfig) -> DecayGroups:
-    """torch's optimizer, bound to the config's keywords, in the groups optim.weight_decay_on names.
-
-    weight_decay_on is the builder's key, not the optimizer's: it is taken out before the rest is
-    instantiated (a plain node without it, `~optim +optim._target_=...`, decays everything).
-    """
-    keywords = OmegaConf.to_container(node, resolve=True)
-    assert isinstance(keywords, dict)
-    weight_decay_on = keywords.pop("weight_decay_on", "all")
-    return DecayGroups(instantiate(OmegaConf.create(keywords)), weight_decay_on)
-
-
-def split_sync_batchnorm(node: DictConfig) -> tuple[DictConfig, bool]:
-    """The model's node without model.sync_batchnorm, and its value.
-
-    The key is the builder's, not the model's: the leaves know nothing of process groups, so a
-    model is built with plain BatchNorm and converted here. Any model takes it, even one whose
-    YAML lacks it (+model.sync_batchnorm=true on the mlp reaches has_batchnorm's error, not a
-    TypeError from the constructor).
-    """
-    if "sync_batchnorm" not in node:
-        return node, False
-    value = node.sync_batchnorm
-    check(isinstance(value, bool), "model.sync_batchnorm", value, "accepted: true, false")
-    # A copy of a sub-node no longer sees the root, so interpolations are resolved first.
-    plain = OmegaConf.to_container(node, resolve=True)
-    assert isinstance(plain, dict)
-    del plain["sync_batchnorm"]
-    return OmegaConf.create(plain), value
 
 
 def has_batchnorm(model: nn.Module) -> bool:

@@ -56,8 +56,8 @@ from trainer.scaling.memory import (
     predict,
     zero_model_states,
 )
-from trainer.setup.build import instantiate, optimizer_factory, split_sync_batchnorm
 from trainer.setup.config import compose_config, sync_options
+from trainer.setup.instantiate import instantiate, optimizer_factory, split_sync_batchnorm
 from trainer.setup.precheck import check_overrides
 from trainer.setup.validate import check_group, check_pairing, check_rules, per_rank_batch
 from trainer.sync.base import SyncStrategy
