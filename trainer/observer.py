@@ -110,7 +110,7 @@ class Observer:
 
     Collectives torch launches from C++ without a Python hook of ours (DDP's reducer) reach it
     through the default process group's own pre- and post-collective hooks, registered for the
-    sampled step only, and only for a strategy that has such (`torch_collectives`; on a torch
+    sampled step only, and only for a strategy that has such (`Comm.torch_launches`; on a torch
     without the hooks, such collectives are not seen and their keys are left out, docs/metrics.md);
     those the communication object launches it reports itself.
     """
@@ -130,9 +130,9 @@ class Observer:
         self.last_step: int | None = None  # the run's last step (the loop sets it): its last two are sampled
         self.probe: Probe | None = None  # set by the loop once the model and optimizer exist
         # The default group's hooks, for collectives torch launches past the communication object
-        # (DDP's reducer): registered on the sampled step where the strategy has such (each
-        # registration and removal costs µs); the loop sets it from the strategy.
-        self.watch_group = True
+        # (DDP's reducer): registered on the sampled step where the strategy says it has such
+        # (Comm.torch_launches; each registration and removal costs µs).
+        self.watch_group = False
         self.sampling = False  # the current step is watched
         self.profiled = 0  # steps a profiler recorded since the last row (trainer/loop/profiling.py counts them)
         self._sample: _Sample | None = None

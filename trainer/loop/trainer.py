@@ -129,7 +129,6 @@ class Trainer:
         # the sampled step (trainer/observer.py), memory included.
         self.observer = sync.comm.observer
         self.observer.probe = MemoryProbe(self.model, self.optimizer, sync.comm.held, sync.gathers_parameters)
-        self.observer.watch_group = sync.torch_collectives  # the process group's hooks: only where they see something
         self.observer.last_step = self.total_steps
         self._window = Window(ctx.device)
         self._nonfinite = NonFiniteCheck(ctx.device)

@@ -99,9 +99,10 @@ class SyncStrategy(ABC):
     gradient (zero, fsdp), so their global norm needs a reduction across ranks (`norm_copies`: the
     ranks holding each shard, which that reduction counts so often; hsdp's nodes);
     `gathers_parameters`: the model's parameters are full copies gathered per unit from the
-    optimizer's shard (zero stage 3), which the memory probe counts as communication buffers;
-    `torch_collectives`: torch launches some of its collectives from C++, past `self.comm` (DDP's
-    reducer), so the observer also watches the process group (a cost every other strategy skips).
+    optimizer's shard (zero stage 3), which the memory probe counts as communication buffers.
+    What it holds beyond the model's and the optimizer's tensors, and whether torch launches some of
+    its collectives itself (DDP's reducer), it declares to `self.comm` where it allocates or builds
+    them (`holds`, `torch_launches`).
     """
 
     name = ""  # its option in conf/sync/, for the sync line
@@ -110,7 +111,6 @@ class SyncStrategy(ABC):
     grads_sharded: bool = False  # each rank's optimizer reads its own disjoint shard of the gradient
     norm_copies: int = 1  # grads_sharded: ranks holding each shard (the world's sum of squares counts it so often)
     gathers_parameters: bool = False  # the model's parameters are full copies gathered per unit, not the optimizer's
-    torch_collectives: bool = False  # torch launches some of its collectives from C++, past self.comm (DDP's reducer)
     tuner: CapTuner | None = None  # bucket_cap_mb=auto: tries caps, then rebuild() with the fastest
 
     def __init__(self) -> None:

@@ -149,6 +149,12 @@ class Comm:
     def _landed(self, nbytes: int) -> None:
         self._wire_bytes -= nbytes
 
+    def torch_launches(self) -> None:
+        """The strategy declares that torch launches some of its collectives itself, past this object
+        (DDP's reducer, from C++): on the sampled step the observer then also watches the process
+        group through its own hooks (a cost of µs that every other strategy skips)."""
+        self.observer.watch_group = True
+
     def holds(self, nbytes: Callable[[], dict[str, int]]) -> None:
         """The strategy declares, where it allocates them, tensors the memory probe cannot see: bytes by
         kind beyond the model's parameters and gradients and the optimizer's tensors (`comm_buffers`:

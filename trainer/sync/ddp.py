@@ -52,7 +52,6 @@ class DDPSync(SyncStrategy):
     """Gradients are all-reduced in buckets during backward, overlapping communication with compute."""
 
     name = "ddp"
-    torch_collectives = True  # DDP's reducer all-reduces its buckets from C++ (unless a hook sends them)
 
     def __init__(
         self,
@@ -103,6 +102,7 @@ class DDPSync(SyncStrategy):
                 "(needs 2.10+); use fp16, or trainer.device=cpu (gloo)"
             )
         self._module = model
+        self.comm.torch_launches()  # DDP's reducer all-reduces its buckets from C++ (unless a hook sends them)
         if not self.gradient_as_bucket_view:  # DDP's reducer keeps the gradients in buckets of its own
             self.comm.holds(lambda: {"comm_buffers": sum(self._sizes)})
         if self.comm_hook != "none":
