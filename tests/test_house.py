@@ -182,6 +182,36 @@ def test_checking_a_command_imports_only_the_chosen_strategy() -> None:
     assert proc.stdout.strip() == "['trainer.sync.ddp'] False"
 
 
+def test_a_rank_builds_its_strategy_once() -> None:
+    # train.py on a rank: the command-line check builds the strategy to check its layout against
+    # the world size, then the job's build (build_parts) takes that one rather than building another.
+    code = """
+import functools
+from tests.compose import compose_config
+from trainer.setup import precheck
+from trainer.setup.build import build_parts
+from trainer.sync.hierarchical import HierarchicalSync
+
+built = []
+init = HierarchicalSync.__init__
+
+@functools.wraps(init)  # the signature stays the schema's
+def counted(self, *args, **kwargs):
+    built.append(self)
+    init(self, *args, **kwargs)
+
+HierarchicalSync.__init__ = counted
+overrides = ["sync=hierarchical", "sync.shard=2"]
+precheck.check_command_line(overrides, rank=0, world_size=4)
+first = build_parts(compose_config(overrides), 4).sync
+again = build_parts(compose_config(overrides), 4).sync  # a tool's second build: a new one
+print(len(built), first is built[0], again is not first)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["2", "True", "True"], proc.stdout
+
+
 def test_the_scaling_and_memory_tools_build_strategies_without_the_trainers_loop() -> None:
     # They ask each conf/sync/ option what it sends and keeps: the strategies, not the loop that
     # trains with them. --help answers before torch is imported.

@@ -29,7 +29,7 @@ from trainer.loop.profiling import ProfiledObserver
 from trainer.loop.trainer import Trainer
 from trainer.observer import Observer
 from trainer.sample_budget import SampleBudget
-from trainer.setup.instantiate import instantiate, optimizer_factory, split_sync_batchnorm
+from trainer.setup.instantiate import checked_strategy, instantiate, optimizer_factory, split_sync_batchnorm
 from trainer.setup.validate import check_group, check_pairing, per_rank_batch
 from trainer.sync.base import SyncStrategy
 from trainer.sync.comm import Comm
@@ -129,8 +129,8 @@ def build_parts(cfg: DictConfig, world_size: int = 1) -> Parts:
             f"model.sync_batchnorm=true but {cfg.model._target_} has no BatchNorm layer to synchronise; "
             "set model.batchnorm=true (cnn) or use model=resnet18, or set model.sync_batchnorm=false"
         )
-    sync: SyncStrategy = instantiate(cfg.sync)
-    sync.check_world_size(world_size)  # here too: tools and tests build parts without the command-line precheck
+    # The one the rank's command-line check built, if it did (tools and tests build without it)
+    sync = checked_strategy(cfg.sync, world_size)
     return Parts(
         settings=settings,
         data=data,

@@ -7,7 +7,7 @@ Its own module so that a tool that builds only the strategies (`python -m traine
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import hydra
 from hydra.errors import InstantiationException
@@ -15,6 +15,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainer.errors import ConfigError, check, from_leaves
 from trainer.sync.base import DecayGroups
+
+if TYPE_CHECKING:
+    from trainer.sync.base import SyncStrategy
+
+# The strategy the rank's command-line check built (trainer/setup/precheck.py), with the sync node's
+# values and the world size it was checked for: build_parts takes it, so a rank builds it once.
+_checked: tuple[Any, int, SyncStrategy] | None = None
 
 
 def instantiate(node: DictConfig, **runtime: Any) -> Any:
@@ -68,3 +75,22 @@ def split_sync_batchnorm(node: DictConfig) -> tuple[DictConfig, bool]:
     assert isinstance(plain, dict)
     del plain["sync_batchnorm"]
     return OmegaConf.create(plain), value
+
+
+def keep_checked_strategy(node: DictConfig, world_size: int, sync: SyncStrategy) -> None:
+    """The command-line check built `sync` from `node` and checked its layout for `world_size`."""
+    global _checked
+    _checked = (OmegaConf.to_container(node, resolve=True), world_size, sync)
+
+
+def checked_strategy(node: DictConfig, world_size: int) -> SyncStrategy:
+    """The strategy for this sync node with its layout checked for `world_size`: the one the
+    command-line check built where it was built from the same values for the same world size
+    (taken once: a second build, a test's or a tool's, gets a new one), else built and checked now."""
+    global _checked
+    kept, _checked = _checked, None
+    if kept is not None and kept[1] == world_size and kept[0] == OmegaConf.to_container(node, resolve=True):
+        return kept[2]
+    sync: SyncStrategy = instantiate(node)
+    sync.check_world_size(world_size)
+    return sync

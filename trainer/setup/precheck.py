@@ -203,7 +203,12 @@ def _check(overrides: list[str], multirun: bool, world_size: int | None = None) 
             if world_size is not None and global_batch is not None:
                 per_rank_batch(global_batch, world_size, cfg.trainer.grad_accum_steps)
             if world_size is not None:  # a layout of the ranks (sync.replicate x sync.shard) this many cannot form
-                hydra.utils.instantiate(cfg.sync, _convert_="all").check_world_size(world_size)
+                sync = hydra.utils.instantiate(cfg.sync, _convert_="all")
+                sync.check_world_size(world_size)
+                if not multirun:  # the job's build takes it (trainer/setup/instantiate.py): built once per rank
+                    from trainer.setup.instantiate import keep_checked_strategy
+
+                    keep_checked_strategy(cfg.sync, world_size, sync)
     except Exception as err:
         raise explain_compose_error(err, overrides) from None
     for variant in _variants(_parse(swept), multirun=True) if swept else ():
