@@ -169,6 +169,7 @@ TABLE: list[Row] = [
     Row("trainer=default", "trainer.fault.rank=-1", "low", "trainer.fault.rank=-1"),
     Row("trainer=default", "trainer.fault.at_step=0", "low", "trainer.fault.at_step=0"),
     Row("trainer=default", "trainer.fault.kind=segfault", "choice", "trainer.fault.kind='segfault'"),
+    Row("trainer=default", "trainer.fault.delay_ms=-1", "low", "trainer.fault.delay_ms=-1"),
     # logger
     Row("logger=wandb", "logger.mode=onlin", "choice", "logger.mode='onlin'"),
     # network: every option is a preset of the one schema, so each takes the same rows

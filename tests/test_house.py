@@ -106,6 +106,7 @@ LEAVES = {
     "links",
     "trace_names",
     "measures",
+    "arrivals",
     "observer",
     "footprint",
     "sample_budget",

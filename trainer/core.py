@@ -19,7 +19,7 @@ import torch.distributed as dist
 from pydantic import Field
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # the Hydra config tree: conf/<group>/<option>.yaml
-FaultKind = Literal["crash", "hang", "sigterm", "perturb", "nan_loss", "kill_in_save"]
+FaultKind = Literal["crash", "hang", "sigterm", "perturb", "nan_loss", "kill_in_save", "slow"]
 SEED_BOUND = 2**32  # numpy's seed range; torch's is wider
 
 
@@ -48,18 +48,22 @@ def hostname() -> str:
 @dataclass(frozen=True)
 class Fault:
     """trainer.fault, a testing aid (trainer/reliability/fault.py acts on it): one rank fails on
-    purpose at the start of step `at_step`, in torchrun's first attempt only. Off unless both set."""
+    purpose at the start of step `at_step` (kind=slow: of every step from it on), in torchrun's first
+    attempt only. Off unless both set."""
 
     rank: Annotated[int | None, Field(ge=0, description="which global rank; null: off")]
     at_step: Annotated[int | None, Field(ge=1, description="at the start of which step (1-based); null: off")]
     kind: FaultKind
+    delay_ms: Annotated[float, Field(ge=0, description="kind=slow: what the rank sleeps at the start of each step")]
 
     @property
     def configured(self) -> bool:
         return self.rank is not None and self.at_step is not None
 
     def due(self, rank: int, step: int, attempt: int) -> bool:
-        """Whether this rank fires at this step (the first attempt only)."""
+        """Whether this rank fires at this step (the first attempt only; kind=slow: every step from at_step)."""
+        if self.kind == "slow":
+            return attempt == 0 and rank == self.rank and self.at_step is not None and step >= self.at_step
         return attempt == 0 and rank == self.rank and step == self.at_step
 
     def poisons_loss(self, rank: int, step: int, attempt: int) -> bool:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from trainer import measures
+from trainer import arrivals, measures
 from trainer.clock import Clock, Mark
 from trainer.sample_budget import SampleBudget
 
@@ -134,6 +134,7 @@ class Observer:
         # (Comm.torch_launches; each registration and removal costs µs).
         self.watch_group = False
         self.sampling = False  # the current step is watched
+        self.late: dict[str, float] = {}  # who arrived last at an earlier sampled step, for the next row (arrivals.py)
         self.profiled = 0  # steps a profiler recorded since the last row (trainer/loop/profiling.py counts them)
         self._sample: _Sample | None = None
         self._samples: list[_Sample] = []  # ended, possibly with collectives still in flight
@@ -296,21 +297,37 @@ class Observer:
 
     # The row.
 
-    def take(self) -> dict[str, float]:
-        """The newest sampled step whose collectives are all back, as row keys ({} if none); older
-        closed samples are dropped, open ones kept for the next row."""
+    def _newest_closed(self) -> _Sample | None:
+        """The newest sampled step whose collectives are all back (None if none)."""
         for sample in self._samples:  # torch waited for these inside the step: only our note may lag
             for record in sample.records:
                 if sample.ended and not record.back and record.noted is not None and (record.hooked or record.control):
                     record.noted.wait()
         closed = [s for s in self._samples if s.closed]
-        if not closed:
-            return {}
-        newest = closed[-1]
+        return closed[-1] if closed else None
+
+    def arrivals(self) -> list[int]:
+        """This rank's times inside the collectives of the sample take() returns next, for the row's
+        collective (trainer/arrivals.py): the same width on every rank, sampled step or not."""
+        newest = self._newest_closed()
+        if newest is None:
+            return arrivals.mine(None, [])
+        return arrivals.mine(newest.step, self._collectives(newest, partial(self.clock.seconds, newest.marks[0][1])))
+
+    def take(self) -> dict[str, float]:
+        """The newest sampled step whose collectives are all back, as row keys ({} if none), and who
+        arrived last at an earlier one (`late`, once); older closed samples are dropped, open ones
+        kept for the next row."""
+        late, self.late = self.late, {}
+        newest = self._newest_closed()
+        if newest is None:
+            return late
         self._samples = [s for s in self._samples if not s.closed and s.step > newest.step]
         origin = newest.marks[0][1]
         at = partial(self.clock.seconds, origin)
-        row = measures.phase_row([(phase, at(mark) if i else 0.0) for i, (phase, mark) in enumerate(newest.marks)])
+        row = late | measures.phase_row(
+            [(phase, at(mark) if i else 0.0) for i, (phase, mark) in enumerate(newest.marks)]
+        )
         row |= measures.comm_row(self._collectives(newest, at), self.emulated)
         # Held: parameters and optimizer state as the step leaves them, gradients and communication
         # buffers as the sync phase does, activations as the forwards left them (their peak).

@@ -22,8 +22,8 @@ class FaultyStepRunner(StepRunner):
 
     def run(self, batches: Iterator[Any], step: int) -> None:
         fault, ctx = self.settings.fault, self.ctx
-        if fault.due(ctx.rank, step, ctx.attempt):
-            self.sync.wait_for_parameters()  # kind=perturb nudges a parameter: after the last step's writes
+        if fault.kind == "perturb" and fault.due(ctx.rank, step, ctx.attempt):
+            self.sync.wait_for_parameters()  # it nudges a parameter: after the last step's writes
         faults.maybe_fire(fault, ctx.rank, step, ctx.attempt, self.model)
         self._poisoned = fault.poisons_loss(ctx.rank, step, ctx.attempt)
         super().run(batches, step)

@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from trainer import arrivals
 from trainer.core import DistContext, hostname
 from trainer.logger.base import MetricLogger
 from trainer.loop.lm import TokenRates
@@ -201,4 +202,6 @@ class TrainRows:
             "outputs": [logger.location for logger in self.loggers if logger.location],
             **self._save_costs(),
             **rank_timing(self.rows),
+            # who arrived last at the sampled steps' collectives (every rank's rows say the same)
+            **({"straggler": found} if (found := arrivals.straggler(self.rows)) else {}),
         }

@@ -12,6 +12,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from trainer import arrivals
 from trainer.core import DistContext
 from trainer.sync.fsdp_units import blocks_of
 from trainer.windows import LAST_EVAL, LAST_ROW, RUN_MEAN, SUMMARY_WINDOWS, grouped
@@ -64,7 +65,8 @@ def job_summary(ranks: Sequence[dict[str, Any]], **facts: Any) -> dict[str, Any]
     }
     # Which steps each number is over (trainer/windows.py), the final evaluation's included.
     windows = {key: window for key, window in SUMMARY_WINDOWS.items() if key in numbers or key in facts}
-    return {**facts, **numbers, "windows": windows, "ranks": list(ranks)}
+    late = {"straggler": ranks[0]["straggler"]} if ranks and "straggler" in ranks[0] else {}  # the same on every rank
+    return {**facts, **numbers, **late, "windows": windows, "ranks": list(ranks)}
 
 
 def parameter_layout(model: nn.Module) -> dict[str, Any]:
@@ -121,6 +123,7 @@ def format_report(summary: dict[str, Any]) -> str:
         ),
         *_language_model_lines(summary),
         *_link_lines(summary),
+        *([line] if (line := arrivals.straggler_line(summary.get("straggler", {}))) else []),
         f"  run dir  {summary['run_dir']}   "
         f"(summary.json, {_checkpoints(summary)}metrics/rank*.jsonl, train_rank*.log)",
     ]

@@ -32,6 +32,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
 from data.base import DataModule, ResumableSampler
+from trainer import arrivals
 from trainer.core import DistContext, TrainSettings
 from trainer.errors import from_leaves
 from trainer.logger.base import MetricLogger, resumed_at
@@ -57,6 +58,7 @@ from trainer.reliability.exits import StepBoundary, Terminated
 from trainer.reliability.guards import NonFiniteCheck, check_replicas
 from trainer.reliability.save_cost import SaveCost
 from trainer.reliability.sharded import InFlight, checkpoint_group
+from trainer.sample_budget import BUDGET_NUMBERS
 from trainer.sync.base import SyncStrategy
 from trainer.sync.master import DTYPES, cast_parameters
 from trainer.windows import EVAL, ROW
@@ -329,7 +331,9 @@ class Trainer:
             checking = s.on_nonfinite == "raise"
             budget, sampled_s = self.observer.budget, self.observer.take_host_times()
             budgeted = budget.active and self.observer.every > 0  # something to space out
-            agreeing = checking or budgeted  # the row's one collective: non-finite answers, the budget
+            # who arrived last at the sampled step's collectives: each rank's times (trainer/arrivals.py)
+            comparing = self.observer.every > 0 and self.ctx.world_size > 1
+            agreeing = checking or budgeted or comparing  # the row's one collective carries all three
             answers = self._nonfinite.previous() if agreeing else None  # the last row's, not read yet
             totals = self._window.totals(scale=self.runner.scale(), answers=answers)  # the row's one host read
             if agreeing:  # the last row's answers raise if bad; this row's are sent (its one collective)
@@ -337,8 +341,11 @@ class Trainer:
                 if budgeted:  # this window: its time, its steps, the host time of those sampled
                     budget.window(time.perf_counter() - self._window.started, self.step - self._row_step, sampled_s)
                     more = budget.mine()
+                if comparing:
+                    more += self.observer.arrivals()
                 first_bad = totals[2] if checking else -1
-                budget.agree(self._nonfinite.at_row(first_bad, self._window.extra.get("answers"), more))
+                others = self._nonfinite.at_row(first_bad, self._window.extra.get("answers"), more)
+                self._split_row_answers(others, budgeted, comparing)
             self._row_step = self.step
             epoch = epoch_of(self.step, self.steps_per_epoch)
             loss = self._rows.log(self.step, epoch, self._window, totals, self.observer, self.runner)
@@ -355,6 +362,18 @@ class Trainer:
         if s.checkpoint_every_n_steps and self.step % s.checkpoint_every_n_steps == 0 and self.step < self.total_steps:
             self.save_checkpoint()
             self._window.started = time.perf_counter()  # nor is writing checkpoints
+
+    def _split_row_answers(self, others: list[float], budgeted: bool, comparing: bool) -> None:
+        """The previous row's numbers, every rank's in rank order: the budget's to the budget, the
+        arrival times to the observer's next row (none where that row sent none: the first row, a
+        checkpoint's check)."""
+        width = len(others) // self.ctx.world_size
+        by_rank = [others[r * width : (r + 1) * width] for r in range(self.ctx.world_size)]
+        used = BUDGET_NUMBERS if budgeted else 0
+        if budgeted:
+            self.observer.budget.agree([n for numbers in by_rank for n in numbers[:used]])
+        if comparing and width == used + arrivals.WIDTH:
+            self.observer.late = arrivals.late_row([[int(n) for n in numbers[used:]] for numbers in by_rank])
 
     def wait_for_saves(self) -> None:
         """trainer.checkpoint_async: until the save in flight is written and published."""

@@ -100,7 +100,8 @@ def notes(rows: Sequence[JobRow], points: Sequence[Point]) -> list[str]:
     what a reader would work out or see elsewhere: profiled rows left out, samples/s against step ms."""
     rate = rate_sentence(rows)
     spread = spread_sentences(points) if len(points) > 1 else []
-    return [*tie_sentences(rows), *spread, *profiled_sentences(rows), *([rate] if rate else [])]
+    late = [f"job {row.job}: {row.straggler}" for row in rows if row.straggler]  # who the others waited for
+    return [*tie_sentences(rows), *spread, *profiled_sentences(rows), *([rate] if rate else []), *late]
 
 
 def link_sentences(rows: Sequence[JobRow]) -> tuple[str, list[str]]:

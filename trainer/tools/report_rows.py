@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from trainer.arrivals import straggler_line
 from trainer.comm_math import hidden_time
 from trainer.errors import ConfigError
 from trainer.tools.report_layout import Units, bucket_layout, cap_in_use, mark_same_layouts, other_units
@@ -156,6 +157,7 @@ class JobRow:
     context: str = ""  # the differing overrides besides the cap and the repeat
     global_batch: int | None = None  # samples per optimizer step, all ranks (summary.json)
     link: str = ""  # the emulated link (network=<preset>), "" for none
+    straggler: str = ""  # summary.json's persistent straggler, said ("" for none)
 
     @property
     def profiled_rows(self) -> int:
@@ -313,6 +315,7 @@ def job_row(job: Job, overrides: Sequence[str]) -> JobRow:
         context=" ".join(o for o in overrides if override_key(o) not in (REPEAT_KEY, CAP_KEY)),
         global_batch=(job.summary or {}).get("global_batch_size"),
         link=emulated_link(job.config, len(job.rows)),
+        straggler=(straggler_line((job.summary or {}).get("straggler", {})) or "").strip(),
     )
 
 
