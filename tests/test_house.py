@@ -153,6 +153,13 @@ def test_a_leafs_value_error_reaches_the_user_as_a_config_error() -> None:
         instantiate(compose_config(["data.batch_size=0"]).data)
 
 
+def python_printed(code: str) -> str:
+    """What `python -c code` printed, run in a fresh interpreter from the repository (it must succeed)."""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
 def test_logger_none_never_imports_wandb(tmp_path: Path) -> None:
     # train.py's own path: build the parts, then every rank's loggers, with logger=none.
     code = (
@@ -163,9 +170,8 @@ def test_logger_none_never_imports_wandb(tmp_path: Path) -> None:
         f"add_loggers(loggers, cfg, {{}}, DistContext(0, 0, 1, torch.device('cpu'), 'gloo'), Path('{tmp_path}'), 'g');"
         "print(len(loggers), 'wandb' in sys.modules)"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["2", "False"]
+    printed = python_printed(code)
+    assert printed.split() == ["2", "False"]
 
 
 def test_checking_a_command_imports_only_the_chosen_strategy() -> None:
@@ -178,9 +184,8 @@ def test_checking_a_command_imports_only_the_chosen_strategy() -> None:
         " and m.split('.')[-1] in ('ddp', 'fsdp', 'hsdp', 'zero', 'zero3', 'manual')),"
         " 'torch.distributed.tensor' in sys.modules)"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "['trainer.sync.ddp'] False"
+    printed = python_printed(code)
+    assert printed.strip() == "['trainer.sync.ddp'] False"
 
 
 def test_a_rank_builds_its_strategy_once() -> None:
@@ -208,9 +213,8 @@ first = build_parts(compose_config(overrides), 4).sync
 again = build_parts(compose_config(overrides), 4).sync  # a tool's second build: a new one
 print(len(built), first is built[0], again is not first)
 """
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["2", "True", "True"], proc.stdout
+    printed = python_printed(code)
+    assert printed.split() == ["2", "True", "True"], printed
 
 
 def test_the_scaling_and_memory_tools_build_strategies_without_the_trainers_loop() -> None:
@@ -224,10 +228,9 @@ def test_the_scaling_and_memory_tools_build_strategies_without_the_trainers_loop
         "from trainer.scaling.options import schedules; from trainer.tools import memory; schedules()\n"
         "print(sorted({m.split('.')[1] for m in sys.modules if m.startswith('trainer.') and m.count('.') >= 1}))"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.strip().splitlines()
-    assert lines[-2] == "False", proc.stdout
+    printed = python_printed(code)
+    lines = printed.strip().splitlines()
+    assert lines[-2] == "False", printed
     packages = set(eval(lines[-1]))
     assert "sync" in packages and not packages & {"loop", "reliability"}, packages
 
