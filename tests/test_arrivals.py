@@ -9,6 +9,7 @@ step (zero), and FSDP2's units (fsdp): the rows and the summary name the slowed 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -68,6 +69,13 @@ def test_the_summary_calls_a_straggler_persistent_only_when_most_rows_name_it() 
     even = arrivals.straggler([row(0, 1), row(1, 1), row(0, 1), row(1, 2)])
     assert even["persistent"] == 0 and arrivals.straggler_line(even) is None
     assert arrivals.straggler([{"train/loss": 1.0}]) == {}
+
+
+def test_the_docs_give_the_numbers_the_code_uses() -> None:
+    text = " ".join((Path(__file__).parent.parent / "docs" / "metrics.md").read_text().split())
+    assert f"(its first {arrivals.SLOTS} data collectives)" in text
+    share = f"{arrivals.PERSISTENT_SHARE:.0%}".replace("%", " %")
+    assert f"named in at least {share} of at least {arrivals.PERSISTENT_ROWS} rows" in text
 
 
 SLOW = ["trainer.fault.rank=3", "trainer.fault.at_step=1", "trainer.fault.kind=slow", "trainer.fault.delay_ms=30"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import statistics
 from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
 from trainer.measures import Collective
 
@@ -68,13 +69,14 @@ PERSISTENT_ROWS = 4  # rows that compared arrivals, at least
 PERSISTENT_SHARE = 0.75  # of which at least this share named the same rank
 
 
-def straggler(rows: Sequence[dict[str, object]]) -> dict[str, float]:
+def straggler(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
     """For summary.json, from a rank's rows (every rank's carry the same keys): the rank they named
     most often (`late_rank`), in how many of the rows that compared arrivals (`late_rows`, of
     `compared_rows`), at what share of the step's collectives and how late at the median over
     those rows; {} where no row compared. `persistent` (1 or 0): named in at least 75 % of at least
-    4 rows, which two equally fast ranks, each last about half the time, rarely are."""
-    named = [(int(r["comm/late_rank"]), r) for r in rows if "comm/late_rank" in r]  # type: ignore[call-overload]
+    4 rows. Two equally fast ranks on idle cores are each last about half the time; ranks sharing
+    cores with other work can be steadily a millisecond apart, and are then named (they are late)."""
+    named = [(int(r["comm/late_rank"]), r) for r in rows if "comm/late_rank" in r]
     if not named:
         return {}
     counts = Counter(rank for rank, _ in named)
@@ -85,8 +87,8 @@ def straggler(rows: Sequence[dict[str, object]]) -> dict[str, float]:
         "late_rank": rank,
         "late_rows": counts[rank],
         "compared_rows": len(named),
-        "late_collectives_share": statistics.median(float(row["comm/late_rank_share"]) for row in mine),  # type: ignore[arg-type]
-        "late_ms": statistics.median(float(row["comm/late_ms"]) for row in mine),  # type: ignore[arg-type]
+        "late_collectives_share": statistics.median(float(row["comm/late_rank_share"]) for row in mine),
+        "late_ms": statistics.median(float(row["comm/late_ms"]) for row in mine),
         "persistent": int(persistent),
     }
 

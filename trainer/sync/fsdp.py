@@ -31,7 +31,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from trainer.comm_schedule import Schedule, ShardedUnits
@@ -326,8 +325,3 @@ class FSDPSync(SyncStrategy):
         gradients reduce_scattered after its backward; the optimizer steps this rank's shard."""
         units = ShardedUnits(self.wrap_policy, reshard_after_forward=self.reshard_after_forward)
         return Schedule(units, optimizer_shard="world")
-
-
-def local_of(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor; a plain tensor as it is."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
