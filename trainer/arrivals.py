@@ -3,8 +3,9 @@
 No clock is shared between hosts, so no rank can say when another arrived. Each rank measures its
 own time inside a collective instead, from its launch to its completion on that rank: the ranks
 leave a collective together (none finishes before the last has sent its part), so the rank that
-arrived last spent the least time inside, and the longest time inside less the shortest is how
-late it was. docs/metrics.md ("Who arrived last") defines the row's keys from this.
+arrived last spent the least time inside, and the others' median time inside less its own is how
+late it was (against the typical rank: the earliest of the others is early by its own noise).
+docs/metrics.md ("Who arrived last") defines the row's keys from this.
 
 Each rank sends its times with the row's one collective (trainer/reliability/guards.py), a fixed
 width for every rank: the sampled step, then µs inside each of its first `SLOTS` data collectives
@@ -36,8 +37,8 @@ def late_row(by_rank: Sequence[Sequence[int]]) -> dict[str, float]:
     """The row's keys from every rank's `mine()`, in rank order: {} where the ranks did not send the
     same sampled step, or it had no data collective.
 
-    For each collective: the rank inside it the shortest time arrived last, by the longest time less
-    the shortest (what the first to arrive waited for it). `comm/late_rank`: the rank the others
+    For each collective: the rank inside it the shortest time arrived last, by the other ranks'
+    median time inside less its own (how long the typical rank waited for it). `comm/late_rank`: the rank the others
     waited for the longest in all (the lowest on a tie); `comm/late_rank_share`: the share of the
     step's collectives at which it arrived last; `comm/late_ms`: how late it was at the first meeting
     of the ranks, the most by which it was last at one collective; `comm/late_of_step`: the sampled
@@ -52,17 +53,23 @@ def late_row(by_rank: Sequence[Sequence[int]]) -> dict[str, float]:
     if not columns:
         return {}
     last = [min(range(len(times)), key=times.__getitem__) for times in columns]
-    waited: dict[int, int] = {}
-    for times, r in zip(columns, last, strict=True):
-        waited[r] = waited.get(r, 0) + max(times) - times[r]
+    late = [_late(times, r) for times, r in zip(columns, last, strict=True)]
+    waited: dict[int, float] = {}
+    for r, us in zip(last, late, strict=True):
+        waited[r] = waited.get(r, 0) + us
     rank = min(waited, key=lambda r: (-waited[r], r))
-    late_us = [max(times) - times[r] for times, r in zip(columns, last, strict=True) if r == rank]
+    late_us = [us for r, us in zip(last, late, strict=True) if r == rank]
     return {
         "comm/late_rank": rank,
         "comm/late_rank_share": len(late_us) / len(columns),
         "comm/late_ms": max(late_us) / 1e3,
         "comm/late_of_step": steps.pop(),
     }
+
+
+def _late(times: Sequence[int], last: int) -> float:
+    """How late rank `last` was at one collective: the other ranks' median time inside less its own."""
+    return statistics.median(t for r, t in enumerate(times) if r != last) - times[last]
 
 
 PERSISTENT_ROWS = 4  # rows that compared arrivals, at least
