@@ -34,6 +34,7 @@ with ctrl_c_held(SAYS):
 
     from trainer.logger.base import MetricLogger
     from trainer.loop.summary import log_final_report
+    from trainer.reliability import flight
     from trainer.setup import config as conf
     from trainer.setup import dist, precheck
     from trainer.setup.build import add_loggers, build_parts, build_trainer, check_device, prepare_data
@@ -54,6 +55,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         device = dist.resolve_device(settings.device, launch)
         check_device(parts, device)  # e.g. SyncBatchNorm needs CUDA: refused before any logger starts
         prefix = dist.group_key_prefix(launch, conf.job_num())  # a fresh prefix per multirun job
+        flight.record(flight.entries(settings.flight_recorder, device.type))  # on before the group is made
         ctx = dist.init_process_group(launch, dist.job_store(launch), device, settings.collective_timeout_s, prefix)
         try:
             dist.check_ranks_agree("the job (number, overrides)", conf.job_identity())

@@ -33,6 +33,7 @@ LONGEST_FIRST = (
     "test_cli.py",
     "test_checkpoint_kills.py",
     "test_gpt_equivalence.py",
+    "test_hang.py",
     "test_jsonl_resume.py",
     "test_launch.py",
     "test_terminal.py",

@@ -160,6 +160,8 @@ TABLE: list[Row] = [
     Row("trainer=default", "trainer.reduce_dtype=fp8", "choice", "trainer.reduce_dtype='fp8'"),
     Row("trainer=default", "trainer.checkpoint_format=dcp", "choice", "trainer.checkpoint_format='dcp'"),
     Row("trainer=default", "trainer.collective_timeout_s=0", "low", "trainer.collective_timeout_s=0.0"),
+    Row("trainer=default", "trainer.flight_recorder=-1", "low", "trainer.flight_recorder=-1"),
+    Row("trainer=default", "trainer.flight_recorder=always", "choice", "trainer.flight_recorder='always'"),
     Row("trainer=default", "trainer.step_grace_s=0", "low", "trainer.step_grace_s=0.0"),
     Row("trainer=default", "trainer.checkpoint_every_n_steps=-1", "low", "trainer.checkpoint_every_n_steps=-1"),
     Row("trainer=default", "trainer.keep_checkpoints=0", "low", "trainer.keep_checkpoints=0"),

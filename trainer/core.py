@@ -19,7 +19,7 @@ import torch.distributed as dist
 from pydantic import Field
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # the Hydra config tree: conf/<group>/<option>.yaml
-FaultKind = Literal["crash", "hang", "sigterm", "perturb", "nan_loss", "kill_in_save", "slow"]
+FaultKind = Literal["crash", "hang", "sigterm", "perturb", "nan_loss", "kill_in_save", "slow", "kill", "desync", "size"]
 SEED_BOUND = 2**32  # numpy's seed range; torch's is wider
 
 
@@ -110,6 +110,10 @@ class TrainSettings:
         Literal["fp32", "bf16", "fp16"], Field(description="bf16 and fp16 autocast; fp16 with a gradient scaler")
     ]
     collective_timeout_s: Annotated[float, Field(gt=0, description="a collective waiting longer fails the job")]
+    flight_recorder: Annotated[
+        Annotated[int, Field(ge=0, strict=True)] | Literal["auto"],
+        Field(description="collectives torch's Flight Recorder keeps per rank (the hang report); 0: off; auto: on CPU"),
+    ]
     step_grace_s: Annotated[
         float, Field(gt=0, description="how long SIGTERM or Ctrl-C waits for the step to end before the rank stops")
     ]

@@ -53,8 +53,9 @@ from trainer.loop.step_math import (
 from trainer.loop.summary import gather_summary, parameter_layout, write_json
 from trainer.measures import MemoryProbe
 from trainer.reliability import fault as faults
-from trainer.reliability import resume
+from trainer.reliability import flight, resume
 from trainer.reliability.exits import StepBoundary, Terminated
+from trainer.reliability.flight import Flight
 from trainer.reliability.guards import NonFiniteCheck, check_replicas
 from trainer.reliability.save_cost import SaveCost
 from trainer.reliability.sharded import InFlight, checkpoint_group
@@ -153,6 +154,10 @@ class Trainer:
             observer=self.observer,
             window=self._window,
         )
+        # The hang report's rings and watcher (trainer/reliability/flight.py): with the Flight Recorder only.
+        launches = flight.recorded() if ctx.world_size > 1 else 0
+        self.flight = Flight(ctx.store if launches else None, ctx.rank, ctx.world_size, self.run_dir, launches)
+        sync.comm.launches = self.flight.launches if launches else None
         self._checkpoint_step: int | None = None  # the newest checkpoint this run can resume from
         self.finished_before = False  # resumed at its last step: a re-run of a finished run, nothing to train
         self._loggers_from: int | None = None  # the step the loggers continue after (resume), if they must be told
@@ -240,9 +245,15 @@ class Trainer:
             wait_for_parameters=self.sync.wait_for_parameters,
             comm=self.sync.comm,
         )
-        with bar, logging_above(bar), profiler:
-            self.train(self.total_steps, bar, profiler)
-        final_eval = self.evaluate()
+        try:
+            with bar, logging_above(bar), profiler:
+                self.train(self.total_steps, bar, profiler)
+            final_eval = self.evaluate()
+        except Exception as err:  # a collective that failed: the first rank to fail says which, and who never came
+            self.flight.failed(err)
+            raise
+        finally:
+            self.flight.close()  # no collective of the steps is left to fail: the watcher stops
         return self._finish(final_eval, time.perf_counter() - started)
 
     def _summary_before(self) -> dict[str, Any]:
@@ -274,6 +285,9 @@ class Trainer:
                     self.run_iteration(bar, profiler)
             self.sync.wait_for_parameters()  # the caller may read the parameters now
         except Terminated as stop:
+            failure = stop.__context__  # the step failed after the signal: a peer had stopped or died
+            if isinstance(failure, Exception) and not stop.interrupted:
+                self.flight.failed(failure)  # torchrun stops the survivors of a killed rank: which collective
             saved = self.settings.checkpoint_on_sigterm and resume.stop_together(
                 self.ctx, lambda: self.step, self._write_checkpoint, self._one_more_step
             )
@@ -308,6 +322,7 @@ class Trainer:
             self._batches = iter(self.train_loader)
             if self._uneven:  # None once this rank's batches run out: StepRunner pairs the others' collectives
                 self._batches = itertools.chain(self._batches, itertools.repeat(None))
+        self.flight.step_started(self.step + 1)
         try:
             self.runner.run(self._batches, self.step + 1)
         except Exception as err:  # say where: the step, and this rank

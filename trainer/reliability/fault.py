@@ -9,6 +9,13 @@ at_step on, so the rows can be checked to name it (trainer/arrivals.py). kind=ki
 the checkpoint save at the end of step at_step instead: once the rank has written its part and
 before the checkpoint is published, it SIGKILLs itself (no handler, no cleanup: as the OOM killer or
 a lost node would), so tests can watch a save die half-way.
+
+Three more make a collective go wrong, for the hang report (trainer/reliability/flight.py): kill
+SIGKILLs the rank between its forward and backward (the others wait in the step's first collective);
+desync makes it skip the step's first collective the lab launches (the others wait in it while this
+rank is in the next one); size makes it send that collective one element longer per rank. The last
+two act through the strategy's communication object (trainer/sync/comm.py), so on the strategies
+whose collectives the lab launches; ddp's and fsdp's are torch's own, and are refused at start.
 """
 
 from __future__ import annotations
@@ -18,9 +25,11 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
+from torch.futures import Future
 
 from trainer.core import Fault
 
@@ -44,9 +53,53 @@ def in_save(fault: Fault, rank: int, step: int, attempt: int) -> Callable[[], No
     return kill
 
 
+def kill(fault: Fault, rank: int, step: int, attempt: int) -> None:
+    """kind=kill: called between forward and backward; SIGKILL, no handler runs (as the OOM killer)."""
+    if fault.kind == "kill" and fault.due(rank, step, attempt):
+        log.warning("trainer.fault: kill on rank %d at step %d, mid-step (a testing aid)", rank, step)
+        logging.shutdown()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+LAUNCHES = ("desync", "size")  # the kinds that act on a collective the communication object launches
+
+
+def wrong_launch(fault: Fault, rank: int, step: int, attempt: int, comm: Any) -> None:
+    """kind=desync or size: the next collective `comm` launches that is not a control agreement is
+    skipped (a completed Work stands in) or sent one element longer per rank; then `comm` is as before.
+    Set per instance, so the class's launch path carries nothing for it."""
+    if fault.kind not in LAUNCHES or not fault.due(rank, step, attempt):
+        return
+    launch = comm._launch
+
+    def once(kind: str, buffer: torch.Tensor, bucket: Any, group: Any, collective: Any, *args: Any, **kw: Any) -> Any:
+        if kw.get("control"):
+            return launch(kind, buffer, bucket, group, collective, *args, **kw)
+        del comm._launch  # the class's own again
+        what = f"{kind} of bucket {bucket}" if bucket is not None else kind
+        log.warning("trainer.fault: %s on rank %d at step %d: %s (a testing aid)", fault.kind, rank, step, what)
+        if fault.kind == "desync":
+            done: Future[Any] = Future()
+            done.set_result([buffer])
+            return torch._C._distributed_c10d._create_work_from_future(done)
+        longer = [_longer(a, kind, i) if isinstance(a, torch.Tensor) else a for i, a in enumerate(args)]
+        return launch(kind, longer[-1], bucket, group, collective, *longer, **kw)
+
+    comm._launch = once
+
+
+def _longer(tensor: torch.Tensor, kind: str, position: int) -> torch.Tensor:
+    """`tensor` flat with more elements: one more per rank for a full buffer, one more for a shard
+    (reduce_scatter's output and all_gather's input, the first and second argument)."""
+    world = torch.distributed.get_world_size()
+    shard = (kind == "reduce_scatter" and position == 0) or (kind == "all_gather" and position == 1)
+    extra = 1 if shard or kind in ("all_reduce", "broadcast") else world
+    return torch.cat([tensor.detach().reshape(-1), tensor.new_zeros(extra)])
+
+
 def maybe_fire(fault: Fault, rank: int, step: int, attempt: int, model: nn.Module) -> None:
     """Called at the start of every step (1-based) on every rank."""
-    if not fault.due(rank, step, attempt) or fault.kind in ("nan_loss", "kill_in_save"):
+    if not fault.due(rank, step, attempt) or fault.kind in ("nan_loss", "kill_in_save", "kill", *LAUNCHES):
         return
     if fault.kind == "slow":  # every step from at_step: said once
         if step == fault.at_step:

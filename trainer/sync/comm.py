@@ -9,7 +9,9 @@ the rest, so that nothing of it sits between the algorithm's lines:
   `bucket 3 all_reduce 4.0 MiB`, which the timeline pairs with the backend's execution;
 - the emulated link (network=<preset>, trainer/sync/network.py): each collective is handed on no
   earlier than the link would have finished it, charged by the ranks of the group it runs on.
-On any other step a collective is the torch.distributed call and nothing else.
+On any other step a collective is the torch.distributed call and nothing else, save one tuple
+appended to `launches` (the hang report's: which bucket or unit each of torch's Flight Recorder
+records was, trainer/reliability/flight.py; None when the recorder is off).
 
 It also sends every gradient reduction (all_reduce, reduce_scatter) in trainer.reduce_dtype
 (`reduce_dtype`): where a strategy's buffer is in another dtype (16-bit gradients reduced in fp32,
@@ -24,6 +26,8 @@ for at once and reported apart from the data the strategy moves.
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any, Protocol
@@ -98,6 +102,7 @@ class Comm:
         self.observer = observer or Observer(torch.device("cpu"))
         self.recording = False  # the profiler records: each launch is named in its trace
         self._alone: bool | None = None  # a world of one rank (known at the first agreement)
+        self.launches: deque[tuple[Any, ...]] | None = None  # (time_ns, kind, numel, bucket, group): the hang report's
 
     # The collectives a strategy averages and gathers with.
 
@@ -212,6 +217,8 @@ class Comm:
     def all_reduce_future(self, tensor: torch.Tensor, bucket: int | str | None = None) -> Future[torch.Tensor]:
         """all_reduce(SUM) of `tensor`, as the future of the summed tensor (a DDP hook's result)."""
         wire = self._wire(tensor)
+        if self.launches is not None:
+            self.launches.append((time.time_ns(), "all_reduce", wire.numel(), bucket, None))
         if not (self.observer.sampling or self.recording or self.link is not None):
             future = dist.all_reduce(wire, async_op=True).get_future().then(_first)
         else:
@@ -272,6 +279,8 @@ class Comm:
     ) -> dist.Work:
         """Start it: on an unwatched, unnamed, unemulated step, the torch call alone."""
         observer, link = self.observer, self.link
+        if self.launches is not None:
+            self.launches.append((time.time_ns(), kind, buffer.numel(), "control" if control else bucket, group))
         if not (observer.sampling or self.recording or link is not None):
             return collective(*args, async_op=True, group=group, **kwargs)
         nbytes = _nbytes(buffer)
