@@ -7,6 +7,7 @@
     torchrun --nproc_per_node=1 benchmarks/overhead.py sampled [flags]  # the sampled step in place, phase by phase
     torchrun --nproc_per_node=2 benchmarks/overhead.py clip [flags]     # trainer.max_grad_norm, per strategy
     python benchmarks/overhead.py command [flags]                       # how long a bad command takes to refuse
+    python benchmarks/overhead.py flight [flags]                        # the hang report's cost: recorder on / off
     python benchmarks/overhead.py <section> --help                      # a section's own flags
 
 Each section is a module of its own (benchmarks/parts/overhead_<section>.py, its docstring says what it
@@ -32,6 +33,7 @@ SECTIONS = {
     "sampled": "benchmarks.parts.overhead_sampled",
     "clip": "benchmarks.parts.overhead_clip",
     "command": "benchmarks.parts.overhead_command",
+    "flight": "benchmarks.parts.overhead_flight",
 }
 DEFAULT = "step"
 

@@ -271,6 +271,19 @@ def test_overhead_command_section(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_overhead_flight_section(tmp_path: Path) -> None:
+    """The recorder on against off: per collective on one rank, then the step in launches of each."""
+    proc = python([SCRIPT, "flight", "--quick"], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "the recorder's µs per collective" in proc.stdout, proc.stdout
+    rows = {tuple(cells[:2]): cells[2:] for cells in table(proc.stdout)}
+    assert list(rows) == [("mlp-tiny", "bucketed")], proc.stdout
+    off, on, ratio = rows[("mlp-tiny", "bucketed")]
+    assert positive(number(off), number(on), number(ratio)), proc.stdout
+    assert "the lab's rings alone: a step start" in proc.stdout, proc.stdout
+
+
+@pytest.mark.slow
 def test_activation_memory_quick_run(tmp_path: Path) -> None:
     """Both variants measured side by side: checkpointing keeps fewer bytes for backward."""
     out = tmp_path / "activations.json"
