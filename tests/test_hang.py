@@ -3,7 +3,7 @@
 First the reading rule on records made by hand, then real jobs: 2 gloo ranks under torchrun, one of
 them broken on purpose at step 3 by trainer.fault (desync: it skips a collective; size: it sends one
 element more; hang: it stops outside any collective; kill: SIGKILL mid-step), across the strategies
-(each kind under more than one, every strategy under one), and the report's lines checked: the
+(every kind under zero and fsdp, every strategy under one), and the report's lines checked: the
 step, the collective, the rank that never came or died, and where it was. The jobs run a few at a
 time (they mostly wait for a timeout).
 """
@@ -136,10 +136,14 @@ JOBS = {
     "zero-desync": (["sync=zero"], "desync", TIMEOUT),
     "fsdp-desync": (["sync=fsdp"], "desync", TIMEOUT),
     "manual-size": (["sync=manual"], "size", TIMEOUT),
+    "zero-size": (["sync=zero"], "size", TIMEOUT),
+    "fsdp-size": (["sync=fsdp"], "size", TIMEOUT),
     "zero3-desync": (["sync=zero", "sync.stage=3"], "desync", TIMEOUT),
     "hierarchical-size": (["sync=hierarchical", "sync.shard=2"], "size", TIMEOUT),
     "ddp-hang": (["sync=ddp"], "hang", TIMEOUT),
     "hsdp-hang": (["sync=hsdp", "sync.shard=2"], "hang", TIMEOUT),
+    "zero-hang": (["sync=zero"], "hang", TIMEOUT),
+    "fsdp-hang": (["sync=fsdp"], "hang", TIMEOUT),
     "zero-kill": (["sync=zero"], "kill", TIMEOUT),
     "fsdp-kill": (["sync=fsdp"], "kill", TIMEOUT),
     "ddp-desync-refused": (["sync=ddp"], "desync", TIMEOUT),
@@ -150,7 +154,16 @@ JOBS = {
 def run_job(name: str, tmp: Path) -> dict[str, Any]:
     keys, kind, timeout = JOBS[name]
     run = tmp / name
-    args = [*keys, CPU, "trainer.max_steps=6", "trainer.step_grace_s=1", f"trainer.collective_timeout_s={timeout}"]
+    # A stopped rank ends 1 s after torchrun's SIGTERM; a survivor of a killed peer takes up to 10 s to
+    # see its collective fail (torchrun's SIGTERM comes first, and these jobs share 2 cores).
+    grace = 1 if kind == "hang" else 10
+    args = [
+        *keys,
+        CPU,
+        "trainer.max_steps=6",
+        f"trainer.step_grace_s={grace}",
+        f"trainer.collective_timeout_s={timeout}",
+    ]
     args += ["trainer.fault.rank=1", "trainer.fault.at_step=3", f"trainer.fault.kind={kind}"]
     args += [f"hydra.run.dir={run}"]
     args += ["logger=wandb", "trainer.log_every_n_steps=1"] if name == "bucketed-desync" else ["logger=none"]
@@ -208,7 +221,7 @@ def test_a_desync_is_named_under_zero_and_fsdp(jobs: dict[str, Any], name: str) 
     assert "rank 1 never entered it" in first or "skipped by rank 1" in first, first
 
 
-@pytest.mark.parametrize("name", ["manual-size", "hierarchical-size"])
+@pytest.mark.parametrize("name", ["manual-size", "zero-size", "fsdp-size", "hierarchical-size"])
 def test_a_rank_that_sent_another_size_is_named(jobs: dict[str, Any], name: str) -> None:
     first, second, _ = report(jobs[name])
     assert first.startswith("collective failed at step 3: "), first
@@ -216,7 +229,7 @@ def test_a_rank_that_sent_another_size_is_named(jobs: dict[str, Any], name: str)
     assert "rank 0 left no snapshot: it died (aborted at trainer/" in second, second
 
 
-@pytest.mark.parametrize("name", ["ddp-hang", "hsdp-hang"])
+@pytest.mark.parametrize("name", ["ddp-hang", "hsdp-hang", "zero-hang", "fsdp-hang"])
 def test_a_rank_that_stopped_responding_is_named_with_where_it_was(jobs: dict[str, Any], name: str) -> None:
     first, second, _ = report(jobs[name])
     assert first.startswith("collective failed at step 3: #") and "; rank 1 never entered it" in first, first

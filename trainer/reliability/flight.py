@@ -182,8 +182,7 @@ class Flight:
             dumps = self._collect(store)
             where = write(self.run_dir, dumps)
             lines = hang.explain(dumps, self.world_size, logs=self.run_dir, dumps_dir=where)
-            for line in lines:
-                log.error("%s", line)
+            log.error("%s", "\n".join(lines))  # one record: another rank's output cannot come between its lines
             store.set("hang/said", "1")
             _tell_torchrun(lines, began)
         except Exception as err:  # the report must never hide the failure it reports on
