@@ -38,12 +38,13 @@ REPO = Path(__file__).resolve().parents[2]
 ENTRIES = str(AUTO)  # trainer.flight_recorder=auto on CPU
 
 
-def launch(models: str, strategies: str, steps: int, entries: str, out: Path) -> list[dict[str, object]]:
+def launch(models: str, strategies: str, steps: int, entries: str, out: Path, warmup: int) -> list[dict[str, object]]:
     """One run of the step section (2 ranks), with the recorder at `entries` ("0": off); its rows."""
     env = {**os.environ, ENV: entries, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node=2"]
     cmd += [str(REPO / "benchmarks" / "overhead.py"), "step", "--models", models, "--strategies", strategies]
-    cmd += ["--rounds", "3", "--steps", str(steps), "--json", str(out), "--set", "trainer.sample_every_n_steps=0"]
+    cmd += ["--rounds", "3", "--steps", str(steps), "--warmup", str(warmup), "--json", str(out)]
+    cmd += ["--set", "trainer.sample_every_n_steps=0"]
     subprocess.run(cmd, env=env, check=True, capture_output=True, cwd=REPO)
     rows: list[dict[str, object]] = json.loads(out.read_text())
     return rows
@@ -70,8 +71,8 @@ def collective_us(number: int = 3000) -> float:
 def one_collective(entries: str) -> float:
     """collective_us() in a fresh process with the recorder at `entries`."""
     env = {**os.environ, ENV: entries, "OMP_NUM_THREADS": "1"}
-    code = "from benchmarks.parts.overhead_flight import collective_us; print(collective_us())"
-    done = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True, cwd=REPO)
+    cmd = [sys.executable, "-m", "benchmarks.parts.overhead_flight"]  # its __main__: collective_us()
+    done = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, cwd=REPO)
     return float(done.stdout.split()[-1])
 
 
@@ -98,10 +99,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=30, help="timed steps per inner round of a launch")
     parser.add_argument("--models", default="mlp-tiny")
     parser.add_argument("--strategies", default="manual:coalesce_mb=0,bucketed,ddp,fsdp")
+    parser.add_argument("--warmup", type=int, default=10, help="the step section's warm-up steps")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 1 round of 3 steps, bucketed")
     args = parser.parse_args(argv)
     if args.quick:
-        args.rounds, args.steps, args.strategies = 1, 3, "bucketed"
+        args.rounds, args.steps, args.warmup, args.strategies = 1, 3, 1, "bucketed"
     per_call: dict[str, list[float]] = {ENTRIES: [], "0": []}
     for r in range(2 * args.rounds):
         for entries in (ENTRIES, "0") if r % 2 == 0 else ("0", ENTRIES):
@@ -118,7 +120,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for entries in (ENTRIES, "0") if r % 2 == 0 else ("0", ENTRIES):
-                rows = launch(args.models, args.strategies, args.steps, entries, Path(tmp) / f"{entries}.json")
+                out = Path(tmp) / f"{entries}.json"
+                rows = launch(args.models, args.strategies, args.steps, entries, out, args.warmup)
                 for row in rows:
                     key = (str(row["model"]), str(row["sync"]))
                     ms.setdefault((*key, entries), []).append(float(str(row["framework_ms"])))
@@ -137,3 +140,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
     step_us, launch_us = rings_us()
     print(f"\nthe lab's rings alone: a step start {step_us:.3f} µs, a launch {launch_us:.3f} µs (best of 5)")
+
+
+if __name__ == "__main__":  # one_collective()'s process
+    print(collective_us())
