@@ -249,8 +249,11 @@ class Trainer:
             with bar, logging_above(bar), profiler:
                 self.train(self.total_steps, bar, profiler)
             final_eval = self.evaluate()
-        except Exception as err:  # a collective that failed: the first rank to fail says which, and who never came
-            self.flight.failed(err)
+        except BaseException as err:  # a collective that failed: the first rank to fail says which, and who never came
+            # torchrun's SIGTERM (a peer died) can land while the failure unwinds: the failure is its context.
+            failure = err.__context__ if isinstance(err, Terminated) and not err.interrupted else err
+            if isinstance(failure, Exception):
+                self.flight.failed(failure)
             raise
         finally:
             self.flight.close()  # no collective of the steps is left to fail: the watcher stops

@@ -84,6 +84,7 @@ class Flight:
         self._store = store
         self._lock = threading.Lock()
         self._snapshot_sent = False
+        self._failed = False
         self._watcher: threading.Thread | None = None
         if store is not None and world_size > 1:
             # A store of its own: a blocked wait on the trainer's would stall every store call of the rank.
@@ -162,15 +163,16 @@ class Flight:
 
         A SIGTERM or Ctrl-C meanwhile waits for the report (torchrun stops the others as soon as one
         rank exits, and one that died first makes it stop this one at once), then stops the rank."""
-        if self._store is None or self.world_size == 1:
+        if self._store is None or self.world_size == 1 or self._failed:
             return
-        began = int(time.time())
-        self._send(error, _frames_of(error))  # whatever the failure: the report may need where this rank was
-        if not _in_a_collective(error):
-            return  # its own error (a crash, a bad value): its peers' collectives fail next, and report
+        self._failed = True  # once: the loop and fit() can both see the same failure
         held: list[int] = []
         previous = {s: signal.signal(s, lambda signum, _: held.append(signum)) for s in STOP_SIGNALS}
+        began = int(time.time())
         try:
+            self._send(error, _frames_of(error))  # whatever the failure: the report may need where this rank was
+            if not _in_a_collective(error):
+                return  # its own error (a crash, a bad value): its peers' collectives fail next, and report
             store = self._store
             first = store.compare_set("hang/first", "", str(self.rank)) == str(self.rank).encode()
             if not first:  # the first rank reports; this one lets it finish before going
