@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.cli import CPU, output, torchrun, train_rows
+from tests.cli import CPU, launch, output, torchrun, train_rows
 from trainer.reliability import hang
 from trainer.tools.hang import main as hang_main
 
@@ -151,6 +151,7 @@ JOBS = {
     if f"{name}-{kind}" not in ("ddp-desync", "ddp-size", "zero3-size")
 }
 JOBS["bucketed-desync"] = (["sync=bucketed"], "desync", 20)  # the issue's case: timeout 20 s, ends within 60 s
+JOBS["bucketed-desync-launcher"] = (["sync=bucketed"], "desync", TIMEOUT)  # through `make train`'s launcher
 JOBS["ddp-desync-refused"] = (["sync=ddp"], "desync", TIMEOUT)
 JOBS["manual-hang-unrecorded"] = (["sync=manual", "trainer.flight_recorder=0"], "hang", TIMEOUT)
 
@@ -176,8 +177,10 @@ def run_job(name: str, tmp: Path) -> dict[str, Any]:
     args += [f"hydra.run.dir={run}"]
     args += ["logger=wandb", "trainer.log_every_n_steps=1"] if name == "bucketed-desync" else ["logger=none"]
     started = time.monotonic()
-    # Fresh interpreters for the issue's case: the report as torchrun itself shows it for real ranks.
-    proc = torchrun(args, tmp, timeout_s=240, fresh=name == "bucketed-desync")
+    if name.endswith("-launcher"):
+        proc = launch(args, tmp, timeout_s=240)
+    else:  # fresh interpreters for the issue's case: the report as torchrun itself shows it for real ranks
+        proc = torchrun(args, tmp, timeout_s=240, fresh=name == "bucketed-desync")
     return {"proc": proc, "out": output(proc), "seconds": time.monotonic() - started, "run": run}
 
 
@@ -218,6 +221,14 @@ def test_a_desync_under_bucketed_ends_within_a_minute_naming_step_bucket_and_ran
     # Nothing else is lost: the rows before the failure, and both W&B runs closed (their files written).
     assert [r["step"] for r in train_rows(job["run"] / "metrics" / "rank0.jsonl")][:2] == [1, 2]
     assert len(list((job["run"] / "wandb").glob("offline-run-*/*.wandb"))) == 2, list(job["run"].rglob("*"))
+
+
+def test_the_launcher_ends_with_the_report(jobs: dict[str, Any]) -> None:
+    """`make train`'s launcher replaces torchrun's failure block with one line; the report follows it."""
+    job = jobs["bucketed-desync-launcher"]
+    last = job["out"].strip().splitlines()[-4:]
+    assert last[0].startswith("launch: rank ") and "exited with code 1" in last[0], job["out"][-2000:]
+    assert last[1:] == report(job), (last, job["out"][-2000:])
 
 
 @pytest.mark.parametrize("name", [n for n in of_kind("desync") if n != "bucketed-desync"])

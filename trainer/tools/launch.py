@@ -13,7 +13,8 @@ this process (torch.distributed.run.run), as `accelerate launch` does, so multi-
   ChildFailedError block becomes one line naming the first rank that failed, and the launcher exits
   with that rank's code (2 bad input, 1 a failure in training, 130 Ctrl-C, 143 SIGTERM), not 1; a
   worker killed by a signal it could not handle (SIGKILL: the OOM killer, `kill -9`) exits 128 + the
-  signal, as a shell reports it (137).
+  signal, as a shell reports it (137). Where that rank's collective failed, the hang report it left in
+  torchrun's error file follows, three lines naming the collective and the rank that never came.
 - Ctrl-C or a SIGTERM sent to the launcher (torchrun passes it on to every worker, which stops after
   its current step and flushes its logs) ends with one line and 128 + the signal (130, 143), not
   torchrun's SignalException traceback and exit 1.
@@ -73,6 +74,15 @@ def _failed(rank: int, code: int) -> str:
             "handler of its own ran, so its logs end where it was killed"
         )
     return f"launch: rank {rank} exited with code {code}: {_meaning(code)}"
+
+
+def _hang_report(message: object) -> str | None:
+    """The hang report the first failed rank left in torchrun's error file (trainer/reliability/flight.py
+    writes it there; the lab writes no other), or None."""
+    if not isinstance(message, dict):
+        return None
+    report = message.get("extraInfo", {}).get("py_callstack")
+    return report if isinstance(report, str) and report.startswith("collective failed") else None
 
 
 def _meaning(code: int) -> str:
@@ -144,6 +154,9 @@ def _launch(torchrun: ModuleType, args: Any) -> int:
     except ChildFailedError as failed:
         rank, failure = failed.get_first_failure()
         print(_failed(rank, failure.exitcode), file=sys.stderr, flush=True)
+        report = _hang_report(failure.message)
+        if report:  # the collective that failed, as the rank that saw it first said it: the job's last lines
+            print(report, file=sys.stderr, flush=True)
         return _exit_code(failure.exitcode)
     except SignalException as stop:
         # torchrun's own handler (SIGINT, SIGTERM, SIGHUP, SIGQUIT) raises this once the workers have
